@@ -1,0 +1,1 @@
+"""The generic pjit trainer for xshard and its built-in tasks."""

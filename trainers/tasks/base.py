@@ -1,0 +1,50 @@
+"""The contract between the generic trainer and a task (model + data).
+
+A task is any object with these members; the trainer knows nothing else about the model.
+Batches are dicts of host-local NumPy arrays whose leading axis is this process's share of the
+global batch. `batches` is a pure function of (seed, step): the batch at step k is the same on
+every run, which is what makes exact resume possible without saving an iterator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+Batch = dict[str, np.ndarray]
+Params = Any
+
+
+class Task(Protocol):
+    """What the trainer needs from a task."""
+
+    #: (regex on the parameter path, PartitionSpec over model axes). First match wins;
+    #: unmatched parameters are replicated. Paths look like "blocks/0/attn/wq".
+    sharding_rules: Sequence[tuple[str, PartitionSpec]]
+
+    def init(self, rng: jax.Array, batch: Batch) -> Params:
+        """Returns freshly initialised params for an example batch."""
+        ...
+
+    def loss(self, params: Params, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict]:
+        """Returns (mean loss over the batch, dict of scalar aux metrics)."""
+        ...
+
+    def batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        start_step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """Yields this process's slice of the global batch for steps start_step, +1, ...
+
+        A finite dataset ends the iterator; the trainer then stops cleanly.
+        """
+        ...

@@ -7,13 +7,14 @@ from xshard.cross_shard import (
     cross_shard,
     reduce_gradients,
 )
-from xshard.slots import get_slot, get_slot_names, inner_state
+from xshard.slots import get_hyperparams, get_slot, get_slot_names, inner_state
 
 __all__ = [
     "CrossShardState",
     "DoubleReductionError",
     "Reduction",
     "cross_shard",
+    "get_hyperparams",
     "get_slot",
     "get_slot_names",
     "inner_state",

@@ -131,7 +131,7 @@ def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
 
 
 def _clip_to_norm(tree: Any, max_norm: float) -> Any:
-    norm = optax.global_norm(tree)
+    norm = optax.tree.norm(tree)
     scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), tree)
 

@@ -98,3 +98,15 @@ def get_slot(state: optax.OptState, name: str) -> Any:
         if field == name and _is_slot(field, value):
             return value
     return None
+
+
+def get_hyperparams(state: optax.OptState) -> dict[str, Any]:
+    """Returns the current hyperparameters of the first `optax.inject_hyperparams` inside.
+
+    With a schedule, ``get_hyperparams(state)["learning_rate"]`` is the rate of the last
+    update. Returns an empty dict when no inner transform injects hyperparameters.
+    """
+    for field, value in _named_fields(inner_state(state)):
+        if field == "hyperparams" and isinstance(value, dict):
+            return value
+    return {}

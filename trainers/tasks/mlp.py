@@ -1,0 +1,226 @@
+"""task=mlp: teacher-student regression with a small MLP, in pure JAX. Fast; used by most tests.
+
+A fixed random teacher MLP (drawn from `teacher_seed`) maps x ~ N(0, I) to y; the student MLP
+is trained on the mean squared error. Data is synthetic and a pure function of (seed, step).
+
+Params: `{"layers": [{"w": (fan_in, fan_out), "b": (fan_out,)}, ...]}`, i.e. paths
+"layers/0/w", "layers/0/b", ... Over a `model` mesh axis the hidden layers are column-parallel
+and the output layer row-parallel; on a mesh without `model` everything is replicated.
+
+Reliability-test hooks: `nan_at_step` puts a NaN in row 0 of the global batch at that step
+(so exactly one data shard sees a non-finite gradient); `num_examples` makes the data finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from trainers.tasks.base import Batch, Params
+from trainers.tasks.sharding import process_batches
+
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": jax.nn.gelu,
+    "tanh": jnp.tanh,
+    "relu": jax.nn.relu,
+}
+
+
+def _teacher(
+    seed: int, in_dim: int, hidden: Sequence[int], out_dim: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Draws the teacher's (w, b) layers in NumPy; scaled so that y has roughly unit variance."""
+    rng = np.random.default_rng(seed)
+    dims = [in_dim, *hidden, out_dim]
+    return [
+        (rng.standard_normal((a, b)) / np.sqrt(a), 0.1 * rng.standard_normal(b))
+        for a, b in zip(dims[:-1], dims[1:])
+    ]
+
+
+def _teacher_apply(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
+    """The teacher's forward pass (tanh hidden layers), in float64 NumPy."""
+    h = x
+    for i, (w, b) in enumerate(layers):
+        h = h @ w + b
+        if i < len(layers) - 1:
+            h = np.tanh(h) * 1.6  # ~unit-variance activations
+    return h
+
+
+class MLPTask:
+    """Teacher-student MLP regression.
+
+    Args:
+      in_dim: input dimension (x ~ N(0, I)).
+      hidden: hidden sizes of the student MLP.
+      out_dim: output dimension.
+      activation: the student's activation, one of "gelu", "tanh", "relu".
+      teacher_hidden: hidden sizes of the teacher MLP (tanh activations).
+      teacher_seed: seed of the teacher's weights (fixed, independent of the run seed).
+      noise_std: standard deviation of Gaussian noise added to the targets.
+      nan_at_step: if set, at this step x has a NaN in row 0 of the global batch.
+      num_examples: if set, the dataset is finite: `num_examples // global_batch_size` steps.
+      name: the task's name (for logging; not used otherwise).
+    """
+
+    def __init__(
+        self,
+        in_dim: int = 16,
+        hidden: Sequence[int] = (64, 64),
+        out_dim: int = 4,
+        activation: str = "gelu",
+        teacher_hidden: Sequence[int] = (32,),
+        teacher_seed: int = 1234,
+        noise_std: float = 0.0,
+        nan_at_step: int | None = None,
+        num_examples: int | None = None,
+        name: str = "mlp",
+    ):
+        if activation not in ACTIVATIONS:
+            raise ValueError(
+                f"task.activation={activation!r} is not supported; allowed: {sorted(ACTIVATIONS)}"
+            )
+        if num_examples is not None and num_examples <= 0:
+            raise ValueError(f"task.num_examples must be positive or null, got {num_examples}")
+        self.in_dim = int(in_dim)
+        self.hidden = tuple(int(h) for h in hidden)
+        self.out_dim = int(out_dim)
+        self.activation = activation
+        self.teacher_hidden = tuple(int(h) for h in teacher_hidden)
+        self.teacher_seed = int(teacher_seed)
+        self.noise_std = float(noise_std)
+        self.nan_at_step = None if nan_at_step is None else int(nan_at_step)
+        self.num_examples = None if num_examples is None else int(num_examples)
+        self.name = name
+        self._teacher_layers = _teacher(
+            self.teacher_seed, self.in_dim, self.teacher_hidden, self.out_dim
+        )
+        # Megatron-style over `model`: hidden layers column-parallel, output layer row-parallel.
+        n = len(self.hidden)
+        self.sharding_rules: list[tuple[str, P]] = [
+            (rf"layers/{n}/w", P("model", None)),
+            (r"layers/\d+/w", P(None, "model")),
+            (rf"layers/{n}/b", P()),
+            (r"layers/\d+/b", P("model")),
+        ]
+
+    # ---------------------------------------------------------------------------------------
+    # Model.
+    # ---------------------------------------------------------------------------------------
+
+    def init(self, rng: jax.Array, batch: Batch) -> Params:
+        """Returns LeCun-normal weights and zero biases.
+
+        Args:
+          rng: a PRNG key.
+          batch: an example batch; only the shape of `batch["x"]` is checked.
+
+        Returns:
+          `{"layers": [{"w": ..., "b": ...}, ...]}` in float32.
+        """
+        if np.shape(batch["x"])[-1] != self.in_dim:
+            raise ValueError(
+                f"batch x has shape {np.shape(batch['x'])}, expected last dim task.in_dim="
+                f"{self.in_dim}"
+            )
+        dims = [self.in_dim, *self.hidden, self.out_dim]
+        keys = jax.random.split(rng, len(dims) - 1)
+        layers = [
+            {
+                "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+                "b": jnp.zeros((b,), jnp.float32),
+            }
+            for k, a, b in zip(keys, dims[:-1], dims[1:])
+        ]
+        return {"layers": layers}
+
+    def apply(self, params: Params, x: jax.Array) -> jax.Array:
+        """The student's forward pass: x (batch, in_dim) -> (batch, out_dim)."""
+        act = ACTIVATIONS[self.activation]
+        layers = params["layers"]
+        h = x
+        for i, layer in enumerate(layers):
+            h = h @ layer["w"] + layer["b"]
+            if i < len(layers) - 1:
+                h = act(h)
+        return h
+
+    def loss(self, params: Params, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean squared error over the batch and output dims.
+
+        Args:
+          params: the student's params.
+          batch: `{"x": (n, in_dim), "y": (n, out_dim)}`.
+          rng: unused (the model is deterministic).
+
+        Returns:
+          (mse, {"mse": mse}).
+        """
+        del rng
+        mse = jnp.mean(jnp.square(self.apply(params, batch["x"]) - batch["y"]))
+        return mse, {"mse": mse}
+
+    # ---------------------------------------------------------------------------------------
+    # Data.
+    # ---------------------------------------------------------------------------------------
+
+    def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
+        """The whole global batch at `step`: a pure function of (seed, step).
+
+        Args:
+          global_batch_size: rows.
+          seed: the data seed.
+          step: the training step.
+
+        Returns:
+          `{"x": float32 (n, in_dim), "y": float32 (n, out_dim)}`.
+        """
+        rng = np.random.default_rng([seed, step])
+        x = rng.standard_normal((global_batch_size, self.in_dim))
+        y = _teacher_apply(self._teacher_layers, x)
+        if self.noise_std:
+            y = y + self.noise_std * rng.standard_normal(y.shape)
+        x = x.astype(np.float32)
+        if self.nan_at_step is not None and step == self.nan_at_step:
+            x[0, 0] = np.nan
+        return {"x": x, "y": y.astype(np.float32)}
+
+    def batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        start_step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """Yields this process's rows of the global batch for steps start_step, +1, ...
+
+        Args:
+          global_batch_size: rows of the global batch; divisible by `process_count`.
+          seed: the data seed.
+          start_step: the first step (for exact resume).
+          process_index: this process.
+          process_count: number of processes.
+
+        Returns:
+          An iterator of `{"x", "y"}` batches with `global_batch_size // process_count` rows;
+          finite (`num_examples // global_batch_size` steps in all) if `num_examples` is set.
+        """
+        num_steps = None
+        if self.num_examples is not None:
+            num_steps = self.num_examples // global_batch_size
+        return process_batches(
+            lambda step: self.global_batch(global_batch_size, seed=seed, step=step),
+            global_batch_size,
+            start_step=start_step,
+            process_index=process_index,
+            process_count=process_count,
+            num_steps=num_steps,
+        )

@@ -1,0 +1,333 @@
+"""task=tiny_gpt: a small byte-level decoder-only transformer in pure JAX.
+
+Token + learned positional embeddings, `n_layers` pre-LayerNorm blocks (causal multi-head
+self-attention, GELU MLP), a final LayerNorm and a tied (or untied) output projection, trained
+on next-byte prediction over the stdlib-docstring corpus (`trainers.tasks.corpus`).
+
+Param paths (LayerNorm params are named "scale"/"bias" so weight-decay masks can skip them):
+
+    embed/tokens (vocab, d)      embed/positions (seq_len, d)
+    blocks/<i>/ln1/{scale,bias}  blocks/<i>/attn/{wq,wk,wv,wo} (d, d)
+    blocks/<i>/ln2/{scale,bias}  blocks/<i>/mlp/{w1 (d, ff), b1 (ff), w2 (ff, d), b2 (d)}
+    ln_f/{scale,bias}            head/w (d, vocab)  [only if tie_embeddings is false]
+
+Sharding over a `model` axis is Megatron-style: q/k/v and w1 split by columns (heads / hidden
+units), wo and w2 by rows, so each block needs one reduction after attention and one after the
+MLP; embeddings are split along d_model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from trainers.tasks import corpus
+from trainers.tasks.base import Batch, Params
+from trainers.tasks.sharding import process_batches
+
+
+#: Megatron-style rules over the `model` axis (dropped on meshes without it).
+SHARDING_RULES: tuple[tuple[str, P], ...] = (
+    (r"blocks/\d+/attn/w[qkv]", P(None, "model")),
+    (r"blocks/\d+/attn/wo", P("model", None)),
+    (r"blocks/\d+/mlp/w1", P(None, "model")),
+    (r"blocks/\d+/mlp/b1", P("model")),
+    (r"blocks/\d+/mlp/w2", P("model", None)),
+    (r"embed/(tokens|positions)", P(None, "model")),
+    (r"head/w", P(None, "model")),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers (pure functions of params).
+# --------------------------------------------------------------------------------------------
+
+
+def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
+    """LayerNorm over the last axis with params `scale` and `bias`."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def causal_attention(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
+    """Causal multi-head self-attention: x (b, t, d) -> (b, t, d)."""
+    b, t, d = x.shape
+    split = lambda y: y.reshape(b, t, n_heads, d // n_heads)  # noqa: E731
+    q, k, v = split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"])
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // n_heads)
+    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d)
+    return out @ p["wo"]
+
+
+def mlp(p: Params, x: jax.Array) -> jax.Array:
+    """The GELU MLP of a block: x (..., d) -> (..., d)."""
+    return jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def block(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
+    """One pre-LN transformer block."""
+    x = x + causal_attention(p["attn"], layer_norm(p["ln1"], x), n_heads)
+    return x + mlp(p["mlp"], layer_norm(p["ln2"], x))
+
+
+# --------------------------------------------------------------------------------------------
+# The task.
+# --------------------------------------------------------------------------------------------
+
+
+class TinyGPTTask:
+    """Next-byte prediction with a small decoder-only transformer.
+
+    Args:
+      vocab_size: number of token ids; byte-level, so >= 128 (the corpus is ASCII).
+      d_model: width of the residual stream.
+      n_heads: attention heads; must divide `d_model`.
+      n_layers: transformer blocks.
+      d_ff: hidden units of the MLPs.
+      seq_len: tokens per training sequence (also the size of the positional table).
+      tie_embeddings: if true, the output projection is the transposed token embedding.
+      init_std: standard deviation of the normal weight init (GPT-2: 0.02); the residual
+        output projections (wo, w2) are further scaled by 1 / sqrt(2 * n_layers).
+      corpus_max_chars: cap on the corpus size in characters.
+      name: the task's name (for logging; not used otherwise).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        d_model: int = 64,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        d_ff: int = 256,
+        seq_len: int = 64,
+        tie_embeddings: bool = True,
+        init_std: float = 0.02,
+        corpus_max_chars: int = corpus.DEFAULT_MAX_CHARS,
+        name: str = "tiny_gpt",
+    ):
+        if vocab_size < 128:
+            raise ValueError(f"task.vocab_size={vocab_size} must be >= 128 (ASCII byte tokens)")
+        if d_model % n_heads:
+            raise ValueError(f"task.d_model={d_model} is not divisible by task.n_heads={n_heads}")
+        self.vocab_size = int(vocab_size)
+        self.d_model = int(d_model)
+        self.n_heads = int(n_heads)
+        self.n_layers = int(n_layers)
+        self.d_ff = int(d_ff)
+        self.seq_len = int(seq_len)
+        self.tie_embeddings = bool(tie_embeddings)
+        self.init_std = float(init_std)
+        self.corpus_max_chars = int(corpus_max_chars)
+        self.name = name
+        self.sharding_rules: list[tuple[str, P]] = list(SHARDING_RULES)
+        if len(self.tokens) < self.seq_len + 2:
+            raise ValueError(
+                f"corpus has {len(self.tokens)} tokens, too few for task.seq_len={seq_len}"
+            )
+        self._sample_step = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The corpus as uint8 byte tokens (cached per process)."""
+        return corpus.corpus_tokens(self.corpus_max_chars)
+
+    # ---------------------------------------------------------------------------------------
+    # Model.
+    # ---------------------------------------------------------------------------------------
+
+    def init(self, rng: jax.Array, batch: Batch) -> Params:
+        """Returns freshly initialised params (float32).
+
+        Args:
+          rng: a PRNG key.
+          batch: an example batch; `batch["inputs"]` must have at most `seq_len` columns.
+
+        Returns:
+          The nested param dict described in the module docstring.
+        """
+        if np.shape(batch["inputs"])[-1] > self.seq_len:
+            raise ValueError(
+                f"batch inputs have shape {np.shape(batch['inputs'])}, longer than "
+                f"task.seq_len={self.seq_len}"
+            )
+        d, ff, std = self.d_model, self.d_ff, self.init_std
+        out_std = std / math.sqrt(2 * self.n_layers)
+        keys = iter(jax.random.split(rng, 3 + 6 * self.n_layers))
+        normal = lambda shape, s=std: s * jax.random.normal(next(keys), shape)  # noqa: E731
+        ln = lambda: {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))}  # noqa: E731
+        params: Params = {
+            "embed": {
+                "tokens": normal((self.vocab_size, d)),
+                "positions": normal((self.seq_len, d)),
+            },
+            "blocks": [
+                {
+                    "ln1": ln(),
+                    "attn": {
+                        "wq": normal((d, d)),
+                        "wk": normal((d, d)),
+                        "wv": normal((d, d)),
+                        "wo": normal((d, d), out_std),
+                    },
+                    "ln2": ln(),
+                    "mlp": {
+                        "w1": normal((d, ff)),
+                        "b1": jnp.zeros((ff,)),
+                        "w2": normal((ff, d), out_std),
+                        "b2": jnp.zeros((d,)),
+                    },
+                }
+                for _ in range(self.n_layers)
+            ],
+            "ln_f": ln(),
+        }
+        if not self.tie_embeddings:
+            params["head"] = {"w": normal((d, self.vocab_size))}
+        return params
+
+    def apply(self, params: Params, inputs: jax.Array) -> jax.Array:
+        """Returns next-token logits.
+
+        Args:
+          params: the model's params.
+          inputs: int tokens of shape (batch, t), t <= seq_len.
+
+        Returns:
+          float32 logits of shape (batch, t, vocab_size).
+        """
+        t = inputs.shape[-1]
+        x = params["embed"]["tokens"][inputs] + params["embed"]["positions"][:t]
+        for p in params["blocks"]:
+            x = block(p, x, self.n_heads)
+        x = layer_norm(params["ln_f"], x)
+        if self.tie_embeddings:
+            return x @ params["embed"]["tokens"].T
+        return x @ params["head"]["w"]
+
+    def loss(self, params: Params, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean next-token cross-entropy over all positions of the batch.
+
+        Args:
+          params: the model's params.
+          batch: `{"inputs": int32 (n, t), "targets": int32 (n, t)}`.
+          rng: unused (no dropout).
+
+        Returns:
+          (mean cross-entropy in nats, {"accuracy": token accuracy}).
+        """
+        del rng
+        logits = self.apply(params, batch["inputs"])
+        targets = batch["targets"]
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
+        return jnp.mean(nll), {"accuracy": accuracy}
+
+    # ---------------------------------------------------------------------------------------
+    # Data.
+    # ---------------------------------------------------------------------------------------
+
+    def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
+        """The whole global batch at `step`: random corpus windows, a pure function of (seed, step).
+
+        Args:
+          global_batch_size: rows.
+          seed: the data seed.
+          step: the training step.
+
+        Returns:
+          `{"inputs": int32 (n, seq_len), "targets": int32 (n, seq_len)}`, targets being the
+          inputs shifted by one token.
+        """
+        tokens = self.tokens
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(tokens) - self.seq_len, size=global_batch_size)
+        windows = tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+    def batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        start_step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """Yields this process's rows of the global batch for steps start_step, +1, ... (endless).
+
+        Args:
+          global_batch_size: rows of the global batch; divisible by `process_count`.
+          seed: the data seed.
+          start_step: the first step (for exact resume).
+          process_index: this process.
+          process_count: number of processes.
+
+        Returns:
+          An endless iterator of `{"inputs", "targets"}` batches with
+          `global_batch_size // process_count` rows.
+        """
+        return process_batches(
+            lambda step: self.global_batch(global_batch_size, seed=seed, step=step),
+            global_batch_size,
+            start_step=start_step,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # Demo.
+    # ---------------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        params: Params,
+        prompt: str,
+        n: int,
+        *,
+        rng: jax.Array | None = None,
+        temperature: float = 1.0,
+    ) -> str:
+        """Continues `prompt` by `n` sampled characters (greedy if `rng` is None).
+
+        Recomputes the full window for every token (no KV cache): fine for a short demo.
+
+        Args:
+          params: the model's params.
+          prompt: text to continue (normalised to ASCII; may be empty).
+          n: number of characters to generate.
+          rng: PRNG key for sampling; None decodes greedily.
+          temperature: softmax temperature when sampling.
+
+        Returns:
+          The `n` generated characters (without the prompt).
+        """
+        if self._sample_step is None:
+            self._sample_step = jax.jit(self._next_token)
+        context = list(corpus.encode(prompt)) or [ord("\n")]
+        out = []
+        for i in range(n):
+            window = context[-self.seq_len :]
+            buf = np.zeros((1, self.seq_len), np.int32)
+            buf[0, : len(window)] = window
+            key = jax.random.fold_in(rng, i) if rng is not None else None
+            token = int(self._sample_step(params, buf, len(window), key, temperature))
+            context.append(token)
+            out.append(token)
+        return corpus.decode(out)
+
+    def _next_token(self, params, buf, length, key, temperature):
+        """The next token after `buf[0, :length]` (causal, so the padding does not matter)."""
+        logits = self.apply(params, buf)[0, length - 1]
+        if key is None:
+            return jnp.argmax(logits)
+        return jax.random.categorical(key, logits / temperature)

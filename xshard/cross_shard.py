@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xshard.stats import GradSummary, summarize
+
 logger = logging.getLogger(__name__)
 
 AxisNames = str | Sequence[str]
@@ -68,6 +70,7 @@ class CrossShardState(NamedTuple):
     inner_state: optax.OptState
     skipped_steps: jax.Array  # int32: steps skipped because the reduced gradient was not finite
     consecutive_skipped: jax.Array  # int32: skipped steps in a row, reset by a finite step
+    reduced: GradSummary  # norm, max |g| and non-finite count of the last reduced gradient
 
 
 class DoubleReductionError(ValueError):
@@ -185,13 +188,6 @@ def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
     return n
 
 
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
 def reduce_gradients(
     grads: Any,
     reduction: Reduction | str = Reduction.MEAN,
@@ -247,6 +243,7 @@ def cross_shard(
     comm_dtype: Any = None,
     skip_nonfinite: bool = False,
     num_shards: int | None = None,
+    track_stats: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     """Wraps `inner` so that gradients are reduced across data-parallel shards first.
 
@@ -261,6 +258,8 @@ def cross_shard(
       skip_nonfinite: if the reduced gradient has a NaN/Inf, leave params and inner state
         unchanged on every shard (zero updates) and count the step in the state.
       num_shards: shard count for SUM outside shard_map when no mesh is in context.
+      track_stats: record the norm, max |g| and non-finite count of the reduced gradient in
+        ``state.reduced`` (`xshard.stats.GradSummary`), for logging without a second pass.
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keyword
@@ -281,9 +280,12 @@ def cross_shard(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        # Two distinct buffers: a donated state must not alias one array twice.
+        # Distinct buffers: a donated state must not alias one array twice.
         return CrossShardState(
-            inner.init(params), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+            inner.init(params),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
+            GradSummary(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)),
         )
 
     def update_fn(updates, state, params=None, *, shard_weight=None, **extra_args):
@@ -296,19 +298,21 @@ def cross_shard(
             shard_weight=shard_weight,
             num_shards=num_shards,
         )
+        summary = summarize(reduced) if (track_stats or skip_nonfinite) else state.reduced
         new_updates, new_inner = inner.update(reduced, state.inner_state, params, **extra_args)
         if not skip_nonfinite:
-            return new_updates, state._replace(inner_state=new_inner)
-        finite = _all_finite(reduced)
+            return new_updates, state._replace(inner_state=new_inner, reduced=summary)
+        # The reduced gradient is identical on every shard, so every shard decides alike.
+        finite = summary.nonfinite == 0
         new_updates = optax.tree_utils.tree_where(
             finite, new_updates, jax.tree.map(jnp.zeros_like, new_updates)
         )
         new_inner = optax.tree_utils.tree_where(finite, new_inner, state.inner_state)
-        skipped = jnp.where(finite, 0, 1).astype(jnp.int32)
         return new_updates, CrossShardState(
             new_inner,
-            state.skipped_steps + skipped,
+            state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32),
             jnp.where(finite, 0, state.consecutive_skipped + 1).astype(jnp.int32),
+            summary,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -63,20 +63,25 @@ def _is_slot(name: str, value: Any) -> bool:
     return not (len(leaves) == 1 and value is leaves[0] and getattr(value, "ndim", 0) == 0)
 
 
+def cross_shard_state(state: optax.OptState) -> CrossShardState:
+    """Returns the first `cross_shard` state in `state` (itself, or inside a chain).
+
+    Raises:
+      ValueError: if `state` holds no `cross_shard` state.
+    """
+    for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CrossShardState)):
+        if isinstance(x, CrossShardState):
+            return x
+    raise ValueError(f"No cross_shard state found in a {type(state).__name__}.")
+
+
 def inner_state(state: optax.OptState) -> optax.OptState:
     """Returns the inner optimizer's state from a `cross_shard` state (or a tree holding one).
 
     Raises:
       ValueError: if `state` holds no `cross_shard` state.
     """
-    found = [
-        x
-        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CrossShardState))
-        if isinstance(x, CrossShardState)
-    ]
-    if not found:
-        raise ValueError(f"No cross_shard state found in a {type(state).__name__}.")
-    return found[0].inner_state
+    return cross_shard_state(state).inner_state
 
 
 def get_slot_names(state: optax.OptState) -> list[str]:

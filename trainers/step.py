@@ -1,0 +1,199 @@
+"""The train step: gradients (per shard or GSPMD), microbatch accumulation, update, statistics.
+
+Two ways to get the gradient, one result:
+
+* ``manual`` (default): ``jax.shard_map`` is manual over the data-parallel axes and automatic
+  over the model axes. Params are cast to varying, so ``jax.grad`` gives each shard's own
+  gradient; per-shard statistics are taken; the cross-shard optimizer reduces.
+* ``gspmd``: ``jax.grad`` of the global-mean loss under plain ``jit``; the compiler inserts the
+  reduction, and the cross-shard optimizer sees an already reduced gradient (MEAN = identity).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from xshard import Reduction
+from xshard.slots import cross_shard_state, get_hyperparams
+from xshard.stats import layer_norms, histogram, noise_scale, shard_norm_stats, tree_norm
+
+GRAD_IMPLS = ("manual", "gspmd")
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training. The RNG is a pure function of (seed, step)."""
+
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any
+    opt_state: optax.OptState
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Static description of the step (hashable; changing it means a new compilation)."""
+
+    data_axes: tuple[str, ...]
+    num_data_shards: int
+    global_batch_size: int
+    microbatches: int = 1
+    grad_impl: str = "manual"
+    reduction: Reduction = Reduction.MEAN
+    seed: int = 0
+
+
+def step_rng(seed: int, step: jax.Array) -> jax.Array:
+    """The step's RNG key: a pure function of (seed, step), so a resumed run draws the same."""
+    return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def _split_microbatches(batch: Any, k: int) -> Any:
+    """(b, ...) -> (k, b // k, ...): microbatch j holds rows j, j + k, j + 2k, ..."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
+def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, k: int):
+    """Mean loss, mean aux and mean gradient over `k` microbatches of `batch`.
+
+    Gradients accumulate in float32 across a `lax.scan` and are cast back to the params'
+    dtypes once at the end; nothing is reduced across shards here.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if k == 1:
+        (loss, aux), grads = grad_fn(params, batch, rng)
+        return loss, aux, grads
+
+    def body(acc, xs):
+        mb, i = xs
+        (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+        return acc, (loss, aux)
+
+    acc0 = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    acc, (losses, auxes) = jax.lax.scan(body, acc0, (_split_microbatches(batch, k), jnp.arange(k)))
+    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
+    return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads
+
+
+def _optimizer_metrics(old_params, new_params, updates, opt_state) -> dict[str, jax.Array]:
+    cs = cross_shard_state(opt_state)
+    param_norm = tree_norm(old_params)
+    update_norm = tree_norm(updates)
+    metrics = {
+        "grad/global_norm": cs.reduced.norm,
+        "grad/max_abs": cs.reduced.max_abs,
+        "grad/nonfinite": cs.reduced.nonfinite,
+        "train/skipped_steps": cs.skipped_steps,
+        "train/consecutive_skipped": cs.consecutive_skipped,
+        "optim/update_norm": update_norm,
+        "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
+        "params/global_norm": tree_norm(new_params),
+    }
+    lr = get_hyperparams(opt_state).get("learning_rate")
+    if lr is not None:
+        metrics["optim/learning_rate"] = jnp.asarray(lr, jnp.float32)
+    return metrics
+
+
+def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.Array]:
+    stats = shard_norm_stats(local_grads, spec.data_axes)
+    metrics = {f"grad/{k}": v for k, v in stats.items() if k != "shard_sq_norm_mean"}
+    n = spec.num_data_shards
+    if n > 1:
+        mean_norm = reduced_norm / (n if spec.reduction is Reduction.SUM else 1)
+        noise = noise_scale(
+            stats["shard_sq_norm_mean"],
+            jnp.square(mean_norm),
+            spec.global_batch_size // n,
+            spec.global_batch_size,
+        )
+        metrics.update({f"grad/{k}": v for k, v in noise.items()})
+    return metrics
+
+
+def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
+    """Returns ``step(state, batch) -> (state, metrics)``, to be jitted by the caller."""
+    if spec.grad_impl not in GRAD_IMPLS:
+        raise ValueError(f"trainer.grad_impl={spec.grad_impl!r} is not one of {GRAD_IMPLS}.")
+    axes = spec.data_axes
+
+    def apply(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        return new_params, opt_state, _optimizer_metrics(params, new_params, updates, opt_state)
+
+    def manual(state: TrainState, batch):
+        def per_shard(params, opt_state, batch, rng):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+            local = jax.lax.pcast(params, axes, to="varying")
+            loss, aux, grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
+            new_params, opt_state, metrics = apply(params, opt_state, grads)
+            metrics.update(_shard_metrics(grads, metrics["grad/global_norm"], spec))
+            metrics["train/loss"] = jax.lax.pmean(loss, axes)
+            metrics.update({f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()})
+            return new_params, opt_state, metrics
+
+        params, opt_state, metrics = jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(P(), P(), P(axes), P()),
+            out_specs=(P(), P(), P()),
+            axis_names=set(axes),
+        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step))
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    def gspmd(state: TrainState, batch):
+        rng = step_rng(spec.seed, state.step)
+        loss, aux, grads = loss_and_grads(task.loss, state.params, batch, rng, spec.microbatches)
+        params, opt_state, metrics = apply(state.params, state.opt_state, grads)
+        metrics["train/loss"] = loss
+        metrics.update({f"train/{k}": v for k, v in aux.items()})
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return manual if spec.grad_impl == "manual" else gspmd
+
+
+def make_diagnostics(task: Any, mesh: Mesh, spec: StepSpec, *, histograms: bool):
+    """Returns ``diag(state, batch) -> dict``: per-parameter norms (and gradient histograms).
+
+    Run on the few steps that log them, before the step itself, on the same batch. The
+    gradient here is that of the global-mean loss (the MEAN over shards).
+    """
+
+    def mean_grads(params, batch, rng):
+        if spec.grad_impl == "gspmd":
+            return loss_and_grads(task.loss, params, batch, rng, spec.microbatches)[2]
+
+        def per_shard(params, batch, rng):
+            local = jax.lax.pcast(params, spec.data_axes, to="varying")
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(spec.data_axes))
+            grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)[2]
+            return jax.lax.pmean(grads, spec.data_axes)
+
+        return jax.shard_map(
+            per_shard,
+            mesh=mesh,
+            in_specs=(P(), P(spec.data_axes), P()),
+            out_specs=P(),
+            axis_names=set(spec.data_axes),
+        )(params, batch, rng)
+
+    def diag(state: TrainState, batch) -> dict[str, Any]:
+        grads = mean_grads(state.params, batch, step_rng(spec.seed, state.step))
+        out: dict[str, Any] = {
+            "grad_norms": layer_norms(grads),
+            "param_norms": layer_norms(state.params),
+        }
+        if histograms:
+            out["grad_hist"] = {
+                k: histogram(g) for k, g in zip(layer_norms(grads), jax.tree.leaves(grads))
+            }
+        return out
+
+    return diag

@@ -1,0 +1,270 @@
+"""The generic pjit trainer: `init` / `step` / `fit`, over any task and any cross-shard optimizer.
+
+Read top to bottom: placement of params and batches on the mesh, the compiled step, then the
+loop. The loop keeps at most two steps in flight: it dispatches step k, then waits for the
+metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
+with dozens of steps in flight, see DESIGN.md), gives lag-one logging without stalls, and
+lets every step's loss be checked on the host.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from trainers.step import StepSpec, TrainState, make_diagnostics, make_train_step
+from trainers.tasks.sharding import param_specs
+from xshard import Reduction
+
+logger = logging.getLogger(__name__)
+
+
+class Hook:
+    """Receives host-side values from `Trainer.fit`; override what you need.
+
+    Any hook may raise `StopTraining` to end the run cleanly, or another exception to abort it
+    (then every hook's `on_end` sees reason "error").
+    """
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics of step `step` (1-based count of updates), delivered one step late."""
+
+    def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
+        """Per-parameter norms / gradient histograms computed at step `step`."""
+
+    def wants_state(self, step: int) -> bool:
+        """Whether `on_state` should see the state right after step `step`."""
+        return False
+
+    def on_state(self, step: int, state: TrainState) -> None:
+        """The state after step `step`, whose metrics every hook has already seen."""
+
+    def on_end(self, step: int, state: TrainState, reason: str) -> None:
+        """Once, when the loop ends: "done", "data_exhausted", "stopped" or "error"."""
+
+
+class StopTraining(Exception):
+    """Raised by a hook or the stop flag to end `fit` cleanly after the current step."""
+
+
+class Trainer:
+    """Trains `task` with the cross-shard optimizer `tx` on `mesh`.
+
+    Args:
+      task: a `trainers.tasks.base.Task`.
+      tx: the optimizer, normally from `xshard.build_optimizer` (a `cross_shard` wrapper).
+      mesh: the device mesh.
+      data_axes: the data-parallel mesh axes (the batch is split and gradients reduced over
+        them); other axes are model axes, used by the task's sharding rules.
+      global_batch_size: examples per step over all shards.
+      microbatches: gradient accumulation steps per update.
+      grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd".
+      reduction: the optimizer's reduction (for the noise-scale statistics).
+      seed: the run's seed (step RNGs are derived from it and the step).
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        data_axes: Sequence[str] = ("data",),
+        global_batch_size: int,
+        microbatches: int = 1,
+        grad_impl: str = "manual",
+        reduction: Reduction | str = Reduction.MEAN,
+        seed: int = 0,
+    ):
+        self.task, self.tx, self.mesh = task, tx, mesh
+        data_axes = tuple(data_axes)
+        missing = [a for a in data_axes if a not in mesh.shape]
+        if missing:
+            raise ValueError(f"data axes {missing} are not axes of the mesh {dict(mesh.shape)}.")
+        n = int(np.prod([mesh.shape[a] for a in data_axes]))
+        if global_batch_size % n:
+            raise ValueError(
+                f"trainer.batch_size={global_batch_size} is not divisible by the data-parallel "
+                f"size {n} (mesh axes {data_axes}); use a multiple of {n}."
+            )
+        if microbatches < 1 or (global_batch_size // n) % microbatches:
+            raise ValueError(
+                f"trainer.microbatches={microbatches} must be >= 1 and divide the per-shard "
+                f"batch {global_batch_size // n} (trainer.batch_size={global_batch_size} over "
+                f"{n} data shards)."
+            )
+        self.spec = StepSpec(
+            data_axes=data_axes,
+            num_data_shards=n,
+            global_batch_size=global_batch_size,
+            microbatches=microbatches,
+            grad_impl=grad_impl,
+            reduction=Reduction.parse(reduction, key="reduction.mode"),
+            seed=seed,
+        )
+        self.batch_sharding = NamedSharding(mesh, P(data_axes))
+        self._step_fn = make_train_step(task, tx, mesh, self.spec)
+        self._compiled = None
+        self._diag: dict[bool, Any] = {}
+        self.compile_seconds: float | None = None
+        self._report_compile = False
+
+    # ------------------------------------------------------------------ placement
+
+    def param_shardings(self, params: Any) -> Any:
+        """NamedShardings of `params` from the task's sharding rules (replicated over data)."""
+        specs = param_specs(params, self.task.sharding_rules, self.mesh.axis_names, dict(self.mesh.shape))
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+
+    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
+        """Initialises the task's params from the seed, placed with their shardings."""
+        example = jax.tree.map(lambda x: x[:1], first_batch)
+        rng = jax.random.fold_in(jax.random.key(self.spec.seed), -1 & 0x7FFFFFFF)
+        shapes = jax.eval_shape(self.task.init, rng, example)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(self.task.init, out_shardings=self.param_shardings(shapes))(rng, example)
+
+    def init(self, params: Any) -> TrainState:
+        """Returns the initial `TrainState` for `params` (placed on the mesh)."""
+        params = jax.device_put(params, self.param_shardings(params))
+        with jax.set_mesh(self.mesh):
+            opt_state = jax.jit(self.tx.init)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        return TrainState(step, params, opt_state)
+
+    def state_shardings(self, state: TrainState) -> Any:
+        """The shardings every `TrainState` of this run has (what the step keeps)."""
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local NumPy arrays -> global arrays sharded over the data axes."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local_batch,
+        )
+
+    # --------------------------------------------------------------------- step
+
+    def _compile(self, state: TrainState, batch: dict[str, jax.Array]):
+        shardings = self.state_shardings(state)
+        jitted = jax.jit(
+            self._step_fn,
+            in_shardings=(shardings, self.batch_sharding),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            self._compiled = jitted.lower(state, batch).compile()
+        self.compile_seconds = time.perf_counter() - start
+        self._report_compile = True
+        logger.info("Compiled the train step in %.2f s.", self.compile_seconds)
+
+    def step(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
+
+        The step is compiled ahead of time on the first call; later calls reuse that
+        executable (a batch of another shape is an error, never a silent recompilation).
+        """
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        if self._compiled is None:
+            self._compile(state, batch)
+        return self._compiled(state, batch)
+
+    def diagnostics(self, state: TrainState, batch: dict[str, Any], *, histograms: bool) -> dict:
+        """Per-parameter gradient/param norms (and gradient histograms) at `state` on `batch`."""
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        if histograms not in self._diag:
+            self._diag[histograms] = jax.jit(
+                make_diagnostics(self.task, self.mesh, self.spec, histograms=histograms)
+            )
+        with jax.set_mesh(self.mesh):
+            return self._diag[histograms](state, batch)
+
+    # --------------------------------------------------------------------- loop
+
+    def fit(
+        self,
+        state: TrainState,
+        batches: Iterable[dict[str, np.ndarray]],
+        *,
+        num_steps: int,
+        hooks: Sequence[Hook] = (),
+        layer_stats_every: int = 0,
+        histogram_every: int = 0,
+        should_stop=lambda: False,
+    ) -> tuple[TrainState, str]:
+        """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
+
+        Args:
+          state: the state to start from (its `step` says where; batches must start there).
+          batches: host-local batches for steps state.step, state.step + 1, ...
+          num_steps: the total number of updates of the run (not the number left).
+          hooks: receive each step's metrics one step late, diagnostics, and the end.
+          layer_stats_every / histogram_every: diagnostics period in steps (0 = never).
+          should_stop: polled after every step; True ends the run cleanly ("stopped").
+
+        Returns:
+          (final state, reason the loop ended).
+        """
+        step = int(jax.device_get(state.step))
+        pending: tuple[int, Any] | None = None
+        reason = "done"
+        batch_iter: Iterator = iter(batches)
+        try:
+            while step < num_steps:
+                try:
+                    local = next(batch_iter)
+                except StopIteration:
+                    reason = "data_exhausted"
+                    break
+                step += 1
+                hist = histogram_every > 0 and step % histogram_every == 0
+                if hist or (layer_stats_every > 0 and step % layer_stats_every == 0):
+                    diag = jax.device_get(self.diagnostics(state, local, histograms=hist))
+                    for h in hooks:
+                        h.on_diagnostics(step, diag)
+                state, metrics = self.step(state, local)
+                if self._report_compile:
+                    metrics = {**metrics, "perf/compile_time_s": self.compile_seconds}
+                    self._report_compile = False
+                if pending is not None:  # waits for step - 1 only: two steps in flight at most
+                    self._emit(pending, hooks)
+                pending = (step, metrics)
+                stop = should_stop()
+                if stop or any(h.wants_state(step) for h in hooks):
+                    self._emit(pending, hooks)  # the state's own metrics come first
+                    pending = None
+                    for h in hooks:
+                        h.on_state(step, state)
+                if stop:
+                    reason = "stopped"
+                    break
+            if pending is not None:
+                self._emit(pending, hooks)
+        except StopTraining as stop_request:
+            reason = str(stop_request) or "stopped"
+        except BaseException:
+            for h in hooks:
+                h.on_end(step, state, "error")
+            raise
+        for h in hooks:
+            h.on_end(int(jax.device_get(state.step)), state, reason)
+        return state, reason
+
+    @staticmethod
+    def _emit(pending: tuple[int, Any], hooks: Sequence[Hook]) -> None:
+        step, metrics = pending
+        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        for h in hooks:
+            h.on_step(step, host)

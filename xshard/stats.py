@@ -1,0 +1,149 @@
+"""Gradient statistics computed on device, inside the compiled step.
+
+* `summarize` — norm, max |g| and non-finite count of a gradient pytree (one fused pass).
+* `shard_norm_stats` — inside shard_map: each shard's local gradient norm, combined across the
+  data axes (two scalar collectives, not the gradient) into mean/max/min/std.
+* `noise_scale` — the gradient noise scale B_simple of McCandlish et al. (2018), "An
+  Empirical Model of Large-Batch Training", Appendix A: from the squared norm of the gradient
+  at a small batch (one shard's, b examples) and at the big batch (the mean over shards, B
+  examples), unbiased estimates of |G|^2 and tr(Sigma) and their ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class GradSummary(NamedTuple):
+    """Scalars describing one gradient pytree."""
+
+    norm: jax.Array  # global L2 norm (float32)
+    max_abs: jax.Array  # largest |g| (float32)
+    nonfinite: jax.Array  # number of NaN/Inf elements (int32)
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)
+
+
+def summarize(tree: Any) -> GradSummary:
+    """Returns the global norm, max |g| and non-finite element count of `tree`.
+
+    Non-finite elements are excluded from the norm and max so that one NaN does not hide how
+    large the rest of the gradient is; the count reports them. `None` leaves are ignored.
+    """
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        zero = jnp.zeros((), jnp.float32)
+        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+    sq, mx, bad = [], [], []
+    for g in leaves:
+        finite = jnp.isfinite(g)
+        clean = jnp.where(finite, _f32(g), 0.0)
+        sq.append(jnp.sum(jnp.square(clean)))
+        mx.append(jnp.max(jnp.abs(clean), initial=0.0))
+        bad.append(jnp.sum(~finite, dtype=jnp.int32))
+    return GradSummary(jnp.sqrt(sum(sq)), jnp.max(jnp.stack(mx)), sum(bad))
+
+
+def tree_norm(tree: Any) -> jax.Array:
+    """Global L2 norm of a pytree in float32 (0 for an empty tree)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(_f32(x))) for x in leaves))
+
+
+def shard_norm_stats(local_grads: Any, axes: Sequence[str]) -> dict[str, jax.Array]:
+    """Per-shard gradient norms across `axes`, to be called inside shard_map.
+
+    Args:
+      local_grads: this shard's gradient (varying over `axes`), before any reduction.
+      axes: the manual data-parallel mesh axes.
+
+    Returns:
+      ``shard_norm_{mean,max,min,std}`` and ``shard_sq_norm_mean`` (the mean of the squared
+      per-shard norms, the small-batch term of the noise scale), identical on every shard.
+    """
+    axes = tuple(axes)
+    norm = tree_norm(local_grads)
+    # Two scalar collectives: sums for the moments, a max for max and -min.
+    mean, sq_mean = jax.lax.pmean(jnp.stack([norm, jnp.square(norm)]), axes)
+    hi, neg_lo = jax.lax.pmax(jnp.stack([norm, -norm]), axes)
+    return {
+        "shard_norm_mean": mean,
+        "shard_norm_max": hi,
+        "shard_norm_min": -neg_lo,
+        "shard_norm_std": jnp.sqrt(jnp.maximum(sq_mean - jnp.square(mean), 0.0)),
+        "shard_sq_norm_mean": sq_mean,
+    }
+
+
+def noise_scale(
+    small_sq_norm: jax.Array, big_sq_norm: jax.Array, b_small: int, b_big: int
+) -> dict[str, jax.Array]:
+    """Unbiased |G|^2 and tr(Sigma) estimates and B_simple = tr(Sigma) / |G|^2.
+
+    Args:
+      small_sq_norm: E[|G_small|^2], the mean squared norm of per-shard mean gradients.
+      big_sq_norm: |G_big|^2, the squared norm of the mean gradient over all shards.
+      b_small: examples per shard; b_big: examples in the global batch (> b_small).
+
+    Returns:
+      ``noise_grad_sq`` (|G|^2), ``noise_trace`` (tr Sigma) and ``noise_scale`` (B_simple,
+      NaN where |G|^2 <= 0). Single-step estimates are noisy: average them over steps (the
+      trainer logs a ratio of moving averages too).
+    """
+    if b_big <= b_small:
+        raise ValueError(f"noise_scale needs b_big > b_small, got {b_big} and {b_small}.")
+    grad_sq = (b_big * big_sq_norm - b_small * small_sq_norm) / (b_big - b_small)
+    trace = (small_sq_norm - big_sq_norm) / (1.0 / b_small - 1.0 / b_big)
+    scale = jnp.where(grad_sq > 0, trace / jnp.where(grad_sq > 0, grad_sq, 1.0), jnp.nan)
+    return {"noise_grad_sq": grad_sq, "noise_trace": trace, "noise_scale": scale}
+
+
+def layer_norms(tree: Any) -> dict[str, jax.Array]:
+    """L2 norm of every leaf, keyed by its path joined with '/' (e.g. 'blocks/0/attn/wq')."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        out[path_str(path)] = jnp.sqrt(jnp.sum(jnp.square(_f32(leaf))))
+    return out
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """'a/0/b' for a pytree key path (DictKey, SequenceKey, GetAttrKey, ...)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
+    """A histogram of the finite values of `x`, in the fields TensorBoard's raw histogram needs."""
+    v = _f32(x).reshape(-1)
+    finite = jnp.isfinite(v)
+    lo = jnp.min(jnp.where(finite, v, jnp.inf), initial=jnp.inf)
+    hi = jnp.max(jnp.where(finite, v, -jnp.inf), initial=-jnp.inf)
+    lo, hi = jnp.where(lo <= hi, lo, 0.0), jnp.where(lo <= hi, hi, 0.0)
+    hi = jnp.where(hi > lo, hi, lo + 1e-12)
+    counts, edges = jnp.histogram(jnp.where(finite, v, lo), bins=bins, range=(lo, hi),
+                                  weights=finite.astype(jnp.float32))
+    clean = jnp.where(finite, v, 0.0)
+    return {
+        "min": lo,
+        "max": hi,
+        "num": jnp.sum(finite, dtype=jnp.float32),
+        "sum": jnp.sum(clean),
+        "sum_squares": jnp.sum(jnp.square(clean)),
+        "bucket_limits": edges[1:],
+        "bucket_counts": counts,
+    }

@@ -7,6 +7,7 @@ so a multirun sweep shows one run per job in both the Scalars and the HParams da
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -48,6 +49,7 @@ class TensorBoardHook(Hook):
         self.num_steps = num_steps
         self.last_loss: float | None = None
         self._window_start: tuple[int, float] | None = None
+        self._noise_ema: list[float] | None = None  # [tr(Sigma), |G|^2], every step
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
             self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()), 0)
@@ -66,18 +68,33 @@ class TensorBoardHook(Hook):
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start = (step, now)  # the first step includes compilation
+        self._update_noise_ema(metrics)
         if "perf/compile_time_s" in metrics:
             self.writer.add_scalar("perf/compile_time_s", metrics["perf/compile_time_s"], step)
         if step % self.log_every and step != self.num_steps:
             return
         for tag, value in metrics.items():
             self.writer.add_scalar(tag, value, step)
+        if self._noise_ema is not None and self._noise_ema[1] > 0:
+            self.writer.add_scalar("grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step)
         start_step, start_time = self._window_start
         if step > start_step and now > start_time:
             rate = (step - start_step) / (now - start_time)
             self.writer.add_scalar("perf/steps_per_sec", rate, step)
             self.writer.add_scalar("perf/examples_per_sec", rate * self.global_batch_size, step)
         self._window_start = (step, now)
+
+    def _update_noise_ema(self, metrics: dict[str, float], decay: float = 0.95) -> None:
+        """B_simple from moving averages of its two noisy terms (McCandlish et al., App. A)."""
+        if "grad/noise_trace" not in metrics:
+            return
+        new = [metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"]]
+        if not all(map(math.isfinite, new)):
+            return
+        if self._noise_ema is None:
+            self._noise_ema = new
+        else:
+            self._noise_ema = [decay * e + (1 - decay) * x for e, x in zip(self._noise_ema, new)]
 
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
         for name, value in diag.get("grad_norms", {}).items():

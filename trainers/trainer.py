@@ -134,11 +134,26 @@ class Trainer:
 
     def init(self, params: Any) -> TrainState:
         """Returns the initial `TrainState` for `params` (placed on the mesh)."""
-        params = jax.device_put(params, self.param_shardings(params))
+        shardings = self.param_shardings(params)
+        params = jax.device_put(params, shardings)
         with jax.set_mesh(self.mesh):
-            opt_state = jax.jit(self.tx.init)(params)
+            opt_shardings = self.opt_state_shardings(params, shardings)
+            opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
         return TrainState(step, params, opt_state)
+
+    def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
+        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter;
+        everything else (counts, hyperparameters) is replicated."""
+        replicated = NamedSharding(self.mesh, P())
+        shapes = jax.eval_shape(self.tx.init, params)
+        return optax.tree_utils.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            shapes,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
 
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""

@@ -1,0 +1,101 @@
+"""`python -m trainers.train` end to end: real Hydra, real JAX on 8 CPU devices, real events."""
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.cli import load_events, run_train, scalars
+
+pytestmark = pytest.mark.slow
+
+CONTRACT_TAGS = [
+    "train/loss",
+    "grad/global_norm",
+    "grad/shard_norm_mean",
+    "grad/shard_norm_max",
+    "grad/nonfinite",
+    "optim/learning_rate",
+    "optim/update_norm",
+    "params/global_norm",
+    "perf/steps_per_sec",
+]
+
+
+def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        "task=mlp",
+        "trainer.steps=300",
+        "trainer.log_every=25",
+        "trainer.layer_stats_every=150",
+        "trainer.histogram_every=300",
+        "checkpoint=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"JAX_LOG_COMPILES": "1"},
+    )
+    log = proc.stdout + proc.stderr
+    assert len(re.findall(r"Finished XLA compilation of jit\(manual\)", log)) == 1
+    assert len(re.findall(r"Finished XLA compilation of jit\(diag\)", log)) == 2  # with/without hist
+    assert f"tensorboard --logdir {run_dir / 'tb'}" in log
+
+    events = load_events(run_dir / "tb")
+    tags = set(events.Tags()["scalars"])
+    assert set(CONTRACT_TAGS) <= tags
+    loss = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(loss) == list(range(25, 301, 25))
+    assert loss[300] < loss[25]
+    assert {"grad/noise_scale", "grad/noise_scale_ema", "perf/compile_time_s"} <= tags
+    assert any(t.startswith("layers/grad_norm/layers/0/w") for t in tags)
+    assert any(t.startswith("grad_hist/") for t in events.Tags()["histograms"])
+    assert "config/text_summary" in events.Tags()["tensors"]
+    hparams = events.PluginTagToContent("hparams")
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(hparams)
+    assert b"reduction.mode" in hparams["_hparams_/session_start_info"]
+
+
+def test_multirun_sweep_gives_one_run_per_job_and_sum_is_8x_mean(tmp_path):
+    sweep = tmp_path / "sweep"
+    run_train(
+        "-m",
+        "reduction=sum,mean",
+        "optimizer=sgd,adam",
+        "task=mlp",
+        "trainer.steps=3",
+        "trainer.log_every=1",
+        "checkpoint=none",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    runs = {}
+    for tb in sweep.glob("*/tb"):  # each job's dir is named by its overrides
+        overrides = dict(item.split("=", 1) for item in tb.parent.name.split(","))
+        runs[overrides["optimizer"], overrides["reduction"]] = tb.parent
+    assert sorted(runs) == [(o, r) for o in ("adam", "sgd") for r in ("mean", "sum")]
+    for run in runs.values():
+        events = load_events(run / "tb")
+        assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+        assert len(events.Scalars("train/loss")) == 3
+    for opt in ("sgd", "adam"):
+        total = scalars(runs[opt, "sum"] / "tb", "grad/global_norm")[1]
+        mean = scalars(runs[opt, "mean"] / "tb", "grad/global_norm")[1]
+        np.testing.assert_allclose(total, 8 * mean, rtol=1e-6)
+
+
+def test_cpu4x2_trains_tiny_gpt_with_model_sharding(tmp_path):
+    run_dir = tmp_path / "gpt"
+    run_train(
+        "task=tiny_gpt",
+        "mesh=cpu4x2",
+        "task.d_model=32",
+        "task.n_layers=1",
+        "trainer.steps=20",
+        "trainer.batch_size=16",
+        "trainer.log_every=10",
+        "checkpoint=none",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
+    loss = scalars(run_dir / "tb", "train/loss")
+    assert loss[20] < loss[10]

@@ -1,0 +1,140 @@
+"""trainers.Trainer in-process on 8 simulated CPU devices: equivalences and sharding."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+import xshard
+from trainers.trainer import Hook, Trainer
+from trainers.tasks.mlp import MLPTask
+from trainers.tasks.tiny_gpt import TinyGPTTask
+
+BATCH = 32
+
+
+def mesh_of(shape, names):
+    n = int(np.prod(shape))
+    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.metrics = {}
+        self.diagnostics = {}
+
+    def on_step(self, step, metrics):
+        self.metrics[step] = metrics
+
+    def on_diagnostics(self, step, diag):
+        self.diagnostics[step] = diag
+
+
+def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, **kwargs):
+    tx = xshard.cross_shard(optax.inject_hyperparams(optax.adam)(learning_rate=3e-3), reduction, skip_nonfinite=True)
+    trainer = Trainer(task, tx, mesh, global_batch_size=batch, reduction=reduction, **kwargs)
+    first = next(iter(task.batches(batch, seed=0)))
+    state = trainer.init(trainer.init_params(first))
+    rec = Recorder()
+    state, reason = trainer.fit(state, task.batches(batch, seed=0), num_steps=steps, hooks=[rec])
+    assert reason == "done"
+    losses = np.array([rec.metrics[s]["train/loss"] for s in range(1, steps + 1)])
+    return jax.device_get(state.params), losses, rec, trainer
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return MLPTask()
+
+
+@pytest.fixture(scope="module")
+def reference(mlp):
+    """Manual reduction, MEAN, 8 shards, one microbatch."""
+    return train(mlp, mesh_of((8,), ("data",)))
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def test_manual_and_gspmd_gradients_train_the_same(mlp, reference):
+    params, losses, _, _ = train(mlp, mesh_of((8,), ("data",)), grad_impl="gspmd")
+    np.testing.assert_allclose(losses, reference[1], rtol=1e-5)
+    assert_close(params, reference[0])
+
+
+def test_microbatches_accumulate_to_the_same_update(mlp, reference):
+    params, losses, _, _ = train(mlp, mesh_of((8,), ("data",)), microbatches=4)
+    np.testing.assert_allclose(losses, reference[1], rtol=1e-5)
+    assert_close(params, reference[0])
+
+
+def test_mean_on_8_shards_trains_like_one_device(mlp, reference):
+    params, losses, _, _ = train(mlp, mesh_of((1,), ("data",)))
+    np.testing.assert_allclose(losses, reference[1], rtol=1e-5)
+    assert_close(params, reference[0])
+    assert losses[-1] < losses[0]
+
+
+def test_sum_reduced_gradient_is_8_times_mean_at_the_first_step(mlp, reference):
+    _, _, rec, _ = train(mlp, mesh_of((8,), ("data",)), steps=1, reduction="sum")
+    mean_norm = reference[2].metrics[1]["grad/global_norm"]
+    np.testing.assert_allclose(rec.metrics[1]["grad/global_norm"], 8 * mean_norm, rtol=1e-6)
+
+
+def test_statistics_are_consistent(reference):
+    m = reference[2].metrics[1]
+    assert m["grad/shard_norm_min"] <= m["grad/shard_norm_mean"] <= m["grad/shard_norm_max"]
+    # The mean of 8 shard gradients is never longer than the longest of them.
+    assert m["grad/global_norm"] <= m["grad/shard_norm_max"] + 1e-6
+    assert m["grad/nonfinite"] == 0 and m["train/skipped_steps"] == 0
+    assert m["optim/learning_rate"] == pytest.approx(3e-3)
+    assert np.isfinite(m["grad/noise_trace"]) and m["grad/noise_trace"] > 0
+
+
+def test_diagnostics_give_per_parameter_norms_and_histograms(mlp):
+    mesh = mesh_of((8,), ("data",))
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean")
+    trainer = Trainer(mlp, tx, mesh, global_batch_size=BATCH)
+    batch = next(iter(mlp.batches(BATCH, seed=0)))
+    state = trainer.init(trainer.init_params(batch))
+    diag = jax.device_get(trainer.diagnostics(state, batch, histograms=True))
+    grads = jax.grad(lambda p: mlp.loss(p, batch, None)[0])(jax.device_get(state.params))
+    expected = {xshard.stats.path_str(k): np.linalg.norm(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
+    assert diag["grad_norms"].keys() == expected.keys()
+    for name, norm in expected.items():
+        np.testing.assert_allclose(diag["grad_norms"][name], norm, rtol=1e-4)
+        hist = diag["grad_hist"][name]
+        assert hist["bucket_counts"].sum() == hist["num"] == grads_size(grads, name)
+
+
+def grads_size(grads, name):
+    return {xshard.stats.path_str(k): v.size for k, v in jax.tree_util.tree_leaves_with_path(grads)}[name]
+
+
+def test_batch_not_divisible_by_data_parallel_size_is_a_clear_error(mlp):
+    with pytest.raises(ValueError, match=r"trainer.batch_size=30 is not divisible by the data-parallel size 8"):
+        Trainer(mlp, xshard.cross_shard(optax.sgd(0.1)), mesh_of((8,), ("data",)), global_batch_size=30)
+    with pytest.raises(ValueError, match=r"trainer.microbatches=3"):
+        Trainer(mlp, xshard.cross_shard(optax.sgd(0.1)), mesh_of((8,), ("data",)), global_batch_size=32,
+                microbatches=3)
+
+
+def test_tiny_gpt_on_data_x_model_mesh_shards_params_over_model():
+    task = TinyGPTTask(d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16)
+    mesh = mesh_of((4, 2), ("data", "model"))
+    params, losses, _, trainer = train(task, mesh, steps=6, batch=16)
+    assert losses[-1] < losses[0]
+    first = next(iter(task.batches(16, seed=0)))
+    state = trainer.init(trainer.init_params(first))
+    specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
+    assert specs["blocks"][0]["attn"]["wq"] == P(None, "model")
+    assert specs["blocks"][0]["attn"]["wo"] == P("model", None)
+    assert specs["blocks"][0]["mlp"]["w1"] == P(None, "model")
+    assert specs["ln_f"]["scale"] == P()
+    wq = state.params["blocks"][0]["attn"]["wq"]
+    assert wq.addressable_shards[0].data.shape == (32, 16)  # half of d_model=32 columns
+    # The optimizer state follows the params' sharding.
+    mu = xshard.get_slot(state.opt_state, "mu")
+    assert mu["blocks"][0]["attn"]["wq"].sharding.spec == P(None, "model")

@@ -1,0 +1,258 @@
+"""The wheel ships the configs and the Hydra plugin; another repo composes with them.
+
+Builds the wheel from a copy of the working tree, checks its contents against the tree on disk,
+installs it (and only it: dependencies come from this environment through a .pth file) into a
+fresh virtual environment, then runs a small Hydra app of a separate "experiment repo" whose
+own configs extend xshard's groups through the SearchPathPlugin, including a multirun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = ("xshard", "trainers", "hydra_plugins")
+_IGNORE = shutil.ignore_patterns(
+    ".git", ".venv", "build", "dist", "outputs", "multirun", "__pycache__", "*.egg-info"
+)
+
+
+def _copy_tree(dst: Path) -> None:
+    """Copies the files git would see (tracked or not ignored); the whole tree without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(REPO, dst, ignore=_IGNORE)
+        return
+    for rel in filter(None, listed):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """The tree the wheel is built from (a copy, so the build leaves the checkout clean)."""
+    src = tmp_path_factory.mktemp("wheel") / "src"
+    _copy_tree(src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def wheel(source) -> Path:
+    dist = source.parent / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(source)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    (whl,) = dist.glob("xshard-*.whl")
+    return whl
+
+
+def test_wheel_contents(wheel, source):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    yamls = sorted(
+        p.relative_to(source / "conf").as_posix() for p in (source / "conf").rglob("*.yaml")
+    )
+    assert yamls, "no YAML under conf/"
+    missing = [y for y in yamls if f"xshard/conf/{y}" not in names]
+    assert not missing, f"YAML left out of the wheel: {missing}"
+    assert "xshard/conf/__init__.py" in names
+
+    assert "hydra_plugins/xshard_searchpath/xshard_searchpath.py" in names
+    assert "hydra_plugins/xshard_searchpath/_schemas.py" in names
+    assert "hydra_plugins/__init__.py" not in names  # a namespace shared by all Hydra plugins
+
+    # Every module of the source tree, so that a new subpackage cannot be left out silently.
+    modules = sorted(
+        p.relative_to(source).as_posix()
+        for d in PACKAGE_DIRS
+        for p in (source / d).rglob("*.py")
+        if "__pycache__" not in p.parts
+    )
+    missing = [m for m in modules if m not in names]
+    assert not missing, (
+        f"modules left out of the wheel (pyproject [tool.setuptools] packages): {missing}"
+    )
+
+
+@pytest.fixture(scope="module")
+def venv_python(wheel, tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed; the dependencies come from this environment."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    # A bare path line only extends sys.path: the .pth files there (this environment's
+    # editable install of xshard) are not run, so xshard can only come from the wheel.
+    (Path(site) / "_deps_from_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+EXPERIMENT_REPO = {
+    "conf/my_exp.yaml": """\
+        # A user's primary config: xshard's groups come from pkg://xshard.conf via the plugin.
+        defaults:
+          - _self_
+          - optimizer: adamw
+          - schedule: warmup_cosine
+          - reduction: sum
+
+        clip: 1.0
+        trainer:
+          steps: 50
+    """,
+    "conf/optimizer/my_adam.yaml": """\
+        # The user's own option, extending xshard's adam.
+        defaults:
+          - adam
+          - _self_
+
+        learning_rate: 0.005
+        b2: 0.95
+    """,
+    "app.py": """\
+        import json
+
+        import hydra
+        import jax
+        import jax.numpy as jnp
+
+        import xshard
+
+
+        @hydra.main(config_path="conf", config_name="my_exp", version_base="1.3")
+        def main(cfg):
+            tx = xshard.build_optimizer(cfg)
+            params = {"w": jnp.ones((2, 2)), "b": jnp.zeros((2,))}
+            state = tx.init(params)
+            updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+            print("RESULT " + json.dumps({
+                "target": cfg.optimizer._target_,
+                "learning_rate": cfg.optimizer.learning_rate,
+                "b2": cfg.optimizer.b2,
+                "mode": cfg.reduction.mode,
+                "decay_steps": cfg.schedule.decay_steps,
+                "slots": xshard.get_slot_names(state),
+                "finite": all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates)),
+                "xshard_file": xshard.__file__,
+            }), flush=True)
+
+
+        if __name__ == "__main__":
+            main()
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def experiment_repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("experiment_repo")
+    for rel, text in EXPERIMENT_REPO.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(textwrap.dedent(text))
+    return root
+
+
+def run_app(python: Path, repo: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return subprocess.run(
+        [str(python), "app.py", *args],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def results(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def test_wheel_installs_plugin_and_configs(venv_python, experiment_repo):
+    proc = run_app(venv_python, experiment_repo, "--info", "searchpath")
+    assert proc.returncode == 0, proc.stderr
+    assert "pkg://xshard.conf" in proc.stdout and "xshard" in proc.stdout
+
+
+def test_experiment_repo_run(venv_python, experiment_repo):
+    (res,) = results(run_app(venv_python, experiment_repo))
+    venv_root = venv_python.parent.parent
+    assert Path(res["xshard_file"]).resolve().is_relative_to(venv_root.resolve()), res
+    assert res["target"] == "optax.adamw" and res["mode"] == "sum" and res["decay_steps"] == 50
+    assert res["finite"] and res["slots"] == ["mu", "nu"]
+
+    (res,) = results(run_app(venv_python, experiment_repo, "optimizer=my_adam"))
+    assert res["target"] == "optax.adam"
+    assert res["learning_rate"] == 0.005 and res["b2"] == 0.95  # user's values over xshard's
+
+
+def test_experiment_repo_schema_from_wheel(venv_python, experiment_repo):
+    proc = run_app(venv_python, experiment_repo, "optimizer=my_adam", "optimizer.b2=high")
+    assert proc.returncode != 0
+    assert "Value 'high' of type 'str' could not be converted to Float" in proc.stderr
+
+
+def test_experiment_repo_multirun(venv_python, experiment_repo):
+    proc = run_app(
+        venv_python,
+        experiment_repo,
+        "-m",
+        "optimizer=adamw,my_adam",
+        "reduction=sum,mean",
+        "hydra.sweep.dir=multirun",
+    )
+    runs = results(proc)
+    assert sorted((r["target"], r["mode"]) for r in runs) == [
+        ("optax.adam", "mean"),
+        ("optax.adam", "sum"),
+        ("optax.adamw", "mean"),
+        ("optax.adamw", "sum"),
+    ]
+    assert all(r["finite"] for r in runs)
+    assert {r["learning_rate"] for r in runs if r["target"] == "optax.adam"} == {0.005}

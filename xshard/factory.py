@@ -1,0 +1,318 @@
+"""Config -> optimizer: the inner optax optimizer, its schedule, clipping and `cross_shard`.
+
+`build_optimizer` reads the ``optimizer``, ``schedule``, ``reduction`` and ``clip`` nodes of a
+composed config (a ``DictConfig`` or a plain dict) and returns::
+
+    cross_shard(                      # per-shard clip -> reduce -> non-finite guard
+        chain(clip_by_global_norm(clip),                   # only if clip is set
+              inject_hyperparams(optax.<optimizer>)(learning_rate=<schedule>, ...)),
+        reduction.mode, axis_name=..., clip_per_shard=..., comm_dtype=..., skip_nonfinite=...)
+
+The global clip sits inside `cross_shard`, so the non-finite guard covers it. Only
+``learning_rate`` is injected as a hyperparameter (every other argument is passed statically),
+so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learning_rate")`` or
+``xshard.get_hyperparams(state)["learning_rate"]``.
+
+Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are resolved by
+`xshard.targets.resolve_target`, which only allows ``optax.``, ``xshard.``, ``trainers.`` and
+whatever the config lists under ``allowed_targets``. Every bad value raises `ConfigError` naming
+the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+
+from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
+from xshard.cross_shard import Reduction, cross_shard
+from xshard.errors import ConfigError
+from xshard.masks import resolve_mask
+from xshard.mesh import check_axis_names
+from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
+
+#: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`).
+_MASK_ARGS = {
+    "weight_decay_mask": ("weight_decay_mask", "mask"),
+    "trust_ratio_mask": ("trust_ratio_mask",),
+}
+
+#: Keys of the `reduction` node and their defaults (`mode` has none: it must be chosen).
+REDUCTION_DEFAULTS: dict[str, Any] = {
+    "axis_name": "data",
+    "clip_per_shard": None,
+    "comm_dtype": None,
+    "skip_nonfinite": True,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Config values
+# --------------------------------------------------------------------------------------------
+
+
+def _learning_rate(opt: dict[str, Any]) -> float:
+    if "learning_rate" not in opt:
+        raise ConfigError(
+            "optimizer.learning_rate is required: the base (peak) learning rate, a number > 0."
+        )
+    return positive_number(opt["learning_rate"], "optimizer.learning_rate", "the base (peak) rate")
+
+
+def _required_target(node: dict[str, Any], prefix: str) -> str:
+    if node.get("_target_") is None:
+        raise ConfigError(
+            f"{prefix}._target_ is required: the dotted path of the factory to call, e.g. "
+            f"{'optax.adamw' if prefix == 'optimizer' else 'xshard.schedules.warmup_cosine'}. "
+            f"Or choose an option of the '{prefix}' group ({prefix}=<name>)."
+        )
+    return node["_target_"]
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+# --------------------------------------------------------------------------------------------
+
+
+def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> optax.Schedule | None:
+    if node is None:
+        return None
+    kwargs = mapping(node, "schedule")
+    target = _required_target(kwargs, "schedule")
+    fn = resolve_target(target, allowed, key="schedule._target_")
+    kwargs.pop("_target_")
+    # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
+    first = next(iter(inspect.signature(fn).parameters), None)
+    check_kwargs(fn, kwargs, "schedule", target, supplied=(first,))
+    try:
+        return fn(learning_rate, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"schedule ({target}): {e}") from e
+
+
+def build_schedule(cfg: Any) -> optax.Schedule:
+    """Builds the learning-rate schedule: the ``schedule`` node applied to the base rate.
+
+    Args:
+      cfg: a config node with an ``optimizer`` child (for ``optimizer.learning_rate``) and an
+        optional ``schedule`` child (``_target_`` plus its arguments; null: constant rate).
+
+    Returns:
+      An optax schedule, ``step -> learning rate``.
+
+    Raises:
+      ConfigError: for a missing or bad learning rate or schedule value, naming the key.
+    """
+    cfg = as_config(cfg)
+    lr = _learning_rate(mapping(section(cfg, "optimizer", required=True), "optimizer"))
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    return optax.constant_schedule(lr) if schedule is None else schedule
+
+
+# --------------------------------------------------------------------------------------------
+# Inner optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def _inner_optimizer(
+    node: dict[str, Any], learning_rate: float | optax.Schedule, allowed: tuple[str, ...]
+) -> optax.GradientTransformationExtraArgs:
+    kwargs = dict(node)
+    target = _required_target(kwargs, "optimizer")
+    fn = resolve_target(target, allowed, key="optimizer._target_")
+    del kwargs["_target_"], kwargs["learning_rate"]
+    params = inspect.signature(fn).parameters
+    if "learning_rate" not in params:
+        raise ConfigError(
+            f"optimizer._target_={target!r} has no learning_rate argument; xshard passes the "
+            "scheduled rate there. Use an optax optimizer such as optax.adamw."
+        )
+    if isinstance(kwargs.get("mask"), str):
+        raise ConfigError(
+            f"optimizer.mask={kwargs['mask']!r}: name masks with optimizer.weight_decay_mask."
+        )
+    masks = [key for key, candidates in _MASK_ARGS.items() if any(c in params for c in candidates)]
+    for key, candidates in _MASK_ARGS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        arg = next((c for c in candidates if c in params), None)
+        if arg is None:
+            raise ConfigError(f"optimizer.{key}: {target} takes no such mask; remove the key.")
+        if value is not None:  # null: keep optax's default, i.e. every parameter
+            kwargs[arg] = resolve_mask(value, allowed, key=f"optimizer.{key}")
+    check_kwargs(
+        fn,
+        kwargs,
+        "optimizer",
+        target,
+        supplied=("learning_rate",),
+        other_keys=("_target_", "learning_rate", *masks),
+    )
+    # Inject only the learning rate: other arguments may drive Python control flow or shapes
+    # (adafactor's min_dim_size_to_factor) and must stay static.
+    static = [
+        n
+        for n, p in params.items()
+        if n != "learning_rate"
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    try:
+        return _inject_learning_rate(fn, static, learning_rate, kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer ({target}): {e}") from e
+
+
+def _inject_learning_rate(
+    fn: Callable[..., optax.GradientTransformation],
+    static: list[str],
+    learning_rate: float | optax.Schedule,
+    kwargs: dict[str, Any],
+) -> optax.GradientTransformationExtraArgs:
+    """``inject_hyperparams(fn)`` whose numeric ``learning_rate`` follows `learning_rate`.
+
+    optax's own schedule support also keeps a schedule state under the hyperparameter's name,
+    which makes ``tree_get(state, "learning_rate")`` ambiguous. Instead the rate is a plain
+    numeric hyperparameter, set from the schedule at the state's count before each update (as
+    optax documents for editing ``state.hyperparams``), so it is the only "learning_rate" leaf.
+    """
+    if not callable(learning_rate):
+        return optax.inject_hyperparams(fn, static_args=static)(
+            learning_rate=learning_rate, **kwargs
+        )
+    schedule = learning_rate
+    injected = optax.inject_hyperparams(fn, static_args=static)(learning_rate=0.0, **kwargs)
+
+    def with_scheduled_rate(state: Any) -> Any:
+        old = state.hyperparams["learning_rate"]
+        rate = jnp.asarray(schedule(state.count), dtype=jnp.result_type(old))
+        return state._replace(hyperparams={**state.hyperparams, "learning_rate": rate})
+
+    def init_fn(params: Any) -> Any:
+        return with_scheduled_rate(injected.init(params))
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return injected.update(updates, with_scheduled_rate(state), params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Reduction
+# --------------------------------------------------------------------------------------------
+
+
+def _reduction(node: Any) -> dict[str, Any]:
+    """Validates the ``reduction`` node; returns `cross_shard` keyword arguments plus `mode`."""
+    red = mapping(node, "reduction")
+    allowed_keys = ["mode", *REDUCTION_DEFAULTS]
+    for key in red:
+        if key not in allowed_keys:
+            raise ConfigError(f"reduction.{key}: unknown key. Allowed keys: {allowed_keys}.")
+    if red.get("mode") is None:
+        raise ConfigError("reduction.mode is required. Allowed: 'sum', 'mean'.")
+    try:
+        mode = Reduction.parse(red["mode"], key="reduction.mode")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    args = {**REDUCTION_DEFAULTS, **red, "mode": mode}
+
+    axes = args["axis_name"]
+    axes = (axes,) if isinstance(axes, str) else axes
+    if (
+        not isinstance(axes, list | tuple)
+        or not axes
+        or not all(isinstance(a, str) and a for a in axes)
+        or len(set(axes)) != len(axes)
+    ):
+        raise ConfigError(
+            f"reduction.axis_name={args['axis_name']!r}: expected a mesh axis name or a list of "
+            "distinct names, e.g. data or [dcn_data, data]."
+        )
+    args["axis_name"] = tuple(axes)
+
+    if args["clip_per_shard"] is not None:
+        positive_number(args["clip_per_shard"], "reduction.clip_per_shard", "null or a global norm")
+
+    dtype = args["comm_dtype"]
+    if dtype is not None:
+        try:
+            ok = isinstance(dtype, str) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"reduction.comm_dtype={dtype!r}: expected null or a floating dtype name, e.g. "
+                "bfloat16, float16, float32."
+            )
+
+    if not isinstance(args["skip_nonfinite"], bool):
+        raise ConfigError(
+            f"reduction.skip_nonfinite={args['skip_nonfinite']!r}: expected true or false."
+        )
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationExtraArgs:
+    """Builds the cross-shard optimizer described by a config.
+
+    Args:
+      cfg: a config node (``DictConfig`` or dict) with children ``optimizer`` (``_target_``,
+        ``learning_rate`` and the factory's arguments; ``weight_decay_mask`` /
+        ``trust_ratio_mask`` name masks such as ``no_bias_no_norm``) and ``reduction``
+        (``mode``, ``axis_name``, ``clip_per_shard``, ``comm_dtype``, ``skip_nonfinite``);
+        optional ``schedule`` (null: constant rate), ``clip`` (global-norm clip of the reduced
+        gradient; null: none) and ``allowed_targets`` (extra ``_target_`` prefixes).
+      mesh: optional ``jax.sharding.Mesh`` (or ``AbstractMesh``) the optimizer runs on. If
+        given, the reduction axes must be axes of it, and a SUM outside ``shard_map`` scales
+        by their size.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``: per-shard clip -> reduce -> non-finite
+      guard -> global clip -> inner optimizer with the scheduled learning rate.
+
+    Raises:
+      ConfigError: for a missing required key, an unknown reduction mode, a learning rate
+        <= 0, a ``_target_`` that is not allowed or not found, an argument the target does not
+        take, or reduction axes that are not mesh axes; the message names the key, the value
+        and the allowed values.
+    """
+    cfg = as_config(cfg)
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
+    red = _reduction(section(cfg, "reduction", required=True))
+    lr = _learning_rate(opt)
+    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    clip = section(cfg, "clip", required=False)
+    if clip is not None:
+        positive_number(clip, "clip", "null or a global norm for the reduced gradient")
+
+    num_shards = None
+    if mesh is not None:
+        # Raises MeshConfigError, a ConfigError.
+        axes = check_axis_names(mesh, red["axis_name"], key="reduction.axis_name")
+        num_shards = math.prod(mesh.shape[a] for a in axes)
+
+    inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed)
+    if clip is not None:
+        inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+    return cross_shard(
+        inner,
+        red["mode"],
+        axis_name=red["axis_name"],
+        clip_per_shard=red["clip_per_shard"],
+        comm_dtype=red["comm_dtype"],
+        skip_nonfinite=red["skip_nonfinite"],
+        num_shards=num_shards,
+    )

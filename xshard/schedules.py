@@ -1,0 +1,171 @@
+"""Learning-rate schedules named by the ``schedule`` config group.
+
+Every factory here takes the optimizer's base (peak) rate ``learning_rate`` as its first
+argument and expresses the other levels as fractions of it (``init_factor``, ``end_factor``), so
+``optimizer.learning_rate=3e-4`` rescales the whole curve. Steps count optimizer updates; a step
+skipped for a non-finite gradient does not advance the schedule. ``decay_steps`` counts the
+whole schedule, warmup included, as in optax.
+
+A custom schedule for ``schedule._target_`` follows the same convention:
+``fn(learning_rate, **schedule_cfg) -> optax.Schedule``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import optax
+
+logger = logging.getLogger(__name__)
+
+
+def _check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> None:
+    ok = (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and (value >= 0 if allow_zero else value > 0)
+    )
+    if not ok:
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise ValueError(f"{name}={value!r}: expected {kind} int number of steps.")
+
+
+def _warmup(
+    learning_rate: float, warmup_steps: int, decay_steps: int, init_factor: float
+) -> optax.Schedule | None:
+    """The linear warmup, or None if there is none; warns if it outlasts `decay_steps`."""
+    _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
+    _check_positive_int("decay_steps", decay_steps)
+    if warmup_steps >= decay_steps:
+        logger.warning(
+            "schedule.warmup_steps=%d >= schedule.decay_steps=%d: the schedule is warmup only "
+            "and never decays (short run?).",
+            warmup_steps,
+            decay_steps,
+        )
+    if warmup_steps == 0:
+        return None
+    return optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
+
+
+def constant(learning_rate: float) -> optax.Schedule:
+    """The rate stays at `learning_rate`."""
+    return optax.constant_schedule(learning_rate)
+
+
+def cosine(
+    learning_rate: float, *, decay_steps: int, end_factor: float = 0.0, exponent: float = 1.0
+) -> optax.Schedule:
+    """Cosine decay from `learning_rate` to ``end_factor * learning_rate`` over `decay_steps`."""
+    _check_positive_int("decay_steps", decay_steps)
+    return optax.cosine_decay_schedule(
+        learning_rate, decay_steps, alpha=end_factor, exponent=exponent
+    )
+
+
+def warmup_cosine(
+    learning_rate: float,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    init_factor: float = 0.0,
+    end_factor: float = 0.0,
+    exponent: float = 1.0,
+) -> optax.Schedule:
+    """Linear warmup to `learning_rate` over `warmup_steps`, then cosine decay to the end.
+
+    Args:
+      learning_rate: the peak rate.
+      warmup_steps: steps of linear warmup from ``init_factor * learning_rate``.
+      decay_steps: length of the whole schedule, warmup included.
+      init_factor: the first rate, as a fraction of `learning_rate`.
+      end_factor: the final rate, as a fraction of `learning_rate`.
+      exponent: exponent of the cosine (1.0: the usual half cosine).
+
+    Returns:
+      An optax schedule.
+
+    Raises:
+      ValueError: for a negative or non-integer step count.
+    """
+    warmup = _warmup(learning_rate, warmup_steps, decay_steps, init_factor)
+    if warmup is not None and warmup_steps >= decay_steps:
+        return warmup
+    decay = optax.cosine_decay_schedule(
+        learning_rate, decay_steps - warmup_steps, alpha=end_factor, exponent=exponent
+    )
+    return decay if warmup is None else optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def warmup_linear(
+    learning_rate: float,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    init_factor: float = 0.0,
+    end_factor: float = 0.0,
+) -> optax.Schedule:
+    """Linear warmup to `learning_rate` over `warmup_steps`, then linear decay to the end.
+
+    Args:
+      learning_rate: the peak rate.
+      warmup_steps: steps of linear warmup from ``init_factor * learning_rate``.
+      decay_steps: length of the whole schedule, warmup included.
+      init_factor: the first rate, as a fraction of `learning_rate`.
+      end_factor: the final rate, as a fraction of `learning_rate`.
+
+    Returns:
+      An optax schedule.
+
+    Raises:
+      ValueError: for a negative or non-integer step count.
+    """
+    warmup = _warmup(learning_rate, warmup_steps, decay_steps, init_factor)
+    if warmup is not None and warmup_steps >= decay_steps:
+        return warmup
+    decay = optax.linear_schedule(
+        learning_rate, end_factor * learning_rate, decay_steps - warmup_steps
+    )
+    return decay if warmup is None else optax.join_schedules([warmup, decay], [warmup_steps])
+
+
+def exponential(
+    learning_rate: float,
+    *,
+    transition_steps: int,
+    decay_rate: float,
+    warmup_steps: int = 0,
+    staircase: bool = False,
+    end_factor: float | None = None,
+) -> optax.Schedule:
+    """``learning_rate * decay_rate ** (t / transition_steps)``, after an optional warmup.
+
+    Args:
+      learning_rate: the peak rate.
+      transition_steps: steps over which the rate is multiplied by `decay_rate`.
+      decay_rate: the factor per `transition_steps` (< 1 decays).
+      warmup_steps: steps of linear warmup from 0; ``t`` counts from its end.
+      staircase: decay in discrete jumps every `transition_steps`.
+      end_factor: a floor (or ceiling, if `decay_rate` > 1) as a fraction of `learning_rate`.
+
+    Returns:
+      An optax schedule.
+
+    Raises:
+      ValueError: for a bad step count or a non-positive `decay_rate`.
+    """
+    _check_positive_int("transition_steps", transition_steps)
+    _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
+    if not decay_rate > 0:
+        raise ValueError(f"decay_rate={decay_rate!r}: expected a positive factor.")
+    decay = optax.exponential_decay(
+        learning_rate,
+        transition_steps,
+        decay_rate,
+        staircase=staircase,
+        end_value=None if end_factor is None else end_factor * learning_rate,
+    )
+    if warmup_steps == 0:
+        return decay
+    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, decay], [warmup_steps])

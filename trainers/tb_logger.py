@@ -74,6 +74,8 @@ class TensorBoardHook(Hook):
         if step % self.log_every and step != self.num_steps:
             return
         for tag, value in metrics.items():
+            if tag == "grad/noise_scale" and not math.isfinite(value):
+                continue  # undefined on steps where the |G|^2 estimate is <= 0
             self.writer.add_scalar(tag, value, step)
         if self._noise_ema is not None and self._noise_ema[1] > 0:
             self.writer.add_scalar("grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step)

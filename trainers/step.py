@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from xshard import Reduction
+from xshard.errors import ConfigError
 from xshard.slots import cross_shard_state, get_hyperparams
 from xshard.stats import layer_norms, histogram, noise_scale, shard_norm_stats, tree_norm
 
@@ -120,7 +121,7 @@ def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.A
 def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
     """Returns ``step(state, batch) -> (state, metrics)``, to be jitted by the caller."""
     if spec.grad_impl not in GRAD_IMPLS:
-        raise ValueError(f"trainer.grad_impl={spec.grad_impl!r} is not one of {GRAD_IMPLS}.")
+        raise ConfigError(f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}.")
     axes = spec.data_axes
 
     def apply(params, opt_state, grads):

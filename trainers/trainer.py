@@ -23,6 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from trainers.step import StepSpec, TrainState, make_diagnostics, make_train_step
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
+from xshard.errors import ConfigError
+from xshard.mesh import check_batch_divisible
 
 logger = logging.getLogger(__name__)
 
@@ -86,20 +88,13 @@ class Trainer:
     ):
         self.task, self.tx, self.mesh = task, tx, mesh
         data_axes = tuple(data_axes)
-        missing = [a for a in data_axes if a not in mesh.shape]
-        if missing:
-            raise ValueError(f"data axes {missing} are not axes of the mesh {dict(mesh.shape)}.")
-        n = int(np.prod([mesh.shape[a] for a in data_axes]))
-        if global_batch_size % n:
-            raise ValueError(
-                f"trainer.batch_size={global_batch_size} is not divisible by the data-parallel "
-                f"size {n} (mesh axes {data_axes}); use a multiple of {n}."
-            )
-        if microbatches < 1 or (global_batch_size // n) % microbatches:
-            raise ValueError(
+        per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)
+        n = global_batch_size // per_shard
+        if microbatches < 1 or per_shard % microbatches:
+            raise ConfigError(
                 f"trainer.microbatches={microbatches} must be >= 1 and divide the per-shard "
-                f"batch {global_batch_size // n} (trainer.batch_size={global_batch_size} over "
-                f"{n} data shards)."
+                f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
+                "shards)."
             )
         self.spec = StepSpec(
             data_axes=data_axes,

@@ -10,11 +10,12 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-import xshard  # noqa: E402
+import xshard
 
 
 def main() -> None:

@@ -37,7 +37,9 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_pat
     )
     log = proc.stdout + proc.stderr
     assert len(re.findall(r"Finished XLA compilation of jit\(manual\)", log)) == 1
-    assert len(re.findall(r"Finished XLA compilation of jit\(diag\)", log)) == 2  # with/without hist
+    assert (
+        len(re.findall(r"Finished XLA compilation of jit\(diag\)", log)) == 2
+    )  # with/without hist
     assert f"tensorboard --logdir {run_dir / 'tb'}" in log
 
     events = load_events(run_dir / "tb")

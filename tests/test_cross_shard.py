@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 import xshard
 from xshard import Reduction
@@ -29,11 +30,14 @@ def mse(params, batch):
 def make_problem(batch_size=32, seed=0):
     kx, ky, kw = jax.random.split(jax.random.key(seed), 3)
     params = {"w": 0.1 * jax.random.normal(kw, (4, 3)), "b": jnp.zeros(3)}
-    batch = {"x": jax.random.normal(kx, (batch_size, 4)), "y": jax.random.normal(ky, (batch_size, 3))}
+    batch = {
+        "x": jax.random.normal(kx, (batch_size, 4)),
+        "y": jax.random.normal(ky, (batch_size, 3)),
+    }
     return params, batch
 
 
-def sharded_step(tx, mesh, axes=("data",), loss_fn=mse, batch_spec=P("data")):
+def sharded_step(tx, mesh, axes=("data",), loss_fn=mse, batch_spec=None):
     """A jitted shard_map step with per-shard gradients, returning (params, state, grads)."""
 
     def step(params, state, batch):
@@ -42,6 +46,7 @@ def sharded_step(tx, mesh, axes=("data",), loss_fn=mse, batch_spec=P("data")):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
+    batch_spec = P("data") if batch_spec is None else batch_spec
     return jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), batch_spec), out_specs=(P(), P()))
     )
@@ -115,7 +120,9 @@ def test_reduction_over_two_axes_equals_full_batch():
     tx = xshard.cross_shard(optax.sgd(0.1), "mean", axis_name=("dcn", "data"))
     step = sharded_step(tx, mesh, axes=("dcn", "data"), batch_spec=P(("dcn", "data")))
     p, _ = step(params, tx.init(params), batch)
-    expected = optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, jax.grad(mse)(params, batch)))
+    expected = optax.apply_updates(
+        params, jax.tree.map(lambda g: -0.1 * g, jax.grad(mse)(params, batch))
+    )
     assert_trees_close(p, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -158,10 +165,12 @@ def test_one_shard_is_exactly_the_inner_optimizer():
 def test_gspmd_mean_is_identity_and_sum_scales_by_mesh_axis_size():
     g = {"w": jnp.arange(4.0)}
     mesh = make_mesh((2, 4), ("replica", "data"))
-    with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):
         mean = jax.jit(lambda g: xshard.reduce_gradients(g, "mean"))(g)
         total = jax.jit(lambda g: xshard.reduce_gradients(g, "sum"))(g)
-        both = jax.jit(lambda g: xshard.reduce_gradients(g, "sum", axis_name=("replica", "data")))(g)
+        both = jax.jit(lambda g: xshard.reduce_gradients(g, "sum", axis_name=("replica", "data")))(
+            g
+        )
     np.testing.assert_array_equal(mean["w"], g["w"])
     np.testing.assert_array_equal(total["w"], 4 * g["w"])
     np.testing.assert_array_equal(both["w"], 8 * g["w"])
@@ -184,9 +193,11 @@ def test_gspmd_sum_without_mesh_warns_and_assumes_one_shard(caplog):
 
 
 def test_gspmd_axis_not_in_mesh_is_an_error():
-    with jax.set_mesh(make_mesh()):
-        with pytest.raises(ValueError, match=r"'model'.*not an axis of the mesh.*'data'"):
-            xshard.reduce_gradients({"w": jnp.ones(2)}, "sum", axis_name="model")
+    with (
+        jax.set_mesh(make_mesh()),
+        pytest.raises(ValueError, match=r"'model'.*not an axis of the mesh.*'data'"),
+    ):
+        xshard.reduce_gradients({"w": jnp.ones(2)}, "sum", axis_name="model")
 
 
 def test_per_shard_options_outside_shard_map_are_errors():
@@ -206,7 +217,9 @@ def test_gradients_of_replicated_params_raise_the_double_count_error():
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    f = jax.jit(jax.shard_map(step, mesh=make_mesh(), in_specs=(P(), P(), P("data")), out_specs=(P(), P())))
+    f = jax.jit(
+        jax.shard_map(step, mesh=make_mesh(), in_specs=(P(), P(), P("data")), out_specs=(P(), P()))
+    )
     with pytest.raises(xshard.DoubleReductionError, match=r"already invariant.*pcast"):
         f(params, tx.init(params), batch)
 
@@ -310,7 +323,9 @@ def test_nonfinite_on_one_shard_makes_every_shard_skip():
     bad = dict(batch, x=batch["x"].at[5, 0].set(jnp.nan))  # row 5 lives on shard 1 only
     new_params, new_state = step(params, state, bad)
     jax.tree.map(np.testing.assert_array_equal, new_params, params)
-    jax.tree.map(np.testing.assert_array_equal, xshard.inner_state(new_state), xshard.inner_state(state))
+    jax.tree.map(
+        np.testing.assert_array_equal, xshard.inner_state(new_state), xshard.inner_state(state)
+    )
     assert int(new_state.skipped_steps) == 1 and int(new_state.consecutive_skipped) == 1
     new_params, new_state = step(new_params, new_state, bad)
     assert int(new_state.skipped_steps) == 2 and int(new_state.consecutive_skipped) == 2
@@ -354,7 +369,9 @@ def test_adam_slots_match_params_structure():
     assert xshard.get_slot_names(state) == ["mu", "nu"]
     mu = xshard.get_slot(state, "mu")
     assert jax.tree.structure(mu) == jax.tree.structure(params)
-    assert_trees_close(mu, jax.tree.map(lambda g: 0.1 * g, jax.grad(mse)(params, batch)), rtol=1e-5, atol=1e-7)
+    assert_trees_close(
+        mu, jax.tree.map(lambda g: 0.1 * g, jax.grad(mse)(params, batch)), rtol=1e-5, atol=1e-7
+    )
     assert xshard.get_slot(state, "no_such_slot") is None
 
 

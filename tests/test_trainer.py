@@ -4,19 +4,22 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 import xshard
-from trainers.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
+from trainers.trainer import Hook, Trainer
 
 BATCH = 32
 
 
 def mesh_of(shape, names):
     n = int(np.prod(shape))
-    return Mesh(np.array(jax.devices()[:n]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape))
+    return Mesh(
+        np.array(jax.devices()[:n]).reshape(shape), names, axis_types=(AxisType.Auto,) * len(shape)
+    )
 
 
 class Recorder(Hook):
@@ -32,7 +35,9 @@ class Recorder(Hook):
 
 
 def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, **kwargs):
-    tx = xshard.cross_shard(optax.inject_hyperparams(optax.adam)(learning_rate=3e-3), reduction, skip_nonfinite=True)
+    tx = xshard.cross_shard(
+        optax.inject_hyperparams(optax.adam)(learning_rate=3e-3), reduction, skip_nonfinite=True
+    )
     trainer = Trainer(task, tx, mesh, global_batch_size=batch, reduction=reduction, **kwargs)
     first = next(iter(task.batches(batch, seed=0)))
     state = trainer.init(trainer.init_params(first))
@@ -101,7 +106,10 @@ def test_diagnostics_give_per_parameter_norms_and_histograms(mlp):
     state = trainer.init(trainer.init_params(batch))
     diag = jax.device_get(trainer.diagnostics(state, batch, histograms=True))
     grads = jax.grad(lambda p: mlp.loss(p, batch, None)[0])(jax.device_get(state.params))
-    expected = {xshard.stats.path_str(k): np.linalg.norm(v) for k, v in jax.tree_util.tree_leaves_with_path(grads)}
+    expected = {
+        xshard.stats.path_str(k): np.linalg.norm(v)
+        for k, v in jax.tree_util.tree_leaves_with_path(grads)
+    }
     assert diag["grad_norms"].keys() == expected.keys()
     for name, norm in expected.items():
         np.testing.assert_allclose(diag["grad_norms"][name], norm, rtol=1e-4)
@@ -110,21 +118,32 @@ def test_diagnostics_give_per_parameter_norms_and_histograms(mlp):
 
 
 def grads_size(grads, name):
-    return {xshard.stats.path_str(k): v.size for k, v in jax.tree_util.tree_leaves_with_path(grads)}[name]
+    return {
+        xshard.stats.path_str(k): v.size for k, v in jax.tree_util.tree_leaves_with_path(grads)
+    }[name]
 
 
 def test_batch_not_divisible_by_data_parallel_size_is_a_clear_error(mlp):
-    with pytest.raises(ValueError, match=r"trainer.batch_size=30 is not divisible by the data-parallel size 8"):
-        Trainer(mlp, xshard.cross_shard(optax.sgd(0.1)), mesh_of((8,), ("data",)), global_batch_size=30)
+    with pytest.raises(
+        ValueError, match=r"trainer.batch_size=30 is not divisible by the data-parallel size 8"
+    ):
+        Trainer(
+            mlp, xshard.cross_shard(optax.sgd(0.1)), mesh_of((8,), ("data",)), global_batch_size=30
+        )
     with pytest.raises(ValueError, match=r"trainer.microbatches=3"):
-        Trainer(mlp, xshard.cross_shard(optax.sgd(0.1)), mesh_of((8,), ("data",)), global_batch_size=32,
-                microbatches=3)
+        Trainer(
+            mlp,
+            xshard.cross_shard(optax.sgd(0.1)),
+            mesh_of((8,), ("data",)),
+            global_batch_size=32,
+            microbatches=3,
+        )
 
 
 def test_tiny_gpt_on_data_x_model_mesh_shards_params_over_model():
     task = TinyGPTTask(d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16)
     mesh = mesh_of((4, 2), ("data", "model"))
-    params, losses, _, trainer = train(task, mesh, steps=6, batch=16)
+    _, losses, _, trainer = train(task, mesh, steps=6, batch=16)
     assert losses[-1] < losses[0]
     first = next(iter(task.batches(16, seed=0)))
     state = trainer.init(trainer.init_params(first))

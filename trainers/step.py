@@ -18,12 +18,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.slots import cross_shard_state, get_hyperparams
-from xshard.stats import layer_norms, histogram, noise_scale, shard_norm_stats, tree_norm
+from xshard.stats import histogram, layer_norms, noise_scale, shard_norm_stats, tree_norm
 
 GRAD_IMPLS = ("manual", "gspmd")
 
@@ -121,7 +122,9 @@ def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.A
 def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
     """Returns ``step(state, batch) -> (state, metrics)``, to be jitted by the caller."""
     if spec.grad_impl not in GRAD_IMPLS:
-        raise ConfigError(f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}.")
+        raise ConfigError(
+            f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
+        )
     axes = spec.data_axes
 
     def apply(params, opt_state, grads):

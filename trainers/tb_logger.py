@@ -52,7 +52,9 @@ class TensorBoardHook(Hook):
         self._noise_ema: list[float] | None = None  # [tr(Sigma), |G|^2], every step
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
-            self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()), 0)
+            self.writer.add_text(
+                "config", "\n".join("    " + line for line in config_yaml.splitlines()), 0
+            )
         if hparams:
             exp, ssi, _ = hparams_summary(_hparam_values(hparams), {FINAL_LOSS_TAG: 0.0})
             self.writer.file_writer.add_summary(exp)
@@ -78,7 +80,9 @@ class TensorBoardHook(Hook):
                 continue  # undefined on steps where the |G|^2 estimate is <= 0
             self.writer.add_scalar(tag, value, step)
         if self._noise_ema is not None and self._noise_ema[1] > 0:
-            self.writer.add_scalar("grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step)
+            self.writer.add_scalar(
+                "grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step
+            )
         start_step, start_time = self._window_start
         if step > start_step and now > start_time:
             rate = (step - start_step) / (now - start_time)
@@ -133,6 +137,4 @@ class TensorBoardHook(Hook):
 
 def _hparam_values(hparams: dict[str, Any]) -> dict[str, bool | str | float | int]:
     """HParams accepts bool/str/int/float only: everything else is shown as a string."""
-    return {
-        k: v if isinstance(v, (bool, str, int, float)) else str(v) for k, v in hparams.items()
-    }
+    return {k: v if isinstance(v, (bool, str, int, float)) else str(v) for k, v in hparams.items()}

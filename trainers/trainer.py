@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainers.step import StepSpec, TrainState, make_diagnostics, make_train_step
 from trainers.tasks.sharding import param_specs
@@ -116,7 +117,9 @@ class Trainer:
 
     def param_shardings(self, params: Any) -> Any:
         """NamedShardings of `params` from the task's sharding rules (replicated over data)."""
-        specs = param_specs(params, self.task.sharding_rules, self.mesh.axis_names, dict(self.mesh.shape))
+        specs = param_specs(
+            params, self.task.sharding_rules, self.mesh.axis_names, dict(self.mesh.shape)
+        )
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
 
     def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
@@ -178,7 +181,9 @@ class Trainer:
         self._report_compile = True
         logger.info("Compiled the train step in %.2f s.", self.compile_seconds)
 
-    def step(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(
+        self, state: TrainState, batch: dict[str, Any]
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
         The step is compiled ahead of time on the first call; later calls reuse that

@@ -44,7 +44,7 @@ class Reduction(enum.StrEnum):
     MEAN = "mean"
 
     @classmethod
-    def parse(cls, value: "Reduction | str", *, key: str = "reduction") -> "Reduction":
+    def parse(cls, value: Reduction | str, *, key: str = "reduction") -> Reduction:
         """Returns the `Reduction` for `value` ("sum"/"mean" in any case, or a member).
 
         Raises:
@@ -80,7 +80,9 @@ class DoubleReductionError(ValueError):
 def _axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"axis_name must be a non-empty axis name or tuple of names, got {axis_name!r}.")
+        raise ValueError(
+            f"axis_name must be a non-empty axis name or tuple of names, got {axis_name!r}."
+        )
     if len(set(names)) != len(names):
         raise ValueError(f"axis_name has duplicate axes: {names!r}.")
     return names
@@ -285,7 +287,9 @@ def cross_shard(
             inner.init(params),
             jnp.zeros((), jnp.int32),
             jnp.zeros((), jnp.int32),
-            GradSummary(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)),
+            GradSummary(
+                jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+            ),
         )
 
     def update_fn(updates, state, params=None, *, shard_weight=None, **extra_args):

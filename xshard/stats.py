@@ -135,8 +135,9 @@ def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
     hi = jnp.max(jnp.where(finite, v, -jnp.inf), initial=-jnp.inf)
     lo, hi = jnp.where(lo <= hi, lo, 0.0), jnp.where(lo <= hi, hi, 0.0)
     hi = jnp.where(hi > lo, hi, lo + 1e-12)
-    counts, edges = jnp.histogram(jnp.where(finite, v, lo), bins=bins, range=(lo, hi),
-                                  weights=finite.astype(jnp.float32))
+    counts, edges = jnp.histogram(
+        jnp.where(finite, v, lo), bins=bins, range=(lo, hi), weights=finite.astype(jnp.float32)
+    )
     clean = jnp.where(finite, v, 0.0)
     return {
         "min": lo,

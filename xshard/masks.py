@@ -13,24 +13,13 @@ from typing import Any
 import jax
 
 from xshard.errors import ConfigError
+from xshard.stats import path_names
 from xshard.targets import DEFAULT_ALLOWED_TARGETS, resolve_target
 
 Mask = Callable[[Any], Any]
 
 #: Path components that mark a parameter as a bias or a normalisation scale/offset.
 _NO_DECAY = re.compile(r"bias|scale|norm", re.IGNORECASE)
-
-
-def _path_names(path: tuple[Any, ...]) -> list[str]:
-    names = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-        else:
-            names.append(str(k))
-    return names
 
 
 def no_bias_no_norm(params: Any) -> Any:
@@ -46,7 +35,7 @@ def no_bias_no_norm(params: Any) -> Any:
     def decay(path: tuple[Any, ...], x: Any) -> bool:
         if getattr(x, "ndim", 0) < 2:
             return False
-        return not any(_NO_DECAY.search(name) for name in _path_names(path))
+        return not any(_NO_DECAY.search(name) for name in path_names(path))
 
     return jax.tree_util.tree_map_with_path(decay, params)
 

@@ -114,17 +114,22 @@ def layer_norms(tree: Any) -> dict[str, jax.Array]:
     return out
 
 
-def path_str(path: Sequence[Any]) -> str:
-    """'a/0/b' for a pytree key path (DictKey, SequenceKey, GetAttrKey, ...)."""
-    parts = []
+def path_names(path: Sequence[Any]) -> list[str]:
+    """['a', '0', 'b'] for a pytree key path (DictKey, SequenceKey, GetAttrKey, ...)."""
+    names = []
     for k in path:
         for attr in ("key", "idx", "name"):
             if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
+                names.append(str(getattr(k, attr)))
                 break
         else:
-            parts.append(str(k))
-    return "/".join(parts)
+            names.append(str(k))
+    return names
+
+
+def path_str(path: Sequence[Any]) -> str:
+    """'a/0/b' for a pytree key path: the parameter names of logs and sharding rules."""
+    return "/".join(path_names(path))
 
 
 def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:

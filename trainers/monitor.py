@@ -9,6 +9,7 @@ import time
 from tqdm import tqdm
 
 from trainers.trainer import Hook, TrainState
+from xshard.errors import ConfigError
 
 
 class NonFiniteError(RuntimeError):
@@ -18,28 +19,57 @@ class NonFiniteError(RuntimeError):
 class NonFiniteMonitor(Hook):
     """Stops the run when training goes bad.
 
-    * a non-finite loss while the optimizer does not skip non-finite steps;
+    * a non-finite loss or reduced gradient while the optimizer does not skip non-finite
+      steps (``reduction.skip_nonfinite=false``): the params of that step are already bad;
     * more than `max_consecutive` skipped (non-finite) steps in a row.
 
-    Raises `NonFiniteError`, so no later checkpoint is written with non-finite values.
+    It raises `NonFiniteError` from `on_step`, and `Trainer.fit` hands a state to the
+    checkpoint hook only after every hook saw that state's metrics: no checkpoint of a bad
+    step is written.
+
+    Args:
+      skip_nonfinite: whether the optimizer skips steps with a non-finite reduced gradient.
+      max_consecutive: how many skipped steps in a row are tolerated (``>= 0``).
+
+    Raises:
+      ConfigError: if `max_consecutive` is not an integer >= 0.
     """
 
     def __init__(self, *, skip_nonfinite: bool, max_consecutive: int):
+        if (
+            isinstance(max_consecutive, bool)
+            or not isinstance(max_consecutive, int)
+            or max_consecutive < 0
+        ):
+            raise ConfigError(
+                f"trainer.max_consecutive_nonfinite={max_consecutive!r}: expected an integer "
+                ">= 0 (the number of skipped non-finite steps in a row that is tolerated)."
+            )
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive = max_consecutive
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        loss = metrics.get("train/loss", 0.0)
-        if not self.skip_nonfinite and not math.isfinite(loss):
-            raise NonFiniteError(
-                f"Non-finite loss ({loss}) at step {step} and reduction.skip_nonfinite=false: "
-                "stopping. Enable reduction.skip_nonfinite=true to skip such steps."
-            )
+        if not self.skip_nonfinite:
+            loss = metrics.get("train/loss", 0.0)
+            bad_grads = metrics.get("grad/nonfinite", 0.0)
+            if not math.isfinite(loss) or bad_grads:
+                what = (
+                    f"loss {loss}"
+                    if not math.isfinite(loss)
+                    else f"{bad_grads:.0f} gradient values"
+                )
+                raise NonFiniteError(
+                    f"Non-finite {what} at step {step} with reduction.skip_nonfinite=false: "
+                    "stopping (the params of this step are not saved). Set "
+                    "reduction.skip_nonfinite=true to skip such steps instead."
+                )
+            return
         run = int(metrics.get("train/consecutive_skipped", 0))
-        if self.skip_nonfinite and run > self.max_consecutive:
+        if run > self.max_consecutive:
             raise NonFiniteError(
-                f"{run} consecutive steps with non-finite gradients (up to step {step}) exceed "
-                f"trainer.max_consecutive_nonfinite={self.max_consecutive}: stopping."
+                f"{run} consecutive steps with a non-finite gradient were skipped (up to step "
+                f"{step}), more than trainer.max_consecutive_nonfinite={self.max_consecutive}: "
+                "stopping. Check the data and the learning rate; the last checkpoint is intact."
             )
 
 

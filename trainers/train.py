@@ -2,8 +2,16 @@
 
     python -m trainers.train task=mlp optimizer=adam optimizer.learning_rate=3e-4 reduction=sum
     python -m trainers.train -m reduction=sum,mean optimizer=sgd,adam      # a sweep
+    python -m trainers.train task=mlp hydra.run.dir=runs/a    # rerun it to resume from runs/a
 
-Returns the final training loss, so optimizing sweepers can use it.
+Returns the final training loss, so optimizing sweepers can use it. Exit status (see
+docs/reliability.md):
+
+    0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
+    1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
+    2   bad config or input (ConfigError) or an unusable checkpoint (CheckpointError)
+    3   training went non-finite and was stopped (NonFiniteError); earlier checkpoints intact
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint: rerun the command to resume
 """
 
 from __future__ import annotations
@@ -15,10 +23,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.preemption import EXIT_PREEMPTED
+from trainers.preflight import EXIT_CONFIG_ERROR
+
 log = logging.getLogger("trainers.train")
 
-# Exit codes (documented in the README).
-EXIT_CONFIG_ERROR = 2
+# Exit statuses (docstring above): 2 and 75 are defined next to the code that exits with them.
+EXIT_NONFINITE = 3
 
 
 def _hparams(cfg: DictConfig) -> dict[str, Any]:
@@ -41,8 +52,49 @@ def _hparams(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def build_task(cfg: DictConfig) -> Any:
+    """Instantiates ``cfg.task`` after checking its ``_target_`` against the allowlist.
+
+    The task's keys other than ``_target_`` are passed as plain values (nested ``_target_``
+    nodes are not instantiated), so a config cannot make the run call anything but an
+    allowed task class (``trainers.*``, ``xshard.*``, ``optax.*`` and ``allowed_targets``).
+
+    Raises:
+      ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
+        the task rejects.
+    """
+    from xshard.config_nodes import check_kwargs, mapping, section
+    from xshard.errors import ConfigError
+    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
+
+    kwargs = mapping(section(cfg, "task", required=True), "task")
+    target = kwargs.pop("_target_", None)
+    if target is None:
+        raise ConfigError(
+            "task._target_ is required, e.g. trainers.tasks.mlp.MLPTask; or "
+            "choose an option of the 'task' group (task=mlp)."
+        )
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    factory = resolve_target(target, allowed, key="task._target_")
+    check_kwargs(factory, kwargs, "task", target)
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"task ({target}): {e}") from e
+
+
 def train(cfg: DictConfig) -> float:
-    """Builds everything from `cfg`, trains, and returns the final loss."""
+    """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
+
+    Returns:
+      The final training loss.
+
+    Raises:
+      ConfigError: for a bad config value (before any training work).
+      CheckpointError: if the checkpoint to resume from is incompatible or corrupted.
+      NonFiniteError: if training went non-finite beyond what the config tolerates.
+      Preempted: if a signal stopped the run (after saving a checkpoint).
+    """
     # ------------------------------------------------------------------ devices and mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
     from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
@@ -52,33 +104,56 @@ def train(cfg: DictConfig) -> float:
 
     import jax
 
+    from trainers.checkpointing import CheckpointHook, CheckpointOptions, run_config
     from trainers.monitor import NonFiniteMonitor, ProgressHook
+    from trainers.preemption import Preempted, StopOnSignal
+    from trainers.preflight import check_writable_dir
+    from trainers.resume import find_resume_source, restore_checkpoint
     from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
+    from xshard.errors import ConfigError
     from xshard.factory import build_optimizer
 
     mesh = build_mesh(cfg.mesh)
     data_axes = mesh_data_axes(cfg.mesh)
     check_batch_divisible(cfg.trainer.batch_size, mesh, data_axes)
-    if cfg.trainer.steps <= 0:
-        raise ValueError(f"trainer.steps={cfg.trainer.steps}: must be a positive number of steps.")
+    num_steps = cfg.trainer.steps
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps <= 0:
+        raise ConfigError(f"trainer.steps={num_steps!r}: expected a positive number of steps.")
+
+    # ------------------------------------------------------------------ outputs
+    if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
+        logging.getLogger("absl").setLevel(logging.WARNING)
+    ckpt = CheckpointOptions.from_config(cfg.checkpoint)
+    check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
+    if ckpt.enabled:
+        check_writable_dir(cfg.paths.checkpoint_dir, "paths.checkpoint_dir")
+    # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
+    source = find_resume_source(cfg.paths.checkpoint_dir, cfg.trainer.resume_from)
 
     # ------------------------------------------------------------------ task and optimizer
-    task = hydra.utils.instantiate(cfg.task, _convert_="all")
+    task = build_task(cfg)
     tx = build_optimizer(cfg, mesh=mesh)
-    trainer = Trainer(
-        task,
-        tx,
-        mesh,
-        data_axes=data_axes,
-        global_batch_size=cfg.trainer.batch_size,
-        microbatches=cfg.trainer.microbatches,
-        grad_impl=cfg.trainer.grad_impl,
-        reduction=cfg.reduction.mode,
-        seed=cfg.seed,
+    monitor = NonFiniteMonitor(
+        skip_nonfinite=bool(cfg.reduction.get("skip_nonfinite", False)),
+        max_consecutive=cfg.trainer.max_consecutive_nonfinite,
     )
+    try:
+        trainer = Trainer(
+            task,
+            tx,
+            mesh,
+            data_axes=data_axes,
+            global_batch_size=cfg.trainer.batch_size,
+            microbatches=cfg.trainer.microbatches,
+            grad_impl=cfg.trainer.grad_impl,
+            reduction=cfg.reduction.mode,
+            seed=cfg.seed,
+        )
+    except ValueError as e:  # the trainer validates its trainer.* arguments
+        raise ConfigError(str(e)) from e
 
-    # ------------------------------------------------------------------ state and data
+    # ------------------------------------------------------------------ state: new or restored
     def batches(start_step: int):
         return task.batches(
             cfg.trainer.batch_size,
@@ -88,8 +163,19 @@ def train(cfg: DictConfig) -> float:
             process_count=jax.process_count(),
         )
 
-    first = next(iter(batches(0)))
+    first = next(iter(batches(0)), None)
+    if first is None:
+        raise ConfigError(
+            f"task={cfg.task.get('name', 'task')} yields no batch of "
+            f"trainer.batch_size={cfg.trainer.batch_size} (finite data too small?)."
+        )
     state = trainer.init(trainer.init_params(first))
+    config = run_config(cfg)
+    # The step restores the RNG and the data position too: both are pure functions of it.
+    if source is not None:
+        state = restore_checkpoint(
+            source, state, config, fallback_to_previous=ckpt.fallback_to_previous
+        )
     start_step = int(jax.device_get(state.step))
 
     # ------------------------------------------------------------------ hooks
@@ -97,46 +183,87 @@ def train(cfg: DictConfig) -> float:
         cfg.paths.tb_dir,
         log_every=cfg.trainer.log_every,
         global_batch_size=cfg.trainer.batch_size,
-        num_steps=cfg.trainer.steps,
+        num_steps=num_steps,
         hparams=_hparams(cfg),
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
         flush_secs=cfg.logger.flush_secs,
     )
     hooks = [
-        NonFiniteMonitor(
-            skip_nonfinite=bool(cfg.reduction.get("skip_nonfinite", False)),
-            max_consecutive=cfg.trainer.max_consecutive_nonfinite,
-        ),
+        monitor,  # first: a bad step raises before any other hook sees it
         tb,
-        ProgressHook(start_step=start_step, num_steps=cfg.trainer.steps, enabled=cfg.trainer.progress),
+        ProgressHook(start_step=start_step, num_steps=num_steps, enabled=cfg.trainer.progress),
     ]
+    if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
+        hooks.append(CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config))
 
     # ------------------------------------------------------------------ train
-    log.info("Training %s for %d steps on mesh %s (data axes %s).",
-             cfg.task.get("name", "task"), cfg.trainer.steps, dict(mesh.shape), data_axes)
-    state, reason = trainer.fit(
-        state,
-        batches(start_step),
-        num_steps=cfg.trainer.steps,
-        hooks=hooks,
-        layer_stats_every=cfg.trainer.layer_stats_every,
-        histogram_every=cfg.trainer.histogram_every,
+    log.info(
+        "Training %s for %d steps on mesh %s (data axes %s), from step %d.",
+        cfg.task.get("name", "task"),
+        num_steps,
+        dict(mesh.shape),
+        data_axes,
+        start_step,
     )
+    with StopOnSignal() as stop:
+        state, reason = trainer.fit(
+            state,
+            batches(start_step),
+            num_steps=num_steps,
+            hooks=hooks,
+            layer_stats_every=cfg.trainer.layer_stats_every,
+            histogram_every=cfg.trainer.histogram_every,
+            should_stop=stop,
+        )
+    step = int(jax.device_get(state.step))
     final = tb.last_loss if tb.last_loss is not None else float("nan")
-    log.info("Finished (%s) at step %d, final loss %.5f.", reason, int(jax.device_get(state.step)), final)
-    log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.paths.tb_dir, cfg.paths.tb_dir)
+    log.info("Finished (%s) at step %d, final loss %.5f.", reason, step, final)
+    log.info(
+        "TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.paths.tb_dir, cfg.paths.tb_dir
+    )
+    saved = (
+        f"checkpoint saved in {cfg.paths.checkpoint_dir}/{step}"
+        if ckpt.enabled
+        else ("no checkpoint written (checkpoint.enabled=false)")
+    )
+    if reason == "data_exhausted":
+        log.warning(
+            "The data ran out after step %d of trainer.steps=%d: ended cleanly, %s.",
+            step,
+            num_steps,
+            saved,
+        )
+    if stop() and step < num_steps:
+        raise Preempted(
+            f"Stopped by {stop.signal_name} at step {step} of {num_steps}; {saved}. Rerun the "
+            "same command (same hydra.run.dir) to resume from the latest checkpoint."
+        )
     return final
+
+
+def _exit(error: BaseException, code: int, label: str = "error") -> None:
+    """Reports `error` in one line (log file and stderr) and exits with `code`."""
+    log.log(logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, "%s", error)
+    print(f"xshard: {label}: {error}", file=sys.stderr)
+    sys.exit(code)
 
 
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """Hydra main: trains and returns the final loss; config errors exit with code 2."""
+    """Hydra main: trains and returns the final loss, or exits with a documented status."""
+    from trainers.checkpointing import CheckpointError
+    from trainers.monitor import NonFiniteError
+    from trainers.preemption import Preempted
+    from xshard.errors import ConfigError
+
     try:
         return train(cfg)
-    except ValueError as e:  # config errors name the key, the value and what is allowed
-        log.error("%s", e)
-        print(f"xshard: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG_ERROR)
+    except Preempted as e:
+        _exit(e, EXIT_PREEMPTED, label="preempted")
+    except NonFiniteError as e:
+        _exit(e, EXIT_NONFINITE)
+    except (ConfigError, CheckpointError) as e:  # name the key, the value and what is allowed
+        _exit(e, EXIT_CONFIG_ERROR)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,15 @@ Params: `{"layers": [{"w": (fan_in, fan_out), "b": (fan_out,)}, ...]}`, i.e. pat
 "layers/0/w", "layers/0/b", ... Over a `model` mesh axis the hidden layers are column-parallel
 and the output layer row-parallel; on a mesh without `model` everything is replicated.
 
-Reliability-test hooks: `nan_at_step` puts a NaN in row 0 of the global batch at that step
-(so exactly one data shard sees a non-finite gradient); `num_examples` makes the data finite.
+Reliability-test hooks: `nan_at_step` (a step or a list of steps) puts a NaN in row 0 of the
+global batch at those data steps (so exactly one data shard sees a non-finite gradient; the
+batch of data step s makes update s + 1); `num_examples` makes the data finite.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,18 @@ def _teacher_apply(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -
     return h
 
 
+def _steps(value: int | Sequence[int] | None) -> frozenset[int]:
+    """`task.nan_at_step` as a set of steps: null, one integer or a list of integers."""
+    values = [] if value is None else [value] if isinstance(value, Integral) else value
+    if isinstance(values, str | bytes) or not all(
+        isinstance(v, Integral) and not isinstance(v, bool) and v >= 0 for v in values
+    ):
+        raise ValueError(
+            f"task.nan_at_step={value!r}: expected null, a step >= 0 or a list of steps."
+        )
+    return frozenset(int(v) for v in values)
+
+
 class MLPTask:
     """Teacher-student MLP regression.
 
@@ -64,7 +78,8 @@ class MLPTask:
       teacher_hidden: hidden sizes of the teacher MLP (tanh activations).
       teacher_seed: seed of the teacher's weights (fixed, independent of the run seed).
       noise_std: standard deviation of Gaussian noise added to the targets.
-      nan_at_step: if set, at this step x has a NaN in row 0 of the global batch.
+      nan_at_step: a data step, or a list of them, at which x has a NaN in row 0 of the global
+        batch (the batch of data step s is used by update s + 1); null: never.
       num_examples: if set, the dataset is finite: `num_examples // global_batch_size` steps.
       name: the task's name (for logging; not used otherwise).
     """
@@ -78,7 +93,7 @@ class MLPTask:
         teacher_hidden: Sequence[int] = (32,),
         teacher_seed: int = 1234,
         noise_std: float = 0.0,
-        nan_at_step: int | None = None,
+        nan_at_step: int | Sequence[int] | None = None,
         num_examples: int | None = None,
         name: str = "mlp",
     ):
@@ -95,7 +110,7 @@ class MLPTask:
         self.teacher_hidden = tuple(int(h) for h in teacher_hidden)
         self.teacher_seed = int(teacher_seed)
         self.noise_std = float(noise_std)
-        self.nan_at_step = None if nan_at_step is None else int(nan_at_step)
+        self.nan_steps = _steps(nan_at_step)
         self.num_examples = None if num_examples is None else int(num_examples)
         self.name = name
         self._teacher_layers = _teacher(
@@ -187,7 +202,7 @@ class MLPTask:
         if self.noise_std:
             y = y + self.noise_std * rng.standard_normal(y.shape)
         x = x.astype(np.float32)
-        if self.nan_at_step is not None and step == self.nan_at_step:
+        if step in self.nan_steps:
             x[0, 0] = np.nan
         return {"x": x, "y": y.astype(np.float32)}
 

@@ -1,0 +1,276 @@
+"""Orbax checkpoints of the `TrainState`, saved by a trainer `Hook`.
+
+Layout under ``paths.checkpoint_dir`` (Orbax's `CheckpointManager`, one folder per step)::
+
+    checkpoints/
+      100/
+        state/       TrainState(step, params, opt_state), ocp.args.StandardSave (no pickle)
+        metadata/    JSON: format, step, the run's config, the state's signature and checksums
+      200/ ...
+
+`CheckpointHook` saves on every ``checkpoint.every_steps``-th step and at the end of the run
+("done", "data_exhausted", "stopped"; never on "error"), asynchronously when
+``checkpoint.async_save``. `Trainer.fit` hands a state to the hook only after every hook saw
+that step's metrics, so `NonFiniteMonitor` has already stopped a run that went bad; the hook
+also checks on device that params and optimizer slots are finite and refuses to write
+otherwise (cheap: one small reduction per save). Orbax writes into a temporary folder and
+renames it when complete, so a crash or ``kill -9`` during a save leaves the previous
+checkpoints valid; the next run's manager removes the unfinished folder.
+
+The metadata makes a checkpoint checkable before and after its arrays are read: see
+`trainers.resume`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from omegaconf import DictConfig, OmegaConf
+
+from trainers.monitor import NonFiniteError
+from trainers.trainer import Hook, TrainState
+from xshard.config_nodes import mapping
+from xshard.errors import ConfigError
+from xshard.slots import inner_state
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "xshard.checkpoint/1"
+STATE_ITEM = "state"
+METADATA_ITEM = "metadata"
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be used: missing, incompatible with the run, or corrupted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """The ``checkpoint`` config node.
+
+    Attributes:
+      enabled: write checkpoints (restoring does not depend on it).
+      every_steps: save every N steps (0: only at the end of the run).
+      keep: keep the last K checkpoints (null: all).
+      keep_period: also keep every M-th step forever (null: none).
+      async_save: write in a background thread; the step loop does not wait.
+      fallback_to_previous: restore the previous step when the latest is corrupted.
+    """
+
+    enabled: bool = True
+    every_steps: int = 100
+    keep: int | None = 3
+    keep_period: int | None = None
+    async_save: bool = True
+    fallback_to_previous: bool = False
+
+    @classmethod
+    def from_config(cls, node: Any) -> CheckpointOptions:
+        """Reads and validates the ``checkpoint`` node.
+
+        Raises:
+          ConfigError: for an unknown key or a bad value, naming the key.
+        """
+        if OmegaConf.is_config(node):
+            node = OmegaConf.to_container(node, resolve=True)
+        values = mapping(node, "checkpoint")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"checkpoint.{key}: unknown key. Allowed keys: {names}.")
+        opts = cls(**values)
+        for key in ("enabled", "async_save", "fallback_to_previous"):
+            if not isinstance(getattr(opts, key), bool):
+                raise ConfigError(
+                    f"checkpoint.{key}={getattr(opts, key)!r}: expected true or false."
+                )
+        _check_int(opts.every_steps, "checkpoint.every_steps", 0, "0 (only at the end) or more")
+        if opts.enabled:
+            _check_int(opts.keep, "checkpoint.keep", 1, "null (keep all) or >= 1", nullable=True)
+            _check_int(opts.keep_period, "checkpoint.keep_period", 1, "null or >= 1", nullable=True)
+        return opts
+
+
+def _check_int(value: Any, key: str, minimum: int, allowed: str, *, nullable: bool = False) -> None:
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{key}={value!r}: expected an integer, {allowed}.")
+
+
+def run_config(cfg: DictConfig) -> dict[str, Any]:
+    """The run's resolved config as plain JSON-able values, without the machine-local `paths`."""
+    return {
+        k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+        for k, v in ((k, cfg[k]) for k in cfg if k != "paths")
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Signature and integrity of a state
+# --------------------------------------------------------------------------------------------
+
+
+def state_signature(state: Any) -> dict[str, list]:
+    """``{leaf path: [shape, dtype]}`` of a state (arrays or `jax.ShapeDtypeStruct`s)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return {jax.tree_util.keystr(p): [list(x.shape), str(x.dtype)] for p, x in leaves}
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as uint32 words (narrower dtypes widened, 64-bit ones split)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """Position-weighted sum of the words of `x`, mod 2**32: any single changed word shows.
+
+    The flat position is built from per-dimension iotas rather than by flattening `x`, which
+    would need a resharding on meshes with explicit axes.
+    """
+    words = _words(x)
+    position, stride = jnp.zeros(words.shape, jnp.uint32), 1
+    for dim in reversed(range(words.ndim)):
+        iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, dim)
+        position, stride = position + iota * jnp.uint32(stride % 2**32), stride * words.shape[dim]
+    return jnp.sum(words * (position * jnp.uint32(2) + jnp.uint32(1)), dtype=jnp.uint32)
+
+
+def _finite(tree: Any) -> jax.Array:
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+@jax.jit
+def _integrity(state: TrainState) -> tuple[jax.Array, list[jax.Array]]:
+    try:
+        slots = inner_state(state.opt_state)
+    except ValueError:  # not a cross_shard optimizer
+        slots = state.opt_state
+    # The cross-shard statistics of a skipped step are NaN by design: only params and slots.
+    return _finite((state.params, slots)), [_checksum(x) for x in jax.tree.leaves(state)]
+
+
+def integrity(state: TrainState) -> tuple[bool, dict[str, int]]:
+    """Whether params and optimizer slots are finite, and a checksum per leaf (on device).
+
+    Integer checksums do not depend on the summation order, so they are equal on any mesh.
+    """
+    finite, sums = jax.device_get(_integrity(state))
+    paths = state_signature(state)
+    return bool(finite), {p: int(s) for p, s in zip(paths, sums)}
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+
+
+class CheckpointHook(Hook):
+    """Saves the `TrainState` with Orbax: every `every_steps` steps and at the end.
+
+    Create it after the run's state was restored: its `CheckpointManager` removes unfinished
+    temporary folders and, after each save, old steps beyond `keep`.
+
+    Args:
+      directory: the run's checkpoint directory (``paths.checkpoint_dir``).
+      options: the ``checkpoint`` config.
+      config: the run's config (`run_config`), stored in each checkpoint's metadata.
+    """
+
+    def __init__(self, directory: str | Path, options: CheckpointOptions, config: dict[str, Any]):
+        self.directory = Path(directory)
+        self.options = options
+        self.config = config
+        self.manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=options.keep,
+                keep_period=options.keep_period,
+                enable_async_checkpointing=options.async_save,
+                cleanup_tmp_directories=True,
+            ),
+            item_names=(STATE_ITEM, METADATA_ITEM),
+        )
+        self.last_saved: int | None = self.manager.latest_step()
+        self._closed = False
+
+    def wants_state(self, step: int) -> bool:
+        return self.options.every_steps > 0 and step % self.options.every_steps == 0
+
+    def on_state(self, step: int, state: TrainState) -> None:
+        self.save(step, state)
+
+    def on_end(self, step: int, state: TrainState, reason: str) -> None:
+        if reason != "error":
+            self.save(step, state)
+            self.close()
+            return
+        try:  # let a save of an earlier, good step finish; never mask the run's error
+            self.close()
+        except Exception:
+            logger.exception("Waiting for the last checkpoint save failed.")
+        if self.last_saved is not None:
+            logger.info("Last checkpoint: step %d in %s.", self.last_saved, self.directory)
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Saves `state` as step `step` unless that step is already saved.
+
+        Raises:
+          NonFiniteError: if params or optimizer slots are not finite (nothing is written).
+        """
+        if self.last_saved is not None and step <= self.last_saved:
+            return
+        finite, checksums = integrity(state)
+        if not finite:
+            kept = "none yet" if self.last_saved is None else f"step {self.last_saved}, kept"
+            raise NonFiniteError(
+                f"Params or optimizer state are not finite at step {step}: no checkpoint is "
+                f"written (last checkpoint: {kept})."
+            )
+        metadata = {
+            "format": FORMAT,
+            "step": step,
+            "signature": state_signature(state),
+            "checksums": checksums,
+            "config": self.config,
+        }
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    STATE_ITEM: ocp.args.StandardSave(state),
+                    METADATA_ITEM: ocp.args.JsonSave(metadata),
+                }
+            ),
+            force=True,  # this hook decides the steps (wants_state, end of run)
+        )
+        self.last_saved = step
+        logger.info(
+            "Checkpoint step %d -> %s%s",
+            step,
+            self.directory / str(step),
+            " (writing in the background)" if self.options.async_save else "",
+        )
+
+    def close(self) -> None:
+        """Waits for pending saves and closes the manager (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.manager.wait_until_finished()
+            self.manager.close()

@@ -1,0 +1,100 @@
+"""SIGTERM / SIGINT as a request to stop cleanly: finish the step, checkpoint, exit 75.
+
+Preemptible machines (TPU spot VMs, Kubernetes, Slurm) send SIGTERM some seconds before they
+kill a job; Ctrl-C sends SIGINT. `StopOnSignal` turns the first such signal into a flag that
+`Trainer.fit(should_stop=...)` polls after every step, so the run ends with reason "stopped",
+its checkpoint hook saves that step, and `train.py` exits with `EXIT_PREEMPTED`. A second
+signal is handled as if the handlers were never installed (SIGTERM kills the process,
+SIGINT raises KeyboardInterrupt): the previous checkpoint stays valid, as after `kill -9`.
+
+Python runs signal handlers in the main thread between bytecodes: a signal that arrives while
+the main thread waits on the device (compilation, a long step) is seen when that wait ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Sequence
+from types import FrameType, TracebackType
+from typing import Any, Self
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a run stopped by a signal after saving a checkpoint (BSD EX_TEMPFAIL:
+#: "temporary failure, try again"): rerun the same command to resume.
+EXIT_PREEMPTED = 75
+
+DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after saving its state; rerunning the command resumes it."""
+
+
+class StopOnSignal:
+    """Context manager that records the first stop signal instead of dying on it.
+
+    Use the instance as the `should_stop` callable of `Trainer.fit`. On exit the previous
+    handlers are restored. Signals that were ignored (``SIG_IGN``, e.g. SIGINT of a background
+    job) stay ignored. Outside the main thread no handler can be installed: a warning is
+    logged and the instance never requests a stop.
+
+    Args:
+      signals: the signals to catch.
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals] = DEFAULT_SIGNALS):
+        self.signals = tuple(signals)
+        self.received: signal.Signals | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __call__(self) -> bool:
+        """True once a stop signal has been received."""
+        return self.received is not None
+
+    @property
+    def signal_name(self) -> str | None:
+        """Name of the received signal ("SIGTERM"), or None."""
+        return None if self.received is None else self.received.name
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        del frame
+        sig = signal.Signals(signum)
+        if self.received is None:
+            self.received = sig
+            logger.warning(
+                "Received %s: stopping after the current step and saving a checkpoint "
+                "(send it again to exit immediately).",
+                sig.name,
+            )
+            return
+        logger.warning("Received %s again: exiting immediately.", sig.name)
+        self._restore()
+        signal.raise_signal(sig)
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("Not in the main thread: SIGTERM/SIGINT will not stop training cleanly.")
+            return self
+        for sig in self.signals:
+            previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:
+                continue
+            self._previous[sig] = previous
+            signal.signal(sig, self._handle)
+        return self
+
+    def _restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._restore()

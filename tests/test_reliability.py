@@ -345,6 +345,12 @@ def compose_config(tmp_path):
         (["trainer.steps=0"], "trainer.steps=0"),
         (["trainer.steps=-3"], "trainer.steps=-3"),
         (["trainer.microbatches=3"], "trainer.microbatches=3"),
+        (["trainer.grad_impl=pjit"], "trainer.grad_impl='pjit' is not allowed"),
+        (
+            ["mesh=cpu4x2", "reduction.axis_name=[data,model]"],
+            "reduction.axis_name=['data', 'model'] must name the data-parallel axes",
+        ),
+        (["reduction.axis_name=fsdp"], "['fsdp'] not an axis of the mesh. Allowed: ['data']"),
         (["trainer.max_consecutive_nonfinite=-1"], "trainer.max_consecutive_nonfinite=-1"),
         (["checkpoint.keep=0"], "checkpoint.keep=0"),
         (

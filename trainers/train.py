@@ -83,6 +83,23 @@ def build_task(cfg: DictConfig) -> Any:
         raise ConfigError(f"task ({target}): {e}") from e
 
 
+def _check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
+    """The trainer reduces over exactly the axes it splits the batch over.
+
+    Reducing over fewer would leave replicas with different params; over more (a model axis)
+    would sum gradients of different parameter shards.
+    """
+    from xshard.errors import ConfigError
+
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if set(axes) != set(data_axes):
+        raise ConfigError(
+            f"reduction.axis_name={list(axes)} must name the data-parallel axes of the mesh, "
+            f"mesh.data_axes={list(data_axes)}: the batch is split over those, so gradients "
+            f"are reduced over them. Set reduction.axis_name={list(data_axes)}."
+        )
+
+
 def train(cfg: DictConfig) -> float:
     """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
 
@@ -138,20 +155,18 @@ def train(cfg: DictConfig) -> float:
         skip_nonfinite=bool(cfg.reduction.get("skip_nonfinite", False)),
         max_consecutive=cfg.trainer.max_consecutive_nonfinite,
     )
-    try:
-        trainer = Trainer(
-            task,
-            tx,
-            mesh,
-            data_axes=data_axes,
-            global_batch_size=cfg.trainer.batch_size,
-            microbatches=cfg.trainer.microbatches,
-            grad_impl=cfg.trainer.grad_impl,
-            reduction=cfg.reduction.mode,
-            seed=cfg.seed,
-        )
-    except ValueError as e:  # the trainer validates its trainer.* arguments
-        raise ConfigError(str(e)) from e
+    _check_reduction_axes(cfg.reduction.get("axis_name", "data"), data_axes)
+    trainer = Trainer(  # validates trainer.* (ConfigError)
+        task,
+        tx,
+        mesh,
+        data_axes=data_axes,
+        global_batch_size=cfg.trainer.batch_size,
+        microbatches=cfg.trainer.microbatches,
+        grad_impl=cfg.trainer.grad_impl,
+        reduction=cfg.reduction.mode,
+        seed=cfg.seed,
+    )
 
     # ------------------------------------------------------------------ state: new or restored
     def batches(start_step: int):

@@ -14,7 +14,7 @@ batch of data step s makes update s + 1); `num_examples` makes the data finite.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from numbers import Integral
 
 import jax
@@ -23,8 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainers.tasks.base import Batch, Params
-from trainers.tasks.sharding import process_batches
-
+from trainers.tasks.data import StepIndexedData
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
@@ -67,7 +66,7 @@ def _steps(value: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset(int(v) for v in values)
 
 
-class MLPTask:
+class MLPTask(StepIndexedData):
     """Teacher-student MLP regression.
 
     Args:
@@ -185,6 +184,10 @@ class MLPTask:
     # Data.
     # ---------------------------------------------------------------------------------------
 
+    def num_data_steps(self, global_batch_size: int) -> int | None:
+        """`num_examples // global_batch_size` steps when `num_examples` is set, else None."""
+        return None if self.num_examples is None else self.num_examples // global_batch_size
+
     def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
         """The whole global batch at `step`: a pure function of (seed, step).
 
@@ -205,37 +208,3 @@ class MLPTask:
         if step in self.nan_steps:
             x[0, 0] = np.nan
         return {"x": x, "y": y.astype(np.float32)}
-
-    def batches(
-        self,
-        global_batch_size: int,
-        *,
-        seed: int,
-        start_step: int = 0,
-        process_index: int = 0,
-        process_count: int = 1,
-    ) -> Iterator[Batch]:
-        """Yields this process's rows of the global batch for steps start_step, +1, ...
-
-        Args:
-          global_batch_size: rows of the global batch; divisible by `process_count`.
-          seed: the data seed.
-          start_step: the first step (for exact resume).
-          process_index: this process.
-          process_count: number of processes.
-
-        Returns:
-          An iterator of `{"x", "y"}` batches with `global_batch_size // process_count` rows;
-          finite (`num_examples // global_batch_size` steps in all) if `num_examples` is set.
-        """
-        num_steps = None
-        if self.num_examples is not None:
-            num_steps = self.num_examples // global_batch_size
-        return process_batches(
-            lambda step: self.global_batch(global_batch_size, seed=seed, step=step),
-            global_batch_size,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
-            num_steps=num_steps,
-        )

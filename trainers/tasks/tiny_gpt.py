@@ -19,7 +19,6 @@ MLP; embeddings are split along d_model.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.tasks import corpus
 from trainers.tasks.base import Batch, Params
-from trainers.tasks.sharding import process_batches
-
+from trainers.tasks.data import StepIndexedData
 
 #: Megatron-style rules over the `model` axis (dropped on meshes without it).
 SHARDING_RULES: tuple[tuple[str, P], ...] = (
@@ -58,7 +56,7 @@ def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
 def causal_attention(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
     """Causal multi-head self-attention: x (b, t, d) -> (b, t, d)."""
     b, t, d = x.shape
-    split = lambda y: y.reshape(b, t, n_heads, d // n_heads)  # noqa: E731
+    split = lambda y: y.reshape(b, t, n_heads, d // n_heads)
     q, k, v = split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"])
     scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // n_heads)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
@@ -84,7 +82,7 @@ def block(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-class TinyGPTTask:
+class TinyGPTTask(StepIndexedData):
     """Next-byte prediction with a small decoder-only transformer.
 
     Args:
@@ -162,8 +160,8 @@ class TinyGPTTask:
         d, ff, std = self.d_model, self.d_ff, self.init_std
         out_std = std / math.sqrt(2 * self.n_layers)
         keys = iter(jax.random.split(rng, 3 + 6 * self.n_layers))
-        normal = lambda shape, s=std: s * jax.random.normal(next(keys), shape)  # noqa: E731
-        ln = lambda: {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))}  # noqa: E731
+        normal = lambda shape, s=std: s * jax.random.normal(next(keys), shape)
+        ln = lambda: {"scale": jnp.ones((d,)), "bias": jnp.zeros((d,))}
         params: Params = {
             "embed": {
                 "tokens": normal((self.vocab_size, d)),
@@ -253,36 +251,6 @@ class TinyGPTTask:
         starts = rng.integers(0, len(tokens) - self.seq_len, size=global_batch_size)
         windows = tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
-
-    def batches(
-        self,
-        global_batch_size: int,
-        *,
-        seed: int,
-        start_step: int = 0,
-        process_index: int = 0,
-        process_count: int = 1,
-    ) -> Iterator[Batch]:
-        """Yields this process's rows of the global batch for steps start_step, +1, ... (endless).
-
-        Args:
-          global_batch_size: rows of the global batch; divisible by `process_count`.
-          seed: the data seed.
-          start_step: the first step (for exact resume).
-          process_index: this process.
-          process_count: number of processes.
-
-        Returns:
-          An endless iterator of `{"inputs", "targets"}` batches with
-          `global_batch_size // process_count` rows.
-        """
-        return process_batches(
-            lambda step: self.global_batch(global_batch_size, seed=seed, step=step),
-            global_batch_size,
-            start_step=start_step,
-            process_index=process_index,
-            process_count=process_count,
-        )
 
     # ---------------------------------------------------------------------------------------
     # Demo.

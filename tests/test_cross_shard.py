@@ -393,3 +393,24 @@ def test_inner_state_finds_the_wrapper_inside_a_chain():
     assert xshard.get_slot_names(state) == ["mu", "nu"]
     with pytest.raises(ValueError, match="No cross_shard state"):
         xshard.inner_state(optax.adam(0.1).init(params))
+
+
+def test_state_records_the_reduced_gradient_summary():
+    params, batch = make_problem()
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean")
+    _, state = sharded_step(tx, make_mesh())(params, tx.init(params), batch)
+    grads = jax.grad(mse)(params, batch)
+    np.testing.assert_allclose(state.reduced.norm, optax.tree.norm(grads), rtol=1e-5)
+    max_abs = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(state.reduced.max_abs, max_abs, rtol=1e-5)
+    assert int(state.reduced.nonfinite) == 0
+
+
+def test_guard_without_stats_still_counts_nonfinite_values():
+    params, batch = make_problem()
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean", skip_nonfinite=True, track_stats=False)
+    bad = dict(batch, x=batch["x"].at[5, 0].set(jnp.inf))
+    new_params, state = sharded_step(tx, make_mesh())(params, tx.init(params), bad)
+    jax.tree.map(np.testing.assert_array_equal, new_params, params)
+    assert int(state.reduced.nonfinite) > 0 and int(state.skipped_steps) == 1
+    assert float(state.reduced.norm) == 0.0  # not tracked

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.stats import GradSummary, summarize
+from xshard.stats import GradSummary, count_nonfinite, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -302,16 +302,28 @@ def cross_shard(
             shard_weight=shard_weight,
             num_shards=num_shards,
         )
-        summary = summarize(reduced) if (track_stats or skip_nonfinite) else state.reduced
-        new_updates, new_inner = inner.update(reduced, state.inner_state, params, **extra_args)
+        if track_stats:
+            summary = summarize(reduced)
+        elif skip_nonfinite:
+            summary = state.reduced._replace(nonfinite=count_nonfinite(reduced))
+        else:
+            summary = state.reduced
+
+        def apply_inner(inner_state):
+            return inner.update(reduced, inner_state, params, **extra_args)
+
         if not skip_nonfinite:
+            new_updates, new_inner = apply_inner(state.inner_state)
             return new_updates, state._replace(inner_state=new_inner, reduced=summary)
-        # The reduced gradient is identical on every shard, so every shard decides alike.
+
+        def skip(inner_state):  # zero updates, state untouched
+            shapes = jax.eval_shape(apply_inner, inner_state)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+        # The reduced gradient is identical on every shard, so every shard decides alike. A
+        # cond (not a select) also lets XLA update the donated state in place.
         finite = summary.nonfinite == 0
-        new_updates = optax.tree_utils.tree_where(
-            finite, new_updates, jax.tree.map(jnp.zeros_like, new_updates)
-        )
-        new_inner = optax.tree_utils.tree_where(finite, new_inner, state.inner_state)
+        new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip, state.inner_state)
         return new_updates, CrossShardState(
             new_inner,
             state.skipped_steps + jnp.where(finite, 0, 1).astype(jnp.int32),

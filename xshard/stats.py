@@ -50,6 +50,14 @@ def summarize(tree: Any) -> GradSummary:
     return GradSummary(jnp.sqrt(sum(sq)), jnp.max(jnp.stack(mx)), sum(bad))
 
 
+def count_nonfinite(tree: Any) -> jax.Array:
+    """Number of NaN/Inf elements in `tree` (int32; 0 for an empty tree)."""
+    return sum(
+        (jnp.sum(~jnp.isfinite(g), dtype=jnp.int32) for g in jax.tree.leaves(tree)),
+        jnp.zeros((), jnp.int32),
+    )
+
+
 def tree_norm(tree: Any) -> jax.Array:
     """Global L2 norm of a pytree in float32 (0 for an empty tree)."""
     leaves = jax.tree.leaves(tree)

@@ -36,7 +36,7 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_pat
         env={"JAX_LOG_COMPILES": "1"},
     )
     log = proc.stdout + proc.stderr
-    assert len(re.findall(r"Finished XLA compilation of jit\(manual\)", log)) == 1
+    assert len(re.findall(r"Finished XLA compilation of jit\(train_step\)", log)) == 1
     assert (
         len(re.findall(r"Finished XLA compilation of jit\(diag\)", log)) == 2
     )  # with/without hist

@@ -21,7 +21,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.step import StepSpec, TrainState, make_diagnostics, make_train_step
+from trainers.step import (
+    StepMetrics,
+    StepSpec,
+    TrainState,
+    make_diagnostics,
+    make_train_step,
+    stack_metrics,
+)
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
 from xshard.errors import ConfigError
@@ -109,6 +116,7 @@ class Trainer:
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
         self._step_fn = make_train_step(task, tx, mesh, self.spec)
         self._compiled = None
+        self._metric_keys: tuple[str, ...] = ()
         self._diag: dict[bool, Any] = {}
         self.compile_seconds: float | None = None
         self._report_compile = False
@@ -168,8 +176,16 @@ class Trainer:
 
     def _compile(self, state: TrainState, batch: dict[str, jax.Array]):
         shardings = self.state_shardings(state)
+        keys: list[tuple[str, ...]] = []
+
+        def train_step(state, batch):
+            state, metrics = self._step_fn(state, batch)
+            names, values = stack_metrics(metrics)
+            keys.append(names)  # at trace time
+            return state, values
+
         jitted = jax.jit(
-            self._step_fn,
+            train_step,
             in_shardings=(shardings, self.batch_sharding),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
@@ -178,22 +194,28 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             self._compiled = jitted.lower(state, batch).compile()
         self.compile_seconds = time.perf_counter() - start
+        self._metric_keys = keys[0]
         self._report_compile = True
         logger.info("Compiled the train step in %.2f s.", self.compile_seconds)
 
-    def step(
-        self, state: TrainState, batch: dict[str, Any]
-    ) -> tuple[TrainState, dict[str, jax.Array]]:
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The compiled step (for HLO, cost and memory analysis); None before the first step."""
+        return self._compiled
+
+    def step(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
         The step is compiled ahead of time on the first call; later calls reuse that
         executable (a batch of another shape is an error, never a silent recompilation).
+        The metrics are a mapping of floats, fetched from the device on first read.
         """
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
         if self._compiled is None:
             self._compile(state, batch)
-        return self._compiled(state, batch)
+        state, values = self._compiled(state, batch)
+        return state, StepMetrics(self._metric_keys, values)
 
     def diagnostics(self, state: TrainState, batch: dict[str, Any], *, histograms: bool) -> dict:
         """Per-parameter gradient/param norms (and gradient histograms) at `state` on `batch`."""
@@ -251,7 +273,9 @@ class Trainer:
                         h.on_diagnostics(step, diag)
                 state, metrics = self.step(state, local)
                 if self._report_compile:
-                    metrics = {**metrics, "perf/compile_time_s": self.compile_seconds}
+                    metrics = metrics.with_host_values(
+                        **{"perf/compile_time_s": self.compile_seconds}
+                    )
                     self._report_compile = False
                 if pending is not None:  # waits for step - 1 only: two steps in flight at most
                     self._emit(pending, hooks)
@@ -280,6 +304,6 @@ class Trainer:
     @staticmethod
     def _emit(pending: tuple[int, Any], hooks: Sequence[Hook]) -> None:
         step, metrics = pending
-        host = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        host = dict(metrics)  # waits for this step only
         for h in hooks:
             h.on_step(step, host)

@@ -33,21 +33,30 @@ def _f32(x: jax.Array) -> jax.Array:
 def summarize(tree: Any) -> GradSummary:
     """Returns the global norm, max |g| and non-finite element count of `tree`.
 
-    Non-finite elements are excluded from the norm and max so that one NaN does not hide how
-    large the rest of the gradient is; the count reports them. `None` leaves are ignored.
+    The common, finite case costs one sum of squares and one max per leaf: a NaN or Inf
+    anywhere makes the (NaN-propagating) max non-finite, and only then does a second pass
+    count the bad elements and recompute the norm and max over the finite ones, so one NaN
+    does not hide how large the rest of the gradient is. `None` leaves are ignored.
     """
     leaves = jax.tree.leaves(tree)
     if not leaves:
         zero = jnp.zeros((), jnp.float32)
         return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
-    sq, mx, bad = [], [], []
-    for g in leaves:
-        finite = jnp.isfinite(g)
-        clean = jnp.where(finite, _f32(g), 0.0)
-        sq.append(jnp.sum(jnp.square(clean)))
-        mx.append(jnp.max(jnp.abs(clean), initial=0.0))
-        bad.append(jnp.sum(~finite, dtype=jnp.int32))
-    return GradSummary(jnp.sqrt(sum(sq)), jnp.max(jnp.stack(mx)), sum(bad))
+    max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
+    sq = sum(jnp.sum(jnp.square(_f32(g))) for g in leaves)
+
+    def finite_case():
+        return GradSummary(jnp.sqrt(sq), max_abs, jnp.zeros_like(max_abs, jnp.int32))
+
+    def nonfinite_case():
+        clean = [jnp.where(jnp.isfinite(g), _f32(g), 0.0) for g in leaves]
+        return GradSummary(
+            jnp.sqrt(sum(jnp.sum(jnp.square(c)) for c in clean)),
+            jnp.max(jnp.stack([jnp.max(jnp.abs(c), initial=0.0) for c in clean])),
+            count_nonfinite(leaves),
+        )
+
+    return jax.lax.cond(jnp.isfinite(max_abs), finite_case, nonfinite_case)
 
 
 def count_nonfinite(tree: Any) -> jax.Array:

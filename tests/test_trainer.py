@@ -34,7 +34,7 @@ class Recorder(Hook):
         self.diagnostics[step] = diag
 
 
-def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, **kwargs):
+def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, stats_every=1, **kwargs):
     tx = xshard.cross_shard(
         optax.inject_hyperparams(optax.adam)(learning_rate=3e-3), reduction, skip_nonfinite=True
     )
@@ -42,7 +42,9 @@ def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, **kwargs):
     first = next(iter(task.batches(batch, seed=0)))
     state = trainer.init(trainer.init_params(first))
     rec = Recorder()
-    state, reason = trainer.fit(state, task.batches(batch, seed=0), num_steps=steps, hooks=[rec])
+    state, reason = trainer.fit(
+        state, task.batches(batch, seed=0), num_steps=steps, hooks=[rec], stats_every=stats_every
+    )
     assert reason == "done"
     losses = np.array([rec.metrics[s]["train/loss"] for s in range(1, steps + 1)])
     return jax.device_get(state.params), losses, rec, trainer
@@ -157,3 +159,19 @@ def test_tiny_gpt_on_data_x_model_mesh_shards_params_over_model():
     # The optimizer state follows the params' sharding.
     mu = xshard.get_slot(state.opt_state, "mu")
     assert mu["blocks"][0]["attn"]["wq"].sharding.spec == P(None, "model")
+
+
+def test_statistics_every_k_steps_share_one_executable_and_match(mlp, reference):
+    _, losses, rec, trainer = train(mlp, mesh_of((8,), ("data",)), stats_every=3)
+    np.testing.assert_allclose(losses, reference[1], rtol=1e-6)
+    for step, metrics in rec.metrics.items():
+        has_stats = step in (3, 6, 8)  # every 3rd and the last
+        assert ("grad/shard_norm_mean" in metrics) == has_stats
+        assert ("optim/update_norm" in metrics) == has_stats
+        assert "grad/global_norm" in metrics and "train/skipped_steps" in metrics
+        if has_stats:
+            for tag in ("grad/shard_norm_max", "optim/update_norm", "params/global_norm"):
+                np.testing.assert_allclose(
+                    metrics[tag], reference[2].metrics[step][tag], rtol=1e-5
+                )
+    assert trainer.compiled is not None

@@ -61,30 +61,36 @@ class StepMetrics(Mapping[str, float]):
     """
 
     def __init__(
-        self, keys: Sequence[str], values: jax.Array, host: dict[str, float] | None = None
+        self,
+        keys: Sequence[str],
+        values: jax.Array,
+        host: dict[str, float] | None = None,
+        hidden: frozenset[str] = frozenset(),
     ):
         self.keys_ = tuple(keys)
         self.values = values
+        self.hidden = hidden  # not computed on this step (statistics on a plain step)
         self._host = dict(host or {})
         self._fetched = False
 
     def with_host_values(self, **values: float) -> StepMetrics:
         """A copy with extra host-side values (e.g. the compile time) merged in."""
-        return StepMetrics(self.keys_, self.values, {**self._host, **values})
+        return StepMetrics(self.keys_, self.values, {**self._host, **values}, self.hidden)
 
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
             device = np.asarray(jax.device_get(self.values)).tolist()
-            self._host = {**dict(zip(self.keys_, device, strict=True)), **self._host}
+            shown = {k: v for k, v in zip(self.keys_, device, strict=True) if k not in self.hidden}
+            self._host = {**shown, **self._host}
             self._fetched = True
         return self._host
 
     def tree_flatten(self):
-        return (self.values,), (self.keys_, tuple(self._host.items()))
+        return (self.values,), (self.keys_, tuple(self._host.items()), self.hidden)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(aux[0], children[0], dict(aux[1]))
+        return cls(aux[0], children[0], dict(aux[1]), aux[2])
 
     def __getitem__(self, key: str) -> float:
         return self._fetch()[key]
@@ -135,26 +141,39 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, k
     return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads
 
 
-def _optimizer_metrics(new_params, updates, opt_state) -> dict[str, jax.Array]:
-    # Only the new params are read: reading the old ones after the update would make XLA
-    # copy the donated params every step.
+def _optimizer_metrics(opt_state) -> dict[str, jax.Array]:
+    """Scalars the optimizer state already holds: free to report every step."""
     cs = cross_shard_state(opt_state)
-    param_norm = tree_norm(new_params)
-    update_norm = tree_norm(updates)
     metrics = {
         "grad/global_norm": cs.reduced.norm,
         "grad/max_abs": cs.reduced.max_abs,
         "grad/nonfinite": cs.reduced.nonfinite,
         "train/skipped_steps": cs.skipped_steps,
         "train/consecutive_skipped": cs.consecutive_skipped,
-        "optim/update_norm": update_norm,
-        "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
-        "params/global_norm": param_norm,
     }
     lr = get_hyperparams(opt_state).get("learning_rate")
     if lr is not None:
         metrics["optim/learning_rate"] = jnp.asarray(lr, jnp.float32)
     return metrics
+
+
+def _norm_metrics(new_params, updates) -> dict[str, jax.Array]:
+    # Only the new params are read: reading the old ones after the update would make XLA
+    # copy the donated params every step.
+    param_norm = tree_norm(new_params)
+    update_norm = tree_norm(updates)
+    return {
+        "optim/update_norm": update_norm,
+        "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
+        "params/global_norm": param_norm,
+    }
+
+
+def _when(with_stats: jax.Array, compute: Callable[[], dict[str, jax.Array]]):
+    """`compute()` on statistics steps, NaNs (never reported) on the others: one executable."""
+    shapes = jax.eval_shape(compute)
+    skip = lambda: {k: jnp.full(v.shape, jnp.nan, v.dtype) for k, v in shapes.items()}
+    return jax.lax.cond(with_stats, compute, skip)
 
 
 def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.Array]:
@@ -174,47 +193,70 @@ def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.A
 
 
 def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
-    """Returns ``step(state, batch) -> (state, metrics)``, to be jitted by the caller."""
+    """Returns ``step(state, batch, with_stats) -> (state, metrics)``, to be jitted.
+
+    `with_stats` is a traced bool: the norms of the update and params and the per-shard
+    statistics (the costly part, ~1 kernel per parameter each) are computed under a
+    `lax.cond` only when it is true, so statistics steps and plain steps share one
+    executable. On plain steps those metrics are NaN; the returned function's `stats_keys`
+    (filled when it is traced) names them.
+    """
     if spec.grad_impl not in GRAD_IMPLS:
         raise ConfigError(
             f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
         )
     axes = spec.data_axes
+    stats_keys: set[str] = set()
+
+    def when_stats(with_stats, compute):
+        stats = _when(with_stats, compute)
+        stats_keys.update(stats)
+        return stats
 
     def apply(params, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        return new_params, opt_state, _optimizer_metrics(new_params, updates, opt_state)
+        return optax.apply_updates(params, updates), opt_state, updates
 
-    def manual(state: TrainState, batch):
-        def per_shard(params, opt_state, batch, rng):
+    def manual(state: TrainState, batch, with_stats):
+        def per_shard(params, opt_state, batch, rng, with_stats):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
             loss, aux, grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
-            new_params, opt_state, metrics = apply(params, opt_state, grads)
-            metrics.update(_shard_metrics(grads, metrics["grad/global_norm"], spec))
+            new_params, opt_state, updates = apply(params, opt_state, grads)
+            metrics = _optimizer_metrics(opt_state)
+            reduced_norm = metrics["grad/global_norm"]
+            metrics |= when_stats(
+                with_stats,
+                lambda: (
+                    _norm_metrics(new_params, updates) | _shard_metrics(grads, reduced_norm, spec)
+                ),
+            )
             metrics["train/loss"] = jax.lax.pmean(loss, axes)
-            metrics.update({f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()})
+            metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
             return new_params, opt_state, metrics
 
         params, opt_state, metrics = jax.shard_map(
             per_shard,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P()),
+            in_specs=(P(), P(), P(axes), P(), P()),
             out_specs=(P(), P(), P()),
             axis_names=set(axes),
-        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step))
+        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step), with_stats)
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    def gspmd(state: TrainState, batch):
+    def gspmd(state: TrainState, batch, with_stats):
         rng = step_rng(spec.seed, state.step)
         loss, aux, grads = loss_and_grads(task.loss, state.params, batch, rng, spec.microbatches)
-        params, opt_state, metrics = apply(state.params, state.opt_state, grads)
+        params, opt_state, updates = apply(state.params, state.opt_state, grads)
+        metrics = _optimizer_metrics(opt_state)
+        metrics |= when_stats(with_stats, lambda: _norm_metrics(params, updates))
         metrics["train/loss"] = loss
-        metrics.update({f"train/{k}": v for k, v in aux.items()})
+        metrics |= {f"train/{k}": v for k, v in aux.items()}
         return TrainState(state.step + 1, params, opt_state), metrics
 
-    return manual if spec.grad_impl == "manual" else gspmd
+    step = manual if spec.grad_impl == "manual" else gspmd
+    step.stats_keys = stats_keys
+    return step
 
 
 def make_diagnostics(task: Any, mesh: Mesh, spec: StepSpec, *, histograms: bool):

@@ -228,6 +228,7 @@ def train(cfg: DictConfig) -> float:
             hooks=hooks,
             layer_stats_every=cfg.trainer.layer_stats_every,
             histogram_every=cfg.trainer.histogram_every,
+            stats_every=cfg.trainer.stats_every,
             should_stop=stop,
         )
     step = int(jax.device_get(state.step))

@@ -117,6 +117,9 @@ class Trainer:
         self._step_fn = make_train_step(task, tx, mesh, self.spec)
         self._compiled = None
         self._metric_keys: tuple[str, ...] = ()
+        self._stats_keys: frozenset[str] = frozenset()
+        self._replicated = NamedSharding(mesh, P())
+        self._stats_flag = {b: jax.device_put(np.bool_(b), self._replicated) for b in (True, False)}
         self._diag: dict[bool, Any] = {}
         self.compile_seconds: float | None = None
         self._report_compile = False
@@ -178,23 +181,24 @@ class Trainer:
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
 
-        def train_step(state, batch):
-            state, metrics = self._step_fn(state, batch)
+        def train_step(state, batch, with_stats):
+            state, metrics = self._step_fn(state, batch, with_stats)
             names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
             return state, values
 
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding),
+            in_shardings=(shardings, self.batch_sharding, self._replicated),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self._compiled = jitted.lower(state, batch).compile()
+            self._compiled = jitted.lower(state, batch, self._stats_flag[True]).compile()
         self.compile_seconds = time.perf_counter() - start
         self._metric_keys = keys[0]
+        self._stats_keys = frozenset(self._step_fn.stats_keys)
         self._report_compile = True
         logger.info("Compiled the train step in %.2f s.", self.compile_seconds)
 
@@ -203,19 +207,24 @@ class Trainer:
         """The compiled step (for HLO, cost and memory analysis); None before the first step."""
         return self._compiled
 
-    def step(self, state: TrainState, batch: dict[str, Any]) -> tuple[TrainState, StepMetrics]:
+    def step(
+        self, state: TrainState, batch: dict[str, Any], *, with_stats: bool = True
+    ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
         The step is compiled ahead of time on the first call; later calls reuse that
         executable (a batch of another shape is an error, never a silent recompilation).
-        The metrics are a mapping of floats, fetched from the device on first read.
+        The metrics are a mapping of floats, fetched from the device on first read. With
+        `with_stats=False` the same executable skips the update/param norms and per-shard
+        statistics (about one kernel per parameter each), and the metrics leave them out.
         """
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
         if self._compiled is None:
             self._compile(state, batch)
-        state, values = self._compiled(state, batch)
-        return state, StepMetrics(self._metric_keys, values)
+        state, values = self._compiled(state, batch, self._stats_flag[bool(with_stats)])
+        hidden = frozenset() if with_stats else self._stats_keys
+        return state, StepMetrics(self._metric_keys, values, hidden=hidden)
 
     def diagnostics(self, state: TrainState, batch: dict[str, Any], *, histograms: bool) -> dict:
         """Per-parameter gradient/param norms (and gradient histograms) at `state` on `batch`."""
@@ -239,6 +248,7 @@ class Trainer:
         hooks: Sequence[Hook] = (),
         layer_stats_every: int = 0,
         histogram_every: int = 0,
+        stats_every: int = 1,
         should_stop=lambda: False,
     ) -> tuple[TrainState, str]:
         """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
@@ -249,6 +259,9 @@ class Trainer:
           num_steps: the total number of updates of the run (not the number left).
           hooks: receive each step's metrics one step late, diagnostics, and the end.
           layer_stats_every / histogram_every: diagnostics period in steps (0 = never).
+          stats_every: compute the update/param norms and per-shard statistics on every
+            `stats_every`-th step and the last one (0 = only the last); the loss, the reduced
+            gradient's norm and the skip counters come every step.
           should_stop: polled after every step; True ends the run cleanly ("stopped").
 
         Returns:
@@ -271,7 +284,8 @@ class Trainer:
                     diag = jax.device_get(self.diagnostics(state, local, histograms=hist))
                     for h in hooks:
                         h.on_diagnostics(step, diag)
-                state, metrics = self.step(state, local)
+                with_stats = step == num_steps or (stats_every > 0 and step % stats_every == 0)
+                state, metrics = self.step(state, local, with_stats=with_stats)
                 if self._report_compile:
                     metrics = metrics.with_host_values(
                         **{"perf/compile_time_s": self.compile_seconds}

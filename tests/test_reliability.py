@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -75,6 +76,16 @@ def truncate_data(step_dir: Path) -> None:
     for f in (step_dir / "state").rglob("d/*"):
         with open(f, "r+b") as fh:
             fh.truncate(f.stat().st_size // 2)
+
+
+def assert_no_traceback_but_orbax_loop_noise(stderr: str) -> None:
+    """No traceback of ours. Tolerated: the "Event loop is closed" traceback that tensorstore
+    prints from C++ when a failed Orbax read leaves callbacks for Orbax's closed asyncio loop
+    (a known limit in docs/reliability.md); its lines may interleave with our message."""
+    noise = stderr.count("RuntimeError: Event loop is closed")
+    assert stderr.count("Traceback (most recent call last)") == noise, stderr
+    frames = [line for line in stderr.splitlines() if line.lstrip().startswith('File "')]
+    assert all("asyncio/base_events.py" in f for f in frames), stderr
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
@@ -550,7 +561,8 @@ def test_corrupted_latest_checkpoint_is_an_error_then_falls_back_when_allowed(ba
     before = snapshot(run / "checkpoints")
     result = cli(run, *RUN)
     check(result, EXIT_CONFIG_ERROR)
-    assert "Traceback" not in result.stderr and "is corrupted or truncated" in result.stderr
+    assert "is corrupted or truncated" in result.stderr
+    assert_no_traceback_but_orbax_loop_noise(result.stderr)
     assert "checkpoint.fallback_to_previous=true to resume from step 90" in result.stderr
     assert snapshot(run / "checkpoints") == before
 

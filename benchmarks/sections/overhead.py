@@ -1,0 +1,50 @@
+"""Section 1: xshard's step against the fastest hand-written step, same model and batch.
+
+Reports each variant's step time (median and spread) and the ratio of each xshard variant to
+the fastest hand-written one (``jit_gspmd`` or ``pmap_pmean``), against the 1.05x target, with
+the kernels of each compiled program by origin (`benchmarks.hlo.program_breakdown`), which is
+where a gap comes from when the model is small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.context import Bench
+from benchmarks.hlo import program_breakdown
+from benchmarks.sections.steps import STEP_VARIANTS, step_timings
+from benchmarks.timing import ratio
+from benchmarks.variants import HANDWRITTEN
+from benchmarks.workloads import TASKS
+
+TARGET = 1.05
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Times the step variants of every task; returns step times and ratios."""
+    out: dict[str, Any] = {"target_ratio": TARGET}
+    for task in TASKS:
+        timings = step_timings(bench, task)
+        fastest = min(HANDWRITTEN, key=lambda n: timings[n].summary()["median_ms"])
+        xshard = [n for n in STEP_VARIANTS if n not in HANDWRITTEN]
+        ratios = {n: ratio(timings[n], timings[fastest]) for n in xshard}
+        each = {
+            hw: {n: ratio(timings[n], timings[hw]) for n in STEP_VARIANTS if n != hw}
+            for hw in HANDWRITTEN
+        }
+        out[task] = {
+            "model": bench.workload(task).model_config(),
+            "devices": bench.max_devices,
+            "variants": {n: timings[n].summary() for n in STEP_VARIANTS},
+            "program": {
+                n: program_breakdown(bench.loop(task, n).executable()) for n in STEP_VARIANTS
+            },
+            "fastest_handwritten": fastest,
+            "ratio_to_fastest_handwritten": ratios,
+            "ratio_to_each_handwritten": each,
+            "meets_target": ratios["xshard_trainer"]["ratio_of_medians"] <= TARGET,
+            "meets_target_cli_default": (
+                ratios["xshard_trainer_stats10"]["ratio_of_medians"] <= TARGET
+            ),
+        }
+    return out

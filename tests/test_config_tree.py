@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import xshard.conf
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
@@ -24,7 +25,6 @@ from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
 import xshard
-import xshard.conf
 from xshard import ConfigError
 
 CONF_DIR = Path(xshard.conf.__file__).parent

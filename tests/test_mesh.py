@@ -65,9 +65,7 @@ def presets() -> dict[str, dict]:
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONF), version_base="1.3"):
         names = GlobalHydra.instance().config_loader().get_group_options("mesh")
-        return {
-            n: OmegaConf.to_container(compose(overrides=[f"+mesh={n}"]).mesh) for n in names
-        }
+        return {n: OmegaConf.to_container(compose(overrides=[f"+mesh={n}"]).mesh) for n in names}
 
 
 def _expect(cfg: dict, shape: tuple[int, ...], names: tuple[str, ...], n: int | None) -> None:
@@ -140,7 +138,10 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
     # The inherited XLA_FLAGS asks for 8 devices; configure_devices must override it.
     return subprocess.run(
         [sys.executable, "-c", script, *args],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
     )
 
 
@@ -201,8 +202,13 @@ def _fake_devices(n: int, granule_of, attr: str) -> list[types.SimpleNamespace]:
     """Stand-ins for devices of several processes (or slices of 2 processes each)."""
     return [
         types.SimpleNamespace(
-            **{"id": i, "platform": "cpu", "device_kind": "cpu", "process_index": i // 2,
-               attr: granule_of(i)}
+            **{
+                "id": i,
+                "platform": "cpu",
+                "device_kind": "cpu",
+                "process_index": i // 2,
+                attr: granule_of(i),
+            }
         )
         for i in range(n)
     ]
@@ -225,8 +231,10 @@ def test_dcn_product_must_match_the_granules():
     devices = _fake_devices(8, lambda i: i // 4, "process_index")
     with pytest.raises(MeshConfigError, match=r"mesh.dcn=\[4, 1\].*4 slices.*2 processes"):
         create_device_array((2, 1), (4, 1), devices)
-    gpus = [types.SimpleNamespace(id=i, platform="gpu", device_kind="gpu", process_index=0)
-            for i in range(8)]  # simulated slices are for CPU devices only
+    gpus = [
+        types.SimpleNamespace(id=i, platform="gpu", device_kind="gpu", process_index=0)
+        for i in range(8)
+    ]  # simulated slices are for CPU devices only
     with pytest.raises(MeshConfigError, match=r"2 slices.*1 processes of gpu devices"):
         create_device_array((4, 1), (2, 1), gpus)
 
@@ -254,25 +262,41 @@ def test_accepts_dictconfig_and_dict():
 @pytest.mark.parametrize(
     "cfg, patterns",
     [
-        ({"axes": ["data", "model"], "ici": [2, 2]},
-         ["mesh.ici=[2, 2]", "mesh.dcn=[1, 1]", "['data', 'model']", "(2, 2) = 4 devices",
-          "there are 8 devices"]),
-        ({"axes": ["data", "model"], "ici": [4, 2], "dcn": [2, 1]},
-         ["ici product 8 x dcn product 2", "16 devices", "there are 8 devices"]),
-        ({"axes": ["data", "model"], "ici": [-1, -1]},
-         ["mesh.ici=[-1, -1]", "at most one -1"]),
+        (
+            {"axes": ["data", "model"], "ici": [2, 2]},
+            [
+                "mesh.ici=[2, 2]",
+                "mesh.dcn=[1, 1]",
+                "['data', 'model']",
+                "(2, 2) = 4 devices",
+                "there are 8 devices",
+            ],
+        ),
+        (
+            {"axes": ["data", "model"], "ici": [4, 2], "dcn": [2, 1]},
+            ["ici product 8 x dcn product 2", "16 devices", "there are 8 devices"],
+        ),
+        ({"axes": ["data", "model"], "ici": [-1, -1]}, ["mesh.ici=[-1, -1]", "at most one -1"]),
         ({"axes": ["data", "model"], "dcn": [-1, -1]}, ["mesh.dcn=[-1, -1]", "at most one -1"]),
-        ({"axes": ["data", "model"], "ici": [-1, 3]},
-         ["mesh.ici=[-1, 3]", "cannot resolve -1", "(8)", "divisible by 3"]),
-        ({"axes": ["data", "model"], "ici": [3, 1], "dcn": [-1, 1]},
-         ["mesh.dcn=[-1, 1]", "cannot resolve -1", "8 devices", "divisible by 3"]),
+        (
+            {"axes": ["data", "model"], "ici": [-1, 3]},
+            ["mesh.ici=[-1, 3]", "cannot resolve -1", "(8)", "divisible by 3"],
+        ),
+        (
+            {"axes": ["data", "model"], "ici": [3, 1], "dcn": [-1, 1]},
+            ["mesh.dcn=[-1, 1]", "cannot resolve -1", "8 devices", "divisible by 3"],
+        ),
         ({"axes": ["data", "data"]}, ["mesh.axes=['data', 'data']", "duplicate", "['data']"]),
-        ({"axes": ["data", "model"], "ici": [8]},
-         ["mesh.ici=[8] has 1 entries", "mesh.axes=['data', 'model'] has 2"]),
+        (
+            {"axes": ["data", "model"], "ici": [8]},
+            ["mesh.ici=[8] has 1 entries", "mesh.axes=['data', 'model'] has 2"],
+        ),
         ({"axes": ["data"], "dcn": [1, 1]}, ["mesh.dcn=[1, 1] has 2 entries"]),
         ({"axes": ["data"], "ici": [0]}, ["mesh.ici=[0]", "positive integers or -1"]),
-        ({"axes": ["data"], "data_axes": ["batch"]},
-         ["mesh.data_axes=['batch']", "['batch'] not in mesh.axes=['data']"]),
+        (
+            {"axes": ["data"], "data_axes": ["batch"]},
+            ["mesh.data_axes=['batch']", "['batch'] not in mesh.axes=['data']"],
+        ),
         ({"axis_types": "manual"}, ["mesh.axis_types='manual'", "auto, explicit"]),
         ({"ici_parallelism": [8]}, ["unknown keys ['ici_parallelism']", "Allowed:", "ici"]),
         ({"simulate_on_cpu": True}, ["mesh.simulate_on_cpu=true needs mesh.num_devices"]),
@@ -290,8 +314,13 @@ def test_preset_of_another_size_suggests_simulation():
     with pytest.raises(MeshConfigError) as e:
         build_mesh(cfg)
     msg = str(e.value)
-    for p in ["mesh=v5e-16", "mesh.num_devices=16", "8 cpu devices",
-              "mesh.simulate_on_cpu=true", "mesh=auto"]:
+    for p in [
+        "mesh=v5e-16",
+        "mesh.num_devices=16",
+        "8 cpu devices",
+        "mesh.simulate_on_cpu=true",
+        "mesh=auto",
+    ]:
         assert p in msg, (p, msg)
 
 
@@ -308,8 +337,13 @@ def test_configure_devices_after_init_with_another_count():
     with pytest.raises(MeshConfigError) as e:
         configure_devices({"name": "cpu4", "num_devices": 4, "simulate_on_cpu": True})
     msg = str(e.value)
-    for p in ["mesh=cpu4", "4 simulated CPU devices", "already initialised",
-              "8 cpu devices", "hydra/launcher=submitit_local"]:
+    for p in [
+        "mesh=cpu4",
+        "4 simulated CPU devices",
+        "already initialised",
+        "8 cpu devices",
+        "hydra/launcher=submitit_local",
+    ]:
         assert p in msg, (p, msg)
     assert jax.device_count() == NUM_DEVICES
 
@@ -364,8 +398,7 @@ def test_check_batch_divisible(mesh_4x2):
     with pytest.raises(MeshConfigError) as e:
         check_batch_divisible(30, mesh_4x2, ["data"])
     msg = str(e.value)
-    for p in ["trainer.batch_size=30", "data-parallel size 4", "['data']", "sizes [4]",
-              "28 or 32"]:
+    for p in ["trainer.batch_size=30", "data-parallel size 4", "['data']", "sizes [4]", "28 or 32"]:
         assert p in msg, (p, msg)
     with pytest.raises(MeshConfigError, match=r"micro=0 .* size 8"):
         check_batch_divisible(0, mesh_4x2, ["data", "model"], key="micro")
@@ -377,8 +410,12 @@ def test_check_axis_names(mesh_4x2):
     with pytest.raises(MeshConfigError) as e:
         check_axis_names(mesh_4x2, "batch")
     msg = str(e.value)
-    for p in ["reduction.axis_name='batch'", "['batch']", "['data', 'model']",
-              "{'data': 4, 'model': 2}"]:
+    for p in [
+        "reduction.axis_name='batch'",
+        "['batch']",
+        "['data', 'model']",
+        "{'data': 4, 'model': 2}",
+    ]:
         assert p in msg, (p, msg)
     with pytest.raises(MeshConfigError, match="named twice"):
         check_axis_names(mesh_4x2, ["data", "data"])

@@ -171,7 +171,5 @@ def test_statistics_every_k_steps_share_one_executable_and_match(mlp, reference)
         assert "grad/global_norm" in metrics and "train/skipped_steps" in metrics
         if has_stats:
             for tag in ("grad/shard_norm_max", "optim/update_norm", "params/global_norm"):
-                np.testing.assert_allclose(
-                    metrics[tag], reference[2].metrics[step][tag], rtol=1e-5
-                )
+                np.testing.assert_allclose(metrics[tag], reference[2].metrics[step][tag], rtol=1e-5)
     assert trainer.compiled is not None

@@ -186,3 +186,34 @@ def test_guard_without_stats_still_counts_nonfinite_values():
     jax.tree.map(np.testing.assert_array_equal, new_params, params)
     assert int(state.reduced.nonfinite) > 0 and int(state.skipped_steps) == 1
     assert float(state.reduced.norm) == 0.0  # not tracked
+
+
+@pytest.mark.parametrize("with_stats", [True, False])
+def test_with_stats_false_records_only_what_the_guard_needs(with_stats):
+    params, batch = make_problem()
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean", skip_nonfinite=True)
+
+    def step(params, state, batch, flag):
+        local = jax.lax.pcast(params, "data", to="varying")
+        grads = jax.grad(mse)(local, batch)
+        updates, state = tx.update(grads, state, params, with_stats=flag)
+        return optax.apply_updates(params, updates), state
+
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=make_mesh(), in_specs=(P(), P(), P("data"), P()), out_specs=(P(), P())
+        )
+    )
+    flag = jnp.asarray(with_stats)
+    _, state = f(params, tx.init(params), batch, flag)
+    grads = jax.grad(mse)(params, batch)
+    max_abs = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(state.reduced.max_abs, max_abs, rtol=1e-5)
+    if with_stats:
+        np.testing.assert_allclose(state.reduced.norm, optax.tree.norm(grads), rtol=1e-5)
+    else:
+        assert np.isnan(state.reduced.norm)
+    bad = dict(batch, x=batch["x"].at[3, 1].set(jnp.nan))
+    new_params, state = f(params, tx.init(params), bad, flag)
+    jax.tree.map(np.testing.assert_array_equal, new_params, params)
+    assert int(state.reduced.nonfinite) > 0 and int(state.skipped_steps) == 1

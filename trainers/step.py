@@ -206,15 +206,16 @@ def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spe
             f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
         )
     axes = spec.data_axes
-    stats_keys: set[str] = set()
+    # The optimizer records the reduced gradient's norm only on statistics steps.
+    stats_keys: set[str] = {"grad/global_norm"}
 
     def when_stats(with_stats, compute):
         stats = _when(with_stats, compute)
         stats_keys.update(stats)
         return stats
 
-    def apply(params, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, params)
+    def apply(params, opt_state, grads, with_stats):
+        updates, opt_state = tx.update(grads, opt_state, params, with_stats=with_stats)
         return optax.apply_updates(params, updates), opt_state, updates
 
     def manual(state: TrainState, batch, with_stats):
@@ -222,7 +223,7 @@ def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spe
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
             loss, aux, grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
-            new_params, opt_state, updates = apply(params, opt_state, grads)
+            new_params, opt_state, updates = apply(params, opt_state, grads, with_stats)
             metrics = _optimizer_metrics(opt_state)
             reduced_norm = metrics["grad/global_norm"]
             metrics |= when_stats(
@@ -247,7 +248,7 @@ def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spe
     def gspmd(state: TrainState, batch, with_stats):
         rng = step_rng(spec.seed, state.step)
         loss, aux, grads = loss_and_grads(task.loss, state.params, batch, rng, spec.microbatches)
-        params, opt_state, updates = apply(state.params, state.opt_state, grads)
+        params, opt_state, updates = apply(state.params, state.opt_state, grads, with_stats)
         metrics = _optimizer_metrics(opt_state)
         metrics |= when_stats(with_stats, lambda: _norm_metrics(params, updates))
         metrics["train/loss"] = loss

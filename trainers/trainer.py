@@ -94,6 +94,8 @@ class Trainer:
         reduction: Reduction | str = Reduction.MEAN,
         seed: int = 0,
     ):
+        # The step passes `with_stats` to the optimizer; plain transforms just ignore it.
+        tx = optax.with_extra_args_support(tx)
         self.task, self.tx, self.mesh = task, tx, mesh
         data_axes = tuple(data_axes)
         per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.stats import GradSummary, count_nonfinite, summarize
+from xshard.stats import GradSummary, count_nonfinite, guard_summary, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +265,10 @@ def cross_shard(
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keyword
-      ``shard_weight`` (a scalar per shard) for a weighted reduction; every other extra
-      argument is forwarded to `inner`.
+      ``shard_weight`` (a scalar per shard) for a weighted reduction, and ``with_stats`` (a
+      bool, may be traced): when false, `track_stats` records only max |g| and the
+      non-finite count (the norm is NaN), saving a reduction per leaf on steps that log
+      nothing. Every other extra argument is forwarded to `inner`.
 
     Raises:
       ValueError: at construction for an unknown reduction or bad clip value; at update time
@@ -292,7 +294,7 @@ def cross_shard(
             ),
         )
 
-    def update_fn(updates, state, params=None, *, shard_weight=None, **extra_args):
+    def update_fn(updates, state, params=None, *, shard_weight=None, with_stats=None, **extra_args):
         reduced = reduce_gradients(
             updates,
             mode,
@@ -302,7 +304,9 @@ def cross_shard(
             shard_weight=shard_weight,
             num_shards=num_shards,
         )
-        if track_stats:
+        if track_stats and with_stats is not None:  # the norm only when asked, in one program
+            summary = jax.lax.cond(with_stats, summarize, guard_summary, reduced)
+        elif track_stats:
             summary = summarize(reduced)
         elif skip_nonfinite:
             summary = state.reduced._replace(nonfinite=count_nonfinite(reduced))

@@ -59,6 +59,22 @@ def summarize(tree: Any) -> GradSummary:
     return jax.lax.cond(jnp.isfinite(max_abs), finite_case, nonfinite_case)
 
 
+def guard_summary(tree: Any) -> GradSummary:
+    """What the non-finite guard needs, at one max per leaf: max |g| and the non-finite count
+    (a second pass only when something is non-finite). The norm is NaN: not computed."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        zero = jnp.zeros((), jnp.float32)
+        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+    max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
+    nonfinite = jax.lax.cond(
+        jnp.isfinite(max_abs),
+        lambda: jnp.zeros_like(max_abs, jnp.int32),
+        lambda: count_nonfinite(leaves),
+    )
+    return GradSummary(jnp.full_like(max_abs, jnp.nan), max_abs, nonfinite)
+
+
 def count_nonfinite(tree: Any) -> jax.Array:
     """Number of NaN/Inf elements in `tree` (int32; 0 for an empty tree)."""
     return sum(

@@ -36,6 +36,9 @@ from xshard.mesh import check_batch_divisible
 
 logger = logging.getLogger(__name__)
 
+# Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
+_INIT_STREAM = 0x7FFFFFFF
+
 
 class Hook:
     """Receives host-side values from `Trainer.fit`; override what you need.
@@ -138,7 +141,7 @@ class Trainer:
     def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
         """Initialises the task's params from the seed, placed with their shardings."""
         example = jax.tree.map(lambda x: x[:1], first_batch)
-        rng = jax.random.fold_in(jax.random.key(self.spec.seed), -1 & 0x7FFFFFFF)
+        rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
         shapes = jax.eval_shape(self.task.init, rng, example)
         with jax.set_mesh(self.mesh):
             return jax.jit(self.task.init, out_shardings=self.param_shardings(shapes))(rng, example)
@@ -150,20 +153,19 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             opt_shardings = self.opt_state_shardings(params, shardings)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         return TrainState(step, params, opt_state)
 
     def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter;
         everything else (counts, hyperparameters) is replicated."""
-        replicated = NamedSharding(self.mesh, P())
         shapes = jax.eval_shape(self.tx.init, params)
         return optax.tree_utils.tree_map_params(
             self.tx,
             lambda _, sharding: sharding,
             shapes,
             param_shardings,
-            transform_non_params=lambda _: replicated,
+            transform_non_params=lambda _: self._replicated,
         )
 
     def state_shardings(self, state: TrainState) -> Any:

@@ -13,6 +13,7 @@ A custom schedule for ``schedule._target_`` follows the same convention:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import optax
 
@@ -30,10 +31,17 @@ def _check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> N
         raise ValueError(f"{name}={value!r}: expected {kind} int number of steps.")
 
 
-def _warmup(
-    learning_rate: float, warmup_steps: int, decay_steps: int, init_factor: float
-) -> optax.Schedule | None:
-    """The linear warmup, or None if there is none; warns if it outlasts `decay_steps`."""
+def _warmup_then(
+    learning_rate: float,
+    warmup_steps: int,
+    decay_steps: int,
+    init_factor: float,
+    decay: Callable[[int], optax.Schedule],
+) -> optax.Schedule:
+    """Linear warmup from ``init_factor * learning_rate``, then ``decay(steps left)``.
+
+    A warmup that outlasts `decay_steps` is all there is (with a warning).
+    """
     _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
     _check_positive_int("decay_steps", decay_steps)
     if warmup_steps >= decay_steps:
@@ -44,8 +52,11 @@ def _warmup(
             decay_steps,
         )
     if warmup_steps == 0:
-        return None
-    return optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
+        return decay(decay_steps)
+    warmup = optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
+    if warmup_steps >= decay_steps:
+        return warmup
+    return optax.join_schedules([warmup, decay(decay_steps - warmup_steps)], [warmup_steps])
 
 
 def constant(learning_rate: float) -> optax.Schedule:
@@ -88,13 +99,15 @@ def warmup_cosine(
     Raises:
       ValueError: for a negative or non-integer step count.
     """
-    warmup = _warmup(learning_rate, warmup_steps, decay_steps, init_factor)
-    if warmup is not None and warmup_steps >= decay_steps:
-        return warmup
-    decay = optax.cosine_decay_schedule(
-        learning_rate, decay_steps - warmup_steps, alpha=end_factor, exponent=exponent
+    return _warmup_then(
+        learning_rate,
+        warmup_steps,
+        decay_steps,
+        init_factor,
+        lambda n: optax.cosine_decay_schedule(
+            learning_rate, n, alpha=end_factor, exponent=exponent
+        ),
     )
-    return decay if warmup is None else optax.join_schedules([warmup, decay], [warmup_steps])
 
 
 def warmup_linear(
@@ -120,13 +133,13 @@ def warmup_linear(
     Raises:
       ValueError: for a negative or non-integer step count.
     """
-    warmup = _warmup(learning_rate, warmup_steps, decay_steps, init_factor)
-    if warmup is not None and warmup_steps >= decay_steps:
-        return warmup
-    decay = optax.linear_schedule(
-        learning_rate, end_factor * learning_rate, decay_steps - warmup_steps
+    return _warmup_then(
+        learning_rate,
+        warmup_steps,
+        decay_steps,
+        init_factor,
+        lambda n: optax.linear_schedule(learning_rate, end_factor * learning_rate, n),
     )
-    return decay if warmup is None else optax.join_schedules([warmup, decay], [warmup_steps])
 
 
 def exponential(

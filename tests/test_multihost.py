@@ -1,5 +1,6 @@
 """Two processes x 4 CPU devices (gloo, coordinator on 127.0.0.1) train like one x 8 devices."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.cli import run_train, scalars
 from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
 
@@ -46,3 +48,43 @@ def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
         np.testing.assert_allclose(float(got["loss"]), loss, rtol=1e-5)
         for name, value in expected.items():
             np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_cli_on_two_processes_logs_once_and_matches_one_process(tmp_path):
+    common = ["task=mlp", "mesh=auto", "trainer.steps=6", "trainer.log_every=1", "checkpoint=none"]
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trainers.train",
+                *common,
+                "trainer.progress=false",
+                "distributed.enabled=true",
+                f"distributed.coordinator_address=127.0.0.1:{port}",
+                f"distributed.num_processes={PROCESSES}",
+                f"distributed.process_id={pid}",
+                "distributed.cpu_collectives=gloo",
+                f"hydra.run.dir={tmp_path / f'p{pid}'}",
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for pid in range(PROCESSES)
+    ]
+    for proc in procs:
+        log, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, log[-4000:]
+    assert not (tmp_path / "p1" / "tb").exists()  # only process 0 writes TensorBoard events
+
+    run_train(*common, f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)  # 8 devices
+    two = scalars(tmp_path / "p0" / "tb", "train/loss")
+    one = scalars(tmp_path / "single" / "tb", "train/loss")
+    assert sorted(two) == sorted(one) == list(range(1, 7))
+    np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-5)

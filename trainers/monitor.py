@@ -47,8 +47,10 @@ class NonFiniteMonitor(Hook):
             )
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive = max_consecutive
+        self.last_loss = float("nan")  # the run's final loss, for the Hydra main
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.last_loss = metrics.get("train/loss", self.last_loss)
         if not self.skip_nonfinite:
             loss = metrics.get("train/loss", 0.0)
             bad_grads = metrics.get("grad/nonfinite", 0.0)

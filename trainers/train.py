@@ -100,6 +100,25 @@ def _check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
         )
 
 
+def _init_distributed(node: Any) -> None:
+    """``jax.distributed.initialize`` for multi-process runs (``distributed.enabled=true``).
+
+    One process per host; on TPU pods and SLURM the arguments can stay null (JAX detects
+    them). ``distributed.cpu_collectives=gloo`` joins CPU-only processes, as the tests do.
+    """
+    if node is None or not node.get("enabled", False):
+        return
+    import jax
+
+    if node.get("cpu_collectives"):
+        jax.config.update("jax_cpu_collectives_implementation", node.cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=node.get("coordinator_address"),
+        num_processes=node.get("num_processes"),
+        process_id=node.get("process_id"),
+    )
+
+
 def train(cfg: DictConfig) -> float:
     """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
 
@@ -118,6 +137,7 @@ def train(cfg: DictConfig) -> float:
     from xshard.mesh_config import data_axes as mesh_data_axes
 
     configure_devices(cfg.mesh)
+    _init_distributed(cfg.get("distributed"))
 
     import jax
 
@@ -142,7 +162,8 @@ def train(cfg: DictConfig) -> float:
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
     ckpt = CheckpointOptions.from_config(cfg.checkpoint)
-    check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
+    if jax.process_index() == 0:  # the only process that writes TensorBoard events
+        check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
     if ckpt.enabled:
         check_writable_dir(cfg.paths.checkpoint_dir, "paths.checkpoint_dir")
     # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
@@ -194,20 +215,25 @@ def train(cfg: DictConfig) -> float:
     start_step = int(jax.device_get(state.step))
 
     # ------------------------------------------------------------------ hooks
-    tb = TensorBoardHook(
-        cfg.paths.tb_dir,
-        log_every=cfg.trainer.log_every,
-        global_batch_size=cfg.trainer.batch_size,
-        num_steps=num_steps,
-        hparams=_hparams(cfg),
-        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        flush_secs=cfg.logger.flush_secs,
+    lead = jax.process_index() == 0  # logs and the progress bar come from one process
+    hooks = [monitor]  # first: a bad step raises before any other hook sees it
+    if lead:
+        hooks.append(
+            TensorBoardHook(
+                cfg.paths.tb_dir,
+                log_every=cfg.trainer.log_every,
+                global_batch_size=cfg.trainer.batch_size,
+                num_steps=num_steps,
+                hparams=_hparams(cfg),
+                config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                flush_secs=cfg.logger.flush_secs,
+            )
+        )
+    hooks.append(
+        ProgressHook(
+            start_step=start_step, num_steps=num_steps, enabled=cfg.trainer.progress and lead
+        )
     )
-    hooks = [
-        monitor,  # first: a bad step raises before any other hook sees it
-        tb,
-        ProgressHook(start_step=start_step, num_steps=num_steps, enabled=cfg.trainer.progress),
-    ]
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
         hooks.append(CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config))
 
@@ -232,7 +258,7 @@ def train(cfg: DictConfig) -> float:
             should_stop=stop,
         )
     step = int(jax.device_get(state.step))
-    final = tb.last_loss if tb.last_loss is not None else float("nan")
+    final = monitor.last_loss
     log.info("Finished (%s) at step %d, final loss %.5f.", reason, step, final)
     log.info(
         "TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.paths.tb_dir, cfg.paths.tb_dir

@@ -23,11 +23,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from xshard import Reduction
+from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
 from xshard.slots import cross_shard_state, get_hyperparams
 from xshard.stats import histogram, layer_norms, noise_scale, shard_norm_stats, tree_norm
 
-GRAD_IMPLS = ("manual", "gspmd")
 
 
 class TrainState(NamedTuple):

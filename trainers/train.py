@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -26,10 +26,21 @@ from omegaconf import DictConfig, OmegaConf
 from trainers.preemption import EXIT_PREEMPTED
 from trainers.preflight import EXIT_CONFIG_ERROR
 
+if TYPE_CHECKING:
+    from xshard.config import DistributedOptions
+
 log = logging.getLogger("trainers.train")
 
 # Exit statuses (docstring above): 2 and 75 are defined next to the code that exits with them.
 EXIT_NONFINITE = 3
+#: The ``distributed`` node of a config that has none: a single process.
+_NOT_DISTRIBUTED = {
+    "enabled": False,
+    "coordinator_address": None,
+    "num_processes": None,
+    "process_id": None,
+    "cpu_collectives": None,
+}
 
 
 def _hparams(cfg: DictConfig) -> dict[str, Any]:
@@ -100,23 +111,36 @@ def _check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
         )
 
 
-def _init_distributed(node: Any) -> None:
+def _init_distributed(opts: DistributedOptions) -> None:
     """``jax.distributed.initialize`` for multi-process runs (``distributed.enabled=true``).
 
     One process per host; on TPU pods and SLURM the arguments can stay null (JAX detects
     them). ``distributed.cpu_collectives=gloo`` joins CPU-only processes, as the tests do.
+
+    Raises:
+      ConfigError: if JAX cannot form the cluster from these settings (e.g. nothing to
+        detect it from).
     """
-    if node is None or not node.get("enabled", False):
+    if not opts.enabled:
         return
     import jax
 
-    if node.get("cpu_collectives"):
-        jax.config.update("jax_cpu_collectives_implementation", node.cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address=node.get("coordinator_address"),
-        num_processes=node.get("num_processes"),
-        process_id=node.get("process_id"),
-    )
+    from xshard.errors import ConfigError
+
+    if opts.cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", opts.cpu_collectives)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=opts.coordinator_address,
+            num_processes=opts.num_processes,
+            process_id=opts.process_id,
+        )
+    except ValueError as e:  # JAX's "coordinator_address should be defined." and the like
+        raise ConfigError(
+            f"distributed.enabled=true: JAX could not set up the cluster ({e}). Outside a "
+            "cluster JAX detects (TPU pod, SLURM), set distributed.coordinator_address, "
+            "distributed.num_processes and distributed.process_id."
+        ) from e
 
 
 def train(cfg: DictConfig) -> float:
@@ -131,20 +155,32 @@ def train(cfg: DictConfig) -> float:
       NonFiniteError: if training went non-finite beyond what the config tolerates.
       Preempted: if a signal stopped the run (after saving a checkpoint).
     """
+    # ------------------------------------------------------------------ the run's own keys
+    from xshard.config import DistributedOptions, TrainerOptions, check_seed, read_node
+
+    seed = check_seed(cfg.get("seed"))
+    opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
+    dist = read_node(DistributedOptions, cfg.get("distributed", _NOT_DISTRIBUTED), "distributed")
+
     # ------------------------------------------------------------------ devices and mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
-    from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
+    from xshard.mesh import (
+        build_mesh,
+        check_batch_divisible,
+        configure_devices,
+        data_parallel_size,
+    )
     from xshard.mesh_config import data_axes as mesh_data_axes
 
     configure_devices(cfg.mesh)
-    _init_distributed(cfg.get("distributed"))
+    _init_distributed(dist)
 
     import jax
 
     from trainers.checkpointing import CheckpointHook, CheckpointOptions, run_config
     from trainers.monitor import NonFiniteMonitor, ProgressHook
     from trainers.preemption import Preempted, StopOnSignal
-    from trainers.preflight import check_writable_dir
+    from trainers.preflight import check_batch_fits, check_writable_dir
     from trainers.resume import find_resume_source, restore_checkpoint
     from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
@@ -153,10 +189,8 @@ def train(cfg: DictConfig) -> float:
 
     mesh = build_mesh(cfg.mesh)
     data_axes = mesh_data_axes(cfg.mesh)
-    check_batch_divisible(cfg.trainer.batch_size, mesh, data_axes)
-    num_steps = cfg.trainer.steps
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps <= 0:
-        raise ConfigError(f"trainer.steps={num_steps!r}: expected a positive number of steps.")
+    check_batch_divisible(opts.batch_size, mesh, data_axes)
+    num_steps = opts.steps
 
     # ------------------------------------------------------------------ outputs
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
@@ -167,14 +201,14 @@ def train(cfg: DictConfig) -> float:
     if ckpt.enabled:
         check_writable_dir(cfg.paths.checkpoint_dir, "paths.checkpoint_dir")
     # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
-    source = find_resume_source(cfg.paths.checkpoint_dir, cfg.trainer.resume_from)
+    source = find_resume_source(cfg.paths.checkpoint_dir, opts.resume_from)
 
     # ------------------------------------------------------------------ task and optimizer
     task = build_task(cfg)
     tx = build_optimizer(cfg, mesh=mesh)
     monitor = NonFiniteMonitor(
         skip_nonfinite=bool(cfg.reduction.get("skip_nonfinite", False)),
-        max_consecutive=cfg.trainer.max_consecutive_nonfinite,
+        max_consecutive=opts.max_consecutive_nonfinite,
     )
     _check_reduction_axes(cfg.reduction.get("axis_name", "data"), data_axes)
     trainer = Trainer(  # validates trainer.* (ConfigError)
@@ -182,28 +216,34 @@ def train(cfg: DictConfig) -> float:
         tx,
         mesh,
         data_axes=data_axes,
-        global_batch_size=cfg.trainer.batch_size,
-        microbatches=cfg.trainer.microbatches,
-        grad_impl=cfg.trainer.grad_impl,
+        global_batch_size=opts.batch_size,
+        microbatches=opts.microbatches,
+        grad_impl=opts.grad_impl,
         reduction=cfg.reduction.mode,
-        seed=cfg.seed,
+        seed=seed,
     )
 
     # ------------------------------------------------------------------ state: new or restored
     def batches(start_step: int):
         return task.batches(
-            cfg.trainer.batch_size,
-            seed=cfg.seed,
+            opts.batch_size,
+            seed=seed,
             start_step=start_step,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
 
+    check_batch_fits(
+        lambda size: task.batches(size, seed=seed, process_count=jax.process_count()),
+        opts.batch_size,
+        probe_batch=data_parallel_size(mesh, data_axes),
+        process_count=jax.process_count(),
+    )
     first = next(iter(batches(0)), None)
     if first is None:
         raise ConfigError(
             f"task={cfg.task.get('name', 'task')} yields no batch of "
-            f"trainer.batch_size={cfg.trainer.batch_size} (finite data too small?)."
+            f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
     state = trainer.init(trainer.init_params(first))
     config = run_config(cfg)
@@ -221,8 +261,8 @@ def train(cfg: DictConfig) -> float:
         hooks.append(
             TensorBoardHook(
                 cfg.paths.tb_dir,
-                log_every=cfg.trainer.log_every,
-                global_batch_size=cfg.trainer.batch_size,
+                log_every=opts.log_every,
+                global_batch_size=opts.batch_size,
                 num_steps=num_steps,
                 hparams=_hparams(cfg),
                 config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
@@ -231,7 +271,7 @@ def train(cfg: DictConfig) -> float:
         )
     hooks.append(
         ProgressHook(
-            start_step=start_step, num_steps=num_steps, enabled=cfg.trainer.progress and lead
+            start_step=start_step, num_steps=num_steps, enabled=opts.progress and lead
         )
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
@@ -252,9 +292,9 @@ def train(cfg: DictConfig) -> float:
             batches(start_step),
             num_steps=num_steps,
             hooks=hooks,
-            layer_stats_every=cfg.trainer.layer_stats_every,
-            histogram_every=cfg.trainer.histogram_every,
-            stats_every=cfg.trainer.stats_every,
+            layer_stats_every=opts.layer_stats_every,
+            histogram_every=opts.histogram_every,
+            stats_every=opts.stats_every,
             should_stop=stop,
         )
     step = int(jax.device_get(state.step))
@@ -285,8 +325,11 @@ def train(cfg: DictConfig) -> float:
 
 def _exit(error: BaseException, code: int, label: str = "error") -> None:
     """Reports `error` in one line (log file and stderr) and exits with `code`."""
-    log.log(logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, "%s", error)
-    print(f"xshard: {label}: {error}", file=sys.stderr)
+    from xshard.config import one_line
+
+    message = one_line(str(error))
+    log.log(logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, "%s", message)
+    print(f"xshard: {label}: {message}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -31,6 +31,7 @@ from trainers.step import (
 )
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
+from xshard.cross_shard import PerShardGradientsRequired
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
 
@@ -198,8 +199,15 @@ class Trainer:
             donate_argnums=(0,),
         )
         start = time.perf_counter()
-        with jax.set_mesh(self.mesh):
-            self._compiled = jitted.lower(state, batch, self._stats_flag[True]).compile()
+        try:
+            with jax.set_mesh(self.mesh):
+                self._compiled = jitted.lower(state, batch, self._stats_flag[True]).compile()
+        except PerShardGradientsRequired as e:
+            raise ConfigError(
+                f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
+                f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
+                "without per-shard clipping or weights (reduction.clip_per_shard=null)."
+            ) from None
         self.compile_seconds = time.perf_counter() - start
         self._metric_keys = keys[0]
         self._stats_keys = frozenset(self._step_fn.stats_keys)

@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 AxisNames = str | Sequence[str]
 
 
+class PerShardGradientsRequired(ValueError):
+    """Per-shard clipping or weighting was asked for gradients that were already reduced."""
+
+
 class Reduction(enum.StrEnum):
     """How gradients are combined across shards (TF's `losses.Reduction.SUM`/`MEAN`)."""
 
@@ -225,7 +229,7 @@ def reduce_gradients(
 
     # Outside shard_map: the compiler already reduced the gradient of a global-mean loss.
     if clip_per_shard is not None or shard_weight is not None:
-        raise ValueError(
+        raise PerShardGradientsRequired(
             "clip_per_shard and shard_weight need per-shard gradients, computed inside "
             f"jax.shard_map with mesh axes {axes!r} manual; these gradients were computed "
             "outside it (plain jit / GSPMD), where no per-shard gradient exists."

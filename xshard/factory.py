@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -90,9 +91,31 @@ def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> opta
     first = next(iter(inspect.signature(fn).parameters), None)
     check_kwargs(fn, kwargs, "schedule", target, supplied=(first,))
     try:
-        return fn(learning_rate, **kwargs)
+        schedule = fn(learning_rate, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"schedule ({target}): {e}") from e
+    return _check_schedule(schedule, target)
+
+
+def _check_schedule(schedule: Any, target: str) -> optax.Schedule:
+    """A schedule maps a step count to one learning rate: check that on an abstract step."""
+    wrong = f"schedule._target_={target!r} did not build a schedule (step -> learning rate)"
+    if not callable(schedule) or isinstance(schedule, optax.GradientTransformation):
+        raise ConfigError(
+            f"{wrong}; it returned a {type(schedule).__name__}. Use a schedule factory, "
+            "e.g. xshard.schedules.warmup_cosine or optax.cosine_decay_schedule."
+        )
+    try:
+        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception as e:  # any failure to trace `schedule(step)` means it is not one
+        raise ConfigError(f"{wrong}: calling it on a step failed ({type(e).__name__}).") from e
+    if not (
+        isinstance(out, jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    ):
+        raise ConfigError(f"{wrong}: schedule(step) gave {out}, not a scalar float.")
+    return schedule
 
 
 def build_schedule(cfg: Any) -> optax.Schedule:

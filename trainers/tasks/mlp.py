@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainers.tasks.args import positive_int, positive_ints
 from trainers.tasks.base import Batch, Params
 from trainers.tasks.data import StepIndexedData
 
@@ -102,11 +103,11 @@ class MLPTask(StepIndexedData):
             )
         if num_examples is not None and num_examples <= 0:
             raise ValueError(f"task.num_examples must be positive or null, got {num_examples}")
-        self.in_dim = int(in_dim)
-        self.hidden = tuple(int(h) for h in hidden)
-        self.out_dim = int(out_dim)
+        self.in_dim = positive_int(in_dim, "task.in_dim")
+        self.hidden = positive_ints(hidden, "task.hidden")
+        self.out_dim = positive_int(out_dim, "task.out_dim")
         self.activation = activation
-        self.teacher_hidden = tuple(int(h) for h in teacher_hidden)
+        self.teacher_hidden = positive_ints(teacher_hidden, "task.teacher_hidden")
         self.teacher_seed = int(teacher_seed)
         self.noise_std = float(noise_std)
         self.nan_steps = _steps(nan_at_step)

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainers.tasks import corpus
+from trainers.tasks.args import positive_int
 from trainers.tasks.base import Batch, Params
 from trainers.tasks.data import StepIndexedData
 
@@ -112,6 +113,10 @@ class TinyGPTTask(StepIndexedData):
         corpus_max_chars: int = corpus.DEFAULT_MAX_CHARS,
         name: str = "tiny_gpt",
     ):
+        sizes = dict(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
+        sizes.update(d_ff=d_ff, seq_len=seq_len, corpus_max_chars=corpus_max_chars)
+        for key, value in sizes.items():
+            positive_int(value, f"task.{key}")
         if vocab_size < 128:
             raise ValueError(f"task.vocab_size={vocab_size} must be >= 128 (ASCII byte tokens)")
         if d_model % n_heads:

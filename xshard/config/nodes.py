@@ -1,0 +1,108 @@
+"""`read_node`: a composed config node as a typed dataclass, with one-line errors.
+
+OmegaConf already knows how to check and convert values against a dataclass (a *structured
+config*): ``"3"`` becomes 3 for an ``int`` field, ``"maybe"`` is refused for a ``bool``. This
+module runs that check after composition, so a bad value reaches the user as a `ConfigError`
+(the CLI's exit 2 and one line) rather than as a Hydra composition traceback, and then builds
+the dataclass, whose ``__post_init__`` checks ranges and choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from xshard.errors import ConfigError
+
+T = TypeVar("T")
+
+#: Longest value repr echoed in an error message; longer ones are elided.
+MAX_SHOWN = 120
+
+
+def shown(value: Any, limit: int = MAX_SHOWN) -> str:
+    """``repr(value)``, elided in the middle when longer than `limit` characters."""
+    return _elide(repr(value), limit)
+
+
+def _elide(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-limit // 4 :]} ({len(text)} characters)"
+
+
+def one_line(message: str, limit: int = MAX_SHOWN) -> str:
+    """`message` on one line, each word longer than `limit` characters elided (`shown`)."""
+    words = " ".join(message.split()).split(" ")
+    return " ".join(_elide(w, limit) for w in words)
+
+
+def read_node(schema: type[T], node: Any, key: str) -> T:
+    """Reads the config node at `key` as an instance of the dataclass `schema`.
+
+    Args:
+      schema: a dataclass whose fields are the node's keys (types as OmegaConf supports them:
+        ``int``, ``float``, ``bool``, ``str``, ``X | None``, lists of those).
+      node: the composed node (``DictConfig`` or mapping); interpolations are resolved.
+      key: the node's config key (``"trainer"``), for error messages.
+
+    Returns:
+      The dataclass instance; its ``__post_init__`` has run.
+
+    Raises:
+      ConfigError: for a node that is not a mapping, an unknown key (listing the allowed
+        ones), a missing key, or a value of the wrong type; and whatever ``__post_init__``
+        raises.
+    """
+    names = [f.name for f in dataclasses.fields(schema)]
+    if OmegaConf.is_config(node):
+        try:
+            node = OmegaConf.to_container(node, resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"{key}: {_first_line(e)}") from e
+    if not isinstance(node, dict):
+        raise ConfigError(f"{key}={shown(node)}: expected a mapping with keys {names}.")
+    for name in node:
+        if name not in names:
+            raise ConfigError(f"{key}.{name}: unknown key. Allowed keys: {names}.")
+    for name in names:
+        if name not in node and _required(schema, name):
+            raise ConfigError(f"{key}.{name} is required but missing.")
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), node)
+    except ValidationError as e:
+        name = str(e.full_key or "").split(".")[-1]
+        value = node.get(name, "?") if isinstance(node, dict) else "?"
+        raise ConfigError(f"{key}.{name}={shown(value)}: {_type_hint(e)}") from e
+    except (ConfigKeyError, OmegaConfBaseException) as e:
+        raise ConfigError(f"{key}: {_first_line(e)}") from e
+    assert isinstance(typed, DictConfig)
+    return OmegaConf.to_object(typed)  # type: ignore[return-value]
+
+
+def _required(schema: type, name: str) -> bool:
+    field = next(f for f in dataclasses.fields(schema) if f.name == name)
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _type_hint(e: ValidationError) -> str:
+    """'expected an integer' etc. from OmegaConf's message."""
+    msg = _first_line(e)
+    for word, hint in (
+        ("integer", "expected an integer"),
+        ("float", "expected a number"),
+        ("bool", "expected true or false"),
+        ("string", "expected a string"),
+        ("none", "expected a value, not null"),
+    ):
+        if word in msg.lower():
+            return hint
+    return msg
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__

@@ -1,0 +1,134 @@
+"""The run's own config nodes: ``seed``, ``trainer`` and ``distributed``.
+
+Field types and checks live here; the values (defaults included) live in ``xshard_train.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from omegaconf import MISSING
+
+from xshard.config.nodes import shown
+from xshard.errors import ConfigError
+
+#: How per-shard gradients are computed: in `jax.shard_map` or by the compiler (GSPMD).
+GRAD_IMPLS = ("manual", "gspmd")
+#: CPU collectives JAX can use between processes.
+CPU_COLLECTIVES = ("gloo", "mpi")
+#: Seeds are unsigned 32-bit integers (JAX PRNG keys and NumPy generators take them all).
+MAX_SEED = 2**32 - 1
+
+
+def check_int(value: Any, key: str, minimum: int, allowed: str, maximum: int | None = None) -> int:
+    """Returns `value` if it is an integer in [minimum, maximum] (not a bool).
+
+    Raises:
+      ConfigError: naming `key`, the value and `allowed`.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        raise ConfigError(f"{key}={shown(value)}: expected an integer, {allowed}.")
+    return value
+
+
+def check_seed(value: Any, key: str = "seed") -> int:
+    """Returns the run's seed if it is an integer in [0, 2**32 - 1].
+
+    Raises:
+      ConfigError: naming `key` and the value.
+    """
+    return check_int(value, key, 0, f"0 <= {key} <= {MAX_SEED} (2**32 - 1)", MAX_SEED)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerOptions:
+    """The ``trainer`` node (see ``xshard_train.yaml`` for what each key does)."""
+
+    steps: int = MISSING
+    batch_size: int = MISSING
+    microbatches: int = MISSING
+    grad_impl: str = MISSING
+    log_every: int = MISSING
+    stats_every: int = MISSING
+    layer_stats_every: int = MISSING
+    histogram_every: int = MISSING
+    max_consecutive_nonfinite: int = MISSING
+    resume_from: str | None = MISSING
+    progress: bool = MISSING
+
+    def __post_init__(self) -> None:
+        check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
+        check_int(self.batch_size, "trainer.batch_size", 1, "the global batch size, >= 1")
+        check_int(self.microbatches, "trainer.microbatches", 1, ">= 1 (1: no accumulation)")
+        if self.grad_impl not in GRAD_IMPLS:
+            raise ConfigError(
+                f"trainer.grad_impl={shown(self.grad_impl)} is not allowed; choose one of "
+                f"{list(GRAD_IMPLS)}."
+            )
+        check_int(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
+        for key in ("stats_every", "layer_stats_every", "histogram_every"):
+            check_int(getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 disables")
+        check_int(
+            self.max_consecutive_nonfinite,
+            "trainer.max_consecutive_nonfinite",
+            0,
+            ">= 0 (skipped non-finite steps in a row that are tolerated)",
+        )
+        if self.resume_from is not None and not self.resume_from.strip():
+            raise ConfigError("trainer.resume_from='': expected a path or null.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedOptions:
+    """The ``distributed`` node: arguments of ``jax.distributed.initialize``.
+
+    With ``enabled: true`` and the rest null, JAX detects the cluster (TPU pods, SLURM).
+    """
+
+    enabled: bool = MISSING
+    coordinator_address: str | None = MISSING
+    num_processes: int | None = MISSING
+    process_id: int | None = MISSING
+    cpu_collectives: str | None = MISSING
+
+    def __post_init__(self) -> None:
+        if self.num_processes is not None:
+            check_int(self.num_processes, "distributed.num_processes", 1, ">= 1, or null")
+        if self.process_id is not None:
+            top = None if self.num_processes is None else self.num_processes - 1
+            allowed = "0 <= process_id < num_processes, or null"
+            check_int(self.process_id, "distributed.process_id", 0, allowed, top)
+        if self.cpu_collectives is not None and self.cpu_collectives not in CPU_COLLECTIVES:
+            raise ConfigError(
+                f"distributed.cpu_collectives={shown(self.cpu_collectives)}: choose one of "
+                f"{list(CPU_COLLECTIVES)} or null."
+            )
+        address = self.coordinator_address
+        if address is not None and (":" not in address or not address.rsplit(":", 1)[1].isdigit()):
+            raise ConfigError(
+                f"distributed.coordinator_address={shown(address)}: expected host:port of "
+                "process 0 (e.g. 10.0.0.1:1234), or null to detect it."
+            )
+
+
+def finite_positive(value: Any, key: str, what: str) -> float:
+    """Returns `value` if it is a finite number > 0 (not a bool).
+
+    Raises:
+      ConfigError: naming `key`, the value and `what` it is.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{key}={shown(value)}: expected {what}, a finite number > 0.")
+    return value

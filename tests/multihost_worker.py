@@ -1,7 +1,7 @@
 """One process of a two-process run: `python -m tests.multihost_worker PID PORT OUT`.
 
 Two of these, each with 4 simulated CPU devices, join through a coordinator on 127.0.0.1 and
-gloo collectives into one 8-device mesh (DESIGN.md: how multi-host code is tested here), train
+gloo collectives into one 8-device mesh (docs/development.md: multi-host runs), train
 task=mlp with the Trainer, and write their final loss and params to OUT (.npz).
 """
 

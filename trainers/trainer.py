@@ -3,7 +3,7 @@
 Read top to bottom: placement of params and batches on the mesh, the compiled step, then the
 loop. The loop keeps at most two steps in flight: it dispatches step k, then waits for the
 metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
-with dozens of steps in flight, see DESIGN.md), gives lag-one logging without stalls, and
+with dozens of steps in flight, see docs/development.md), gives lag-one logging without stalls, and
 lets every step's loss be checked on the host.
 """
 

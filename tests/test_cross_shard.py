@@ -150,7 +150,7 @@ def test_gspmd_axis_not_in_mesh_is_an_error():
 
 
 def test_per_shard_options_outside_shard_map_are_errors():
-    with pytest.raises(ValueError, match="need per-shard gradients"):
+    with pytest.raises(ValueError, match="needs per-shard gradients"):
         xshard.reduce_gradients({"w": jnp.ones(2)}, "mean", clip_per_shard=1.0)
 
 

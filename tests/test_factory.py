@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import xshard
 from xshard import ConfigError
-from xshard.cross_shard import CrossShardState
+from xshard.optimizer import CrossShardState
 
 
 def make_cfg(**sections):

@@ -31,7 +31,7 @@ from trainers.step import (
 )
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
-from xshard.cross_shard import PerShardGradientsRequired
+from xshard.reduce import PerShardGradientsRequired
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
 

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import optax
 
 from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
-from xshard.cross_shard import Reduction, cross_shard
+from xshard.optimizer import cross_shard
+from xshard.reduce import Reduction
 from xshard.errors import ConfigError
 from xshard.masks import resolve_mask
 from xshard.mesh import check_axis_names

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import optax
 
-from xshard.cross_shard import CrossShardState
+from xshard.optimizer import CrossShardState
 
 # Fields of optax states that hold scalars or hyperparameters, never per-parameter values.
 _NOT_SLOTS = frozenset(
@@ -26,8 +26,6 @@ _NOT_SLOTS = frozenset(
         "total_notfinite",
         "mini_step",
         "gradient_step",
-        "skipped_steps",
-        "consecutive_skipped",
     }
 )
 
@@ -99,10 +97,10 @@ def get_slot(state: optax.OptState, name: str) -> Any:
     When several inner transforms have a slot of that name (a chain of two momentums), the
     first one in the chain is returned.
     """
-    for field, value in _named_fields(inner_state(state)):
-        if field == name and _is_slot(field, value):
-            return value
-    return None
+    found = optax.tree.get_all_with_path(
+        inner_state(state), name, filtering=lambda _, value: _is_slot(name, value)
+    )
+    return found[0][1] if found else None
 
 
 def get_hyperparams(state: optax.OptState) -> dict[str, Any]:
@@ -111,7 +109,7 @@ def get_hyperparams(state: optax.OptState) -> dict[str, Any]:
     With a schedule, ``get_hyperparams(state)["learning_rate"]`` is the rate of the last
     update. Returns an empty dict when no inner transform injects hyperparameters.
     """
-    for field, value in _named_fields(inner_state(state)):
-        if field == "hyperparams" and isinstance(value, dict):
-            return value
-    return {}
+    found = optax.tree.get_all_with_path(
+        inner_state(state), "hyperparams", filtering=lambda _, value: isinstance(value, dict)
+    )
+    return found[0][1] if found else {}

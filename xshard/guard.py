@@ -1,0 +1,125 @@
+"""The two transforms after the reduction: a summary of the reduced gradient and the
+non-finite guard.
+
+* `summarize_updates` records the norm, max |g| and non-finite count of the updates passing
+  through (`xshard.stats.GradSummary`), so the trainer logs them without a second pass.
+* `skip_if_nonfinite` applies the inner optimizer only when the updates are finite, like
+  `optax.apply_if_finite` (same state field names), but never gives up: the trainer decides
+  how many skipped steps in a row are too many. After the reduction the updates are identical
+  on every shard, so every shard takes the same decision.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from xshard.stats import GradSummary, count_nonfinite, guard_summary, summarize
+
+
+def empty_summary() -> GradSummary:
+    """A `GradSummary` of zeros (distinct buffers: a donated state must not alias one twice)."""
+    return GradSummary(
+        jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+    )
+
+
+def summarize_updates() -> optax.GradientTransformationExtraArgs:
+    """Records a `GradSummary` of the updates in its state; the updates pass unchanged.
+
+    The extra update argument ``with_stats`` (a bool, may be traced) limits the work: when
+    false only max |g| and the non-finite count are computed (the norm is NaN), saving a
+    reduction per leaf on steps that log nothing, in the same compiled program.
+    """
+
+    def init_fn(params):
+        del params
+        return empty_summary()
+
+    def update_fn(updates, state, params=None, *, with_stats=None, **extra_args):
+        del state, params, extra_args
+        if with_stats is None:
+            return updates, summarize(updates)
+        return updates, jax.lax.cond(with_stats, summarize, guard_summary, updates)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipIfNonFiniteState(NamedTuple):
+    """State of `skip_if_nonfinite` (field names as `optax.ApplyIfFiniteState`)."""
+
+    notfinite_count: jax.Array  # int32: skipped updates in a row, reset by a finite one
+    last_finite: jax.Array  # bool: whether the last update was finite
+    total_notfinite: jax.Array  # int32: skipped updates in total
+    inner_state: optax.OptState
+
+
+def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Applies `inner` only to finite updates; otherwise zero updates and `inner`'s state kept.
+
+    Args:
+      inner: the optimizer to guard (extra arguments are forwarded to it).
+
+    Returns:
+      A transformation whose `update` accepts the extra argument ``nonfinite``: the number of
+      non-finite elements of the updates when the caller already counted them (e.g.
+      `summarize_updates`); otherwise they are counted here.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipIfNonFiniteState(
+            jnp.zeros((), jnp.int32), jnp.ones((), jnp.bool_), jnp.zeros((), jnp.int32),
+            inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, *, nonfinite=None, **extra_args):
+        finite = (count_nonfinite(updates) if nonfinite is None else nonfinite) == 0
+
+        def apply_inner(inner_state):
+            return inner.update(updates, inner_state, params, **extra_args)
+
+        def skip(inner_state):
+            shapes = jax.eval_shape(apply_inner, inner_state)[0]
+            return jax.tree.map(_zeros_like_abstract, shapes), inner_state
+
+        # A cond, not a select: XLA then updates the donated inner state in place.
+        new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip, state.inner_state)
+        bad = jnp.where(finite, 0, 1).astype(jnp.int32)
+        return new_updates, SkipIfNonFiniteState(
+            jnp.where(finite, 0, state.notfinite_count + 1).astype(jnp.int32),
+            finite,
+            state.total_notfinite + bad,
+            new_inner,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of `aval`'s shape and dtype, varying over the same manual axes (in shard_map)."""
+    zeros = jnp.zeros(aval.shape, aval.dtype)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = tuple(sorted(getattr(mat, "varying", ()) or ()))
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+
+
+def apply_always(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`skip_if_nonfinite`'s state layout without the guard: `inner` applies to every update.
+
+    Lets `cross_shard` keep one state structure whether or not it skips non-finite steps.
+    """
+    guarded = skip_if_nonfinite(inner)
+    inner = optax.with_extra_args_support(inner)
+
+    def update_fn(updates, state, params=None, *, nonfinite=None, **extra_args):
+        del nonfinite
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+        return new_updates, state._replace(inner_state=new_inner)
+
+    return optax.GradientTransformationExtraArgs(guarded.init, update_fn)
+
+

@@ -1,0 +1,298 @@
+"""Reduction of gradients across data-parallel shards: the semantics of `xshard.cross_shard`.
+
+`reduce_gradients` is steps 1 and 2 of a `cross_shard` update (per-shard clipping, then the
+all-reduce), usable on its own. Where the reduction happens depends on how the gradient was
+computed:
+
+* Inside ``jax.shard_map`` with ``axis_name`` manual, the gradient must be *per shard*
+  (varying over the axis). ``jax.grad`` of a loss w.r.t. replicated params is already summed
+  over the manual axes, so reducing it again would multiply it by the number of shards; that is
+  refused with an error. Cast the params first: ``jax.lax.pcast(params, axis, to="varying")``.
+  Then SUM is ``psum`` and MEAN is ``pmean`` (TF's "scale the loss by 1/N, then
+  cross_replica_sum").
+* Outside any manual axis (plain ``jit``, GSPMD) the compiler has already reduced the gradient
+  of a global-mean loss: MEAN is the identity and SUM multiplies by the number of shards.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+logger = logging.getLogger(__name__)
+
+AxisNames = str | Sequence[str]
+
+
+class PerShardGradientsRequired(ValueError):
+    """Per-shard clipping or weighting was asked for gradients that were already reduced."""
+
+
+class Reduction(enum.StrEnum):
+    """How gradients are combined across shards (TF's `losses.Reduction.SUM`/`MEAN`)."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+    @classmethod
+    def parse(cls, value: Reduction | str, *, key: str = "reduction") -> Reduction:
+        """Returns the `Reduction` for `value` ("sum"/"mean" in any case, or a member).
+
+        Raises:
+          ValueError: naming `key`, the bad value and the allowed values.
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(
+            f"Unsupported {key}: {value!r}. Allowed: {allowed} "
+            "(any case) or xshard.Reduction.SUM / xshard.Reduction.MEAN."
+        )
+
+
+class DoubleReductionError(ValueError):
+    """Raised when gradients to reduce are already invariant over the reduction axis."""
+
+
+def _axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(
+            f"axis_name must be a non-empty axis name or tuple of names, got {axis_name!r}."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"axis_name has duplicate axes: {names!r}.")
+    return names
+
+
+def _manual_axes(axes: tuple[str, ...]) -> bool:
+    """True if every axis in `axes` is manual here (shard_map or pmap); False if none is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(() if mesh.empty else mesh.manual_axes)
+    hits = [a for a in axes if a in manual]
+    if hits and len(hits) != len(axes):
+        raise ValueError(
+            f"Reduction axes {axes!r} are only partly manual here (manual: {tuple(hits)!r}); "
+            "put all of them, or none, in the shard_map's manual axes."
+        )
+    return bool(hits)
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX spelling
+
+
+def _tracks_varying(axes: tuple[str, ...]) -> bool:
+    """Whether the current trace tracks varying-ness (shard_map with check_vma=True).
+
+    Under `pmap` or `shard_map(check_vma=False)` nothing is marked varying, and the gradient of
+    replicated params is per shard already, so there is nothing to check.
+    """
+    probe = jax.lax.pcast(jnp.zeros((), jnp.int32), axes, to="varying")
+    return bool(set(axes) & _varying_axes(probe))
+
+
+def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
+    if not _tracks_varying(axes):
+        return
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        missing = [a for a in axes if a not in _varying_axes(g)]
+        if missing:
+            raise DoubleReductionError(
+                f"Gradient leaf {jax.tree_util.keystr(path) or '<root>'} is already invariant over "
+                f"mesh axes {tuple(missing)!r}: it was reduced before reaching cross_shard, and "
+                "reducing it again would count every shard's contribution N times. Inside "
+                "shard_map, jax.grad of a loss w.r.t. replicated params is already summed over "
+                "the manual axes. Take per-shard gradients instead: "
+                f"params = jax.lax.pcast(params, {axes!r}, to='varying') before jax.grad."
+            )
+
+
+def _require_per_shard(grads: Any, axes: tuple[str, ...], what: str) -> None:
+    """Per-shard clipping and weighting need per-shard gradients: inside shard_map, varying."""
+    if not _manual_axes(axes):
+        raise PerShardGradientsRequired(
+            f"{what}: needs per-shard gradients, computed inside jax.shard_map with mesh axes "
+            f"{axes!r} manual; these gradients were computed outside it (plain jit / GSPMD), "
+            "where no per-shard gradient exists."
+        )
+    _check_per_shard(grads, axes)
+
+
+def _all_reduce(
+    grads: Any,
+    mode: Reduction,
+    axes: tuple[str, ...],
+    comm_dtype: Any,
+    shard_weight: jax.Array | None,
+) -> Any:
+    """psum/pmean (optionally weighted) of every non-None leaf, in `comm_dtype` if given."""
+
+    def to_comm(g):
+        return g.astype(comm_dtype) if comm_dtype is not None else g
+
+    if shard_weight is None:
+        collective = jax.lax.psum if mode is Reduction.SUM else jax.lax.pmean
+        reduced = collective(jax.tree.map(to_comm, grads), axes)
+    else:
+        w = jnp.asarray(shard_weight, jnp.float32)
+        if w.ndim != 0:
+            raise ValueError(f"shard_weight must be a scalar per shard, got shape {w.shape}.")
+        summed = jax.lax.psum(jax.tree.map(lambda g: to_comm(g * w.astype(g.dtype)), grads), axes)
+        if mode is Reduction.MEAN:
+            total = jax.lax.psum(w, axes)
+            summed = jax.tree.map(lambda g: g / total.astype(g.dtype), summed)
+        reduced = summed
+    return jax.tree.map(lambda r, g: r.astype(g.dtype), reduced, grads)
+
+
+def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
+    if num_shards is not None:
+        return num_shards
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        logger.warning(
+            "cross_shard(reduction='sum') runs outside shard_map with no mesh in context "
+            "(jax.set_mesh) and no num_shards=: assuming 1 shard."
+        )
+        return 1
+    unknown = [a for a in axes if a not in mesh.shape]
+    if unknown:
+        raise ValueError(
+            f"Reduction axis_name {tuple(unknown)!r} is not an axis of the mesh in context "
+            f"(axes: {tuple(mesh.axis_names)!r})."
+        )
+    n = 1
+    for a in axes:
+        n *= mesh.shape[a]
+    return n
+
+
+# --------------------------------------------------------------------------------------------
+# The two transforms before the reduction's summary and guard (see xshard.optimizer)
+# --------------------------------------------------------------------------------------------
+
+
+def per_shard_clip(max_norm: float, axis_name: AxisNames = "data") -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` of each shard's own gradient, before the reduction.
+
+    TF reduced late for this: one shard's huge gradient must not dominate the others. Must run
+    inside ``jax.shard_map`` on per-shard (varying) gradients.
+
+    Args:
+      max_norm: the global norm each shard's local gradient is clipped to (> 0).
+      axis_name: the data-parallel mesh axis, or axes, the gradients vary over.
+
+    Raises:
+      ValueError: for a `max_norm` that is not > 0; at update time,
+        `PerShardGradientsRequired` outside shard_map and `DoubleReductionError` for
+        gradients that are already reduced.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
+        raise ValueError(f"clip_per_shard must be > 0 or None, got {max_norm!r}.")
+    axes = _axis_tuple(axis_name)
+    clip = optax.clip_by_global_norm(max_norm)
+
+    def update_fn(updates, state, params=None):
+        _require_per_shard(updates, axes, "clip_per_shard")
+        return clip.update(updates, state, params)
+
+    return optax.GradientTransformation(clip.init, update_fn)
+
+
+def all_reduce(
+    reduction: Reduction | str = Reduction.MEAN,
+    *,
+    axis_name: AxisNames = "data",
+    comm_dtype: Any = None,
+    num_shards: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The reduction across shards as an optax transform (stateless).
+
+    Inside shard_map: ``psum`` (SUM) or ``pmean`` (MEAN) of per-shard gradients, or with the
+    extra update argument ``shard_weight`` (a scalar per shard, e.g. its token count)
+    ``psum(w * g)``, divided by ``psum(w)`` for MEAN. Outside any manual axis (plain jit,
+    GSPMD) the gradient is already reduced: MEAN is the identity and SUM multiplies by the
+    number of shards (`num_shards`, else the mesh in context).
+
+    Args:
+      reduction: `Reduction.SUM` or `Reduction.MEAN` (or "sum"/"mean", any case).
+      axis_name: mesh axis, or tuple of axes, to reduce over.
+      comm_dtype: dtype of the collective (e.g. ``"bfloat16"``); the result is cast back.
+      num_shards: number of shards for SUM outside a manual axis, if no mesh is in context.
+
+    Raises:
+      ValueError: for an unknown reduction or bad argument; at update time as
+        `reduce_gradients`.
+    """
+    mode = Reduction.parse(reduction)
+    axes = _axis_tuple(axis_name)
+    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
+        raise ValueError(f"num_shards must be a positive int or None, got {num_shards!r}.")
+    comm = None if comm_dtype is None else jnp.dtype(comm_dtype)
+
+    def init_fn(params):
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates, state, params=None, *, shard_weight=None, **extra_args):
+        del params, extra_args
+        if shard_weight is not None:
+            _require_per_shard(updates, axes, "shard_weight")
+        if _manual_axes(axes):
+            _check_per_shard(updates, axes)
+            return _all_reduce(updates, mode, axes, comm, shard_weight), state
+        if mode is Reduction.MEAN:
+            return updates, state
+        n = _shards_in_context(axes, num_shards)
+        return jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates), state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def reduce_gradients(
+    grads: Any,
+    reduction: Reduction | str = Reduction.MEAN,
+    *,
+    axis_name: AxisNames = "data",
+    clip_per_shard: float | None = None,
+    comm_dtype: Any = None,
+    shard_weight: jax.Array | None = None,
+    num_shards: int | None = None,
+) -> Any:
+    """Reduces `grads` across shards with the semantics of `cross_shard` (steps 1 and 2).
+
+    `per_shard_clip` (if `clip_per_shard` is set) then `all_reduce`, applied once.
+
+    Args:
+      grads: gradient pytree; `None` leaves pass through unreduced.
+      reduction: `Reduction.SUM` or `Reduction.MEAN` (or "sum"/"mean").
+      axis_name: mesh axis, or tuple of axes, to reduce over.
+      clip_per_shard: if set, clip each shard's local gradient to this global norm first.
+      comm_dtype: dtype of the collective (e.g. ``jnp.bfloat16``); the result is cast back.
+      shard_weight: scalar weight of this shard (e.g. its token count): MEAN becomes
+        ``psum(w * g) / psum(w)`` and SUM ``psum(w * g)``.
+      num_shards: number of shards for SUM outside a manual axis, if no mesh is in context.
+
+    Returns:
+      The reduced gradients, identical on every shard.
+    """
+    if clip_per_shard is not None:
+        grads, _ = per_shard_clip(clip_per_shard, axis_name).update(grads, optax.EmptyState())
+    reduce = all_reduce(reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards)
+    return reduce.update(grads, optax.EmptyState(), shard_weight=shard_weight)[0]

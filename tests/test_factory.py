@@ -330,7 +330,7 @@ BAD_CONFIGS = {
     "mandatory_lr": (
         {"optimizer": {**OPT, "learning_rate": "???"}},
         ["optimizer.learning_rate is required but missing"]),
-    "missing_mode": ({"reduction": {"axis_name": "data"}}, ["reduction.mode is required", "'sum'"]),
+    "null_mode": ({"reduction": {"mode": None}}, ["reduction.mode=None", "expected a value"]),
     "unknown_reduction_key": (
         {"reduction": {"mode": "sum", "axis": "data"}},
         ["reduction.axis: unknown key", "axis_name", "skip_nonfinite"]),
@@ -375,3 +375,13 @@ def test_bad_config_error_names_key_value_and_allowed(sections, expected):
     for fragment in expected:
         assert fragment in str(e.value), (fragment, str(e.value))
     assert isinstance(e.value, ValueError)
+
+
+def test_reduction_defaults_are_cross_shards():
+    """A missing reduction key takes the schema default: mode mean over the data axes."""
+    from xshard.config.schemas import ReductionConf
+
+    state = xshard.build_optimizer({"optimizer": OPT, "reduction": {}}).init({"w": jnp.ones(2)})
+    assert isinstance(xshard.inner_state(state), tuple)
+    conf = xshard.factory._reduction(OmegaConf.create({"reduction": {}, "mesh": {"axes": ["d"]}}))
+    assert conf == ReductionConf(mode="mean", axis_name=("d",))

@@ -33,13 +33,15 @@ from xshard.mesh import (
     data_parallel_size,
     mesh_shape,
 )
+from xshard.mesh_config import mesh_spec
 
 
 def _expect(cfg: dict, shape: tuple[int, ...], names: tuple[str, ...], n: int | None) -> None:
     """Checks a built mesh (`shape`, `names`) against its preset `cfg` on `n` devices."""
     assert names == tuple(cfg["axes"])
     assert math.prod(shape) == (n or NUM_DEVICES)
-    for size, ici, dcn in zip(shape, cfg["ici"], cfg["dcn"], strict=True):
+    spec = mesh_spec(cfg)  # null ici/dcn take mesh_spec's defaults
+    for size, ici, dcn in zip(shape, spec.ici, spec.dcn, strict=True):
         if ici != -1 and dcn != -1:
             assert size == ici * dcn
 
@@ -74,7 +76,7 @@ def test_preset_builds_in_process(name):
     mesh = build_mesh(cfg)
     _expect(cfg, tuple(mesh.devices.shape), mesh.axis_names, cfg["num_devices"])
     assert mesh.axis_types == (AxisType.Auto,) * len(mesh.axis_names)
-    assert data_axes(cfg) == tuple(cfg["data_axes"])
+    assert data_axes(cfg) == tuple(cfg["data_axes"] or cfg["axes"][:1])  # null: the first axis
 
 
 def test_cpu_presets_shapes():

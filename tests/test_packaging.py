@@ -82,7 +82,7 @@ def test_wheel_contents(wheel, source):
     assert "xshard/conf/__init__.py" in names
 
     assert "hydra_plugins/xshard_searchpath/xshard_searchpath.py" in names
-    assert "hydra_plugins/xshard_searchpath/_schemas.py" in names
+    assert "xshard/config/schemas.py" in names
     assert "hydra_plugins/__init__.py" not in names  # a namespace shared by all Hydra plugins
 
     # Every module of the source tree, so that a new subpackage cannot be left out silently.

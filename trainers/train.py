@@ -186,6 +186,7 @@ def train(cfg: DictConfig) -> float:
     from trainers.trainer import Trainer
     from xshard.errors import ConfigError
     from xshard.factory import build_optimizer
+    from xshard.optimizer import cross_shard_spec
 
     mesh = build_mesh(cfg.mesh)
     data_axes = mesh_data_axes(cfg.mesh)
@@ -206,11 +207,12 @@ def train(cfg: DictConfig) -> float:
     # ------------------------------------------------------------------ task and optimizer
     task = build_task(cfg)
     tx = build_optimizer(cfg, mesh=mesh)
+    spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
     monitor = NonFiniteMonitor(
-        skip_nonfinite=bool(cfg.reduction.get("skip_nonfinite", False)),
+        skip_nonfinite=spec.skip_nonfinite,
         max_consecutive=opts.max_consecutive_nonfinite,
     )
-    _check_reduction_axes(cfg.reduction.get("axis_name", "data"), data_axes)
+    _check_reduction_axes(spec.axis_name, data_axes)
     trainer = Trainer(  # validates trainer.* (ConfigError)
         task,
         tx,
@@ -219,7 +221,7 @@ def train(cfg: DictConfig) -> float:
         global_batch_size=opts.batch_size,
         microbatches=opts.microbatches,
         grad_impl=opts.grad_impl,
-        reduction=cfg.reduction.mode,
+        reduction=spec.reduction,
         seed=seed,
     )
 

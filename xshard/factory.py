@@ -29,29 +29,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from omegaconf import DictConfig
 
+from xshard.config import read_node
+from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
-from xshard.optimizer import cross_shard
-from xshard.reduce import Reduction
 from xshard.errors import ConfigError
 from xshard.masks import resolve_mask
 from xshard.mesh import check_axis_names
+from xshard.mesh_config import data_axes as mesh_data_axes
+from xshard.optimizer import cross_shard
 from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
 
 #: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`).
-_MASK_ARGS = {
+MASK_ARGS = {
     "weight_decay_mask": ("weight_decay_mask", "mask"),
     "trust_ratio_mask": ("trust_ratio_mask",),
 }
-
-#: Keys of the `reduction` node and their defaults (`mode` has none: it must be chosen).
-REDUCTION_DEFAULTS: dict[str, Any] = {
-    "axis_name": "data",
-    "clip_per_shard": None,
-    "comm_dtype": None,
-    "skip_nonfinite": True,
-}
-
 
 # --------------------------------------------------------------------------------------------
 # Config values
@@ -161,8 +155,8 @@ def _inner_optimizer(
         raise ConfigError(
             f"optimizer.mask={kwargs['mask']!r}: name masks with optimizer.weight_decay_mask."
         )
-    masks = [key for key, candidates in _MASK_ARGS.items() if any(c in params for c in candidates)]
-    for key, candidates in _MASK_ARGS.items():
+    masks = [key for key, candidates in MASK_ARGS.items() if any(c in params for c in candidates)]
+    for key, candidates in MASK_ARGS.items():
         if key not in kwargs:
             continue
         value = kwargs.pop(key)
@@ -232,55 +226,14 @@ def _inject_learning_rate(
 # --------------------------------------------------------------------------------------------
 
 
-def _reduction(node: Any) -> dict[str, Any]:
-    """Validates the ``reduction`` node; returns `cross_shard` keyword arguments plus `mode`."""
-    red = mapping(node, "reduction")
-    allowed_keys = ["mode", *REDUCTION_DEFAULTS]
-    for key in red:
-        if key not in allowed_keys:
-            raise ConfigError(f"reduction.{key}: unknown key. Allowed keys: {allowed_keys}.")
-    if red.get("mode") is None:
-        raise ConfigError("reduction.mode is required. Allowed: 'sum', 'mean'.")
-    try:
-        mode = Reduction.parse(red["mode"], key="reduction.mode")
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    args = {**REDUCTION_DEFAULTS, **red, "mode": mode}
-
-    axes = args["axis_name"]
-    axes = (axes,) if isinstance(axes, str) else axes
-    if (
-        not isinstance(axes, list | tuple)
-        or not axes
-        or not all(isinstance(a, str) and a for a in axes)
-        or len(set(axes)) != len(axes)
-    ):
-        raise ConfigError(
-            f"reduction.axis_name={args['axis_name']!r}: expected a mesh axis name or a list of "
-            "distinct names, e.g. data or [dcn_data, data]."
-        )
-    args["axis_name"] = tuple(axes)
-
-    if args["clip_per_shard"] is not None:
-        positive_number(args["clip_per_shard"], "reduction.clip_per_shard", "null or a global norm")
-
-    dtype = args["comm_dtype"]
-    if dtype is not None:
-        try:
-            ok = isinstance(dtype, str) and jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ConfigError(
-                f"reduction.comm_dtype={dtype!r}: expected null or a floating dtype name, e.g. "
-                "bfloat16, float16, float32."
-            )
-
-    if not isinstance(args["skip_nonfinite"], bool):
-        raise ConfigError(
-            f"reduction.skip_nonfinite={args['skip_nonfinite']!r}: expected true or false."
-        )
-    return args
+def _reduction(cfg: DictConfig) -> ReductionConf:
+    """The ``reduction`` node (`ReductionConf`); a null ``axis_name`` becomes the mesh's data
+    axes (``mesh.data_axes`` of the config, else ``data``)."""
+    conf = read_node(ReductionConf, section(cfg, "reduction", required=True), "reduction")
+    if conf.axis_name is None:
+        mesh_node = section(cfg, "mesh", required=False)
+        conf.axis_name = mesh_data_axes(mesh_node) if mesh_node is not None else ("data",)
+    return conf
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +268,7 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationE
     cfg = as_config(cfg)
     allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
     opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
-    red = _reduction(section(cfg, "reduction", required=True))
+    red = _reduction(cfg)
     lr = _learning_rate(opt)
     schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
     clip = section(cfg, "clip", required=False)
@@ -325,18 +278,10 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationE
     num_shards = None
     if mesh is not None:
         # Raises MeshConfigError, a ConfigError.
-        axes = check_axis_names(mesh, red["axis_name"], key="reduction.axis_name")
+        axes = check_axis_names(mesh, red.axis_name, key="reduction.axis_name")
         num_shards = math.prod(mesh.shape[a] for a in axes)
 
     inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed)
     if clip is not None:
         inner = optax.chain(optax.clip_by_global_norm(clip), inner)
-    return cross_shard(
-        inner,
-        red["mode"],
-        axis_name=red["axis_name"],
-        clip_per_shard=red["clip_per_shard"],
-        comm_dtype=red["comm_dtype"],
-        skip_nonfinite=red["skip_nonfinite"],
-        num_shards=num_shards,
-    )
+    return cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards)

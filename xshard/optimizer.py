@@ -18,6 +18,7 @@ order in one update:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -30,8 +31,25 @@ from xshard.guard import (
     skip_if_nonfinite,
     summarize_updates,
 )
-from xshard.reduce import AxisNames, Reduction, all_reduce, per_shard_clip
+from xshard.reduce import AxisNames, Reduction, all_reduce, axis_tuple, per_shard_clip
 from xshard.stats import GradSummary, count_nonfinite
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossShardSpec:
+    """The settings of a `cross_shard` optimizer, for code that runs it (the trainer)."""
+
+    reduction: Reduction
+    axis_name: tuple[str, ...]
+    clip_per_shard: float | None
+    comm_dtype: Any
+    skip_nonfinite: bool
+    track_stats: bool
+
+
+def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
+    """The `CrossShardSpec` of `tx` if it was made by `cross_shard` (not wrapped), else None."""
+    return getattr(tx.update, "cross_shard_spec", None)
 
 
 class CrossShardState(NamedTuple):
@@ -120,4 +138,12 @@ def cross_shard(
         )
         return updates, CrossShardState(reduced, guarded)
 
+    update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
+        Reduction.parse(reduction),
+        axis_tuple(axis_name),
+        clip_per_shard,
+        comm_dtype,
+        skip_nonfinite,
+        track_stats,
+    )
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -65,7 +65,12 @@ class DoubleReductionError(ValueError):
     """Raised when gradients to reduce are already invariant over the reduction axis."""
 
 
-def _axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
+def axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
+    """`axis_name` as a tuple of distinct, non-empty axis names.
+
+    Raises:
+      ValueError: for an empty name, an empty tuple or duplicates.
+    """
     names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(
@@ -205,7 +210,7 @@ def per_shard_clip(max_norm: float, axis_name: AxisNames = "data") -> optax.Grad
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
         raise ValueError(f"clip_per_shard must be > 0 or None, got {max_norm!r}.")
-    axes = _axis_tuple(axis_name)
+    axes = axis_tuple(axis_name)
     clip = optax.clip_by_global_norm(max_norm)
 
     def update_fn(updates, state, params=None):
@@ -241,7 +246,7 @@ def all_reduce(
         `reduce_gradients`.
     """
     mode = Reduction.parse(reduction)
-    axes = _axis_tuple(axis_name)
+    axes = axis_tuple(axis_name)
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"num_shards must be a positive int or None, got {num_shards!r}.")
     comm = None if comm_dtype is None else jnp.dtype(comm_dtype)

@@ -3,8 +3,8 @@
 Hydra imports every module under the ``hydra_plugins`` namespace package when it starts, so
 once xshard is installed, a user's own primary config can select ``optimizer: adamw`` or
 ``reduction: sum`` with no ``hydra.searchpath`` entry. The import also registers xshard's
-structured-config schemas, which the YAML options extend. This module must stay cheap: it
-imports Hydra and the schema dataclasses only, never JAX or the ``xshard`` package.
+structured-config schemas (`xshard.config.schemas`), which the YAML options extend. It stays
+cheap: neither this module nor `xshard.config` imports JAX.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from hydra_plugins.xshard_searchpath import _schemas
+from xshard.config.schemas import register_schemas
 
 XSHARD_CONFIG_PATH = "pkg://xshard.conf"
 
-_schemas.register_schemas()
+register_schemas()
 
 
 class XShardSearchPathPlugin(SearchPathPlugin):

@@ -1,29 +1,35 @@
-"""Structured-config schemas of xshard's config groups, registered in Hydra's ConfigStore.
+"""Structured-config schemas of the config groups users compose: optimizer, schedule,
+reduction, mesh. Registered in Hydra's ConfigStore by the ``xshard_searchpath`` plugin.
 
-Each YAML option under ``conf/optimizer``, ``conf/schedule`` and ``conf/reduction`` starts
-from one of these dataclasses through its defaults list, e.g.::
+Each YAML option under ``conf/<group>`` starts from one of these dataclasses through its
+defaults list and states only what differs from it, e.g. ``conf/optimizer/adamw.yaml``::
 
     defaults:
       - /xshard_schemas/optimizer@_here_: adamw
       - _self_
+    learning_rate: 1e-3
 
 so a typo in a key or a value of the wrong type (``reduction.skip_nonfinite=maybe``) fails at
 composition, before any JAX code runs. The schemas live in their own ConfigStore group
 (``xshard_schemas/...``) so they never show up as options of the user-facing groups, e.g. in
 an ``optimizer=glob(*)`` sweep.
 
-This module is imported by the plugin module next to it during Hydra's plugin discovery. It
-must import neither JAX nor the ``xshard`` package (whose ``__init__`` imports JAX). Its name
-starts with ``_`` so that Hydra's plugin scan does not execute it a second time.
+Every default here equals the default of the function the node feeds (the optax factory,
+`xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_config.mesh_spec`), except where
+``DEVIATIONS`` says why not; ``tests/test_config_defaults.py`` checks that. This module imports
+neither JAX nor optax: Hydra's plugin scan imports it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from xshard.config.nodes import shown
+from xshard.errors import ConfigError
 
 SCHEMA_GROUP = "xshard_schemas"
 
@@ -193,19 +199,107 @@ class ExponentialScheduleConf(ScheduleConf):
 
 
 # --------------------------------------------------------------------------------------------
-# reduction/: arguments of xshard.cross_shard.
+# reduction/: the keyword arguments of xshard.cross_shard (`mode` is its `reduction`).
 # --------------------------------------------------------------------------------------------
+
+#: Allowed `reduction.mode` values (`xshard.Reduction`, any case).
+REDUCTION_MODES = ("sum", "mean")
+#: Dtypes the all-reduce may run in (`reduction.comm_dtype`).
+COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
 @dataclass
 class ReductionConf:
-    """How gradients are combined across data-parallel shards (see xshard.cross_shard)."""
+    """How gradients are combined across data-parallel shards (see `xshard.cross_shard`)."""
 
-    mode: str = "mean"  # "sum" or "mean"
-    axis_name: Any = "data"  # a mesh axis name, or a list of them
-    clip_per_shard: float | None = None
-    comm_dtype: str | None = None  # e.g. "bfloat16"
-    skip_nonfinite: bool = True
+    mode: str = "mean"  # "sum" or "mean", any case
+    axis_name: Any = None  # a mesh axis or a list of them; null: the mesh's data axes
+    clip_per_shard: float | None = None  # clip each shard's gradient to this global norm
+    comm_dtype: str | None = None  # dtype of the all-reduce, e.g. bfloat16
+    skip_nonfinite: bool = True  # a NaN/Inf reduced gradient skips the step on every shard
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, str) or self.mode.strip().lower() not in REDUCTION_MODES:
+            raise ConfigError(
+                f"Unsupported reduction.mode: {shown(self.mode)}. Allowed: 'sum', 'mean' "
+                "(any case)."
+            )
+        self.mode = self.mode.strip().lower()
+        axes = self.axis_name
+        if axes is not None:
+            names = [axes] if isinstance(axes, str) else axes
+            if (
+                not isinstance(names, list | tuple)
+                or not names
+                or not all(isinstance(a, str) and a for a in names)
+                or len(set(names)) != len(names)
+            ):
+                raise ConfigError(
+                    f"reduction.axis_name={shown(axes)}: expected a mesh axis name or a list "
+                    "of distinct names, e.g. data or [dcn_data, data]; null: the mesh's "
+                    "data axes."
+                )
+            self.axis_name = tuple(names)
+        clip = self.clip_per_shard
+        if clip is not None and not (isinstance(clip, int | float) and clip > 0):
+            raise ConfigError(
+                f"reduction.clip_per_shard={shown(clip)}: expected null or a global norm, a "
+                "number > 0."
+            )
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            raise ConfigError(
+                f"reduction.comm_dtype={shown(self.comm_dtype)}: expected null or a floating "
+                f"dtype name, one of {list(COMM_DTYPES)}."
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# mesh/: read by xshard.mesh_config.mesh_spec, whose defaults fill whatever is null here.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MeshConf:
+    """A device mesh: axes and their sizes within a slice (ici) and across slices (dcn)."""
+
+    name: str | None = None
+    topology: str | None = None  # e.g. 2x2x1; informational
+    num_devices: int | None = None  # null: whatever JAX sees
+    axes: list[str] = field(default_factory=lambda: ["data"])
+    ici: list[int] | None = None  # null: -1 on the first axis, 1 elsewhere
+    dcn: list[int] | None = None  # null: 1 on every axis
+    axis_types: Any = "auto"  # auto | explicit, or one per axis
+    simulate_on_cpu: bool = False  # dry-run on num_devices simulated CPU devices
+    data_axes: list[str] | None = None  # null: the first axis
+
+
+@dataclass
+class TPUMeshConf(MeshConf):
+    """The base of the TPU presets: data parallelism, and a model axis of size 1 to widen."""
+
+    axes: list[str] = field(default_factory=lambda: ["data", "model"])
+    ici: list[int] | None = field(default_factory=lambda: [-1, 1])
+    dcn: list[int] | None = field(default_factory=lambda: [1, 1])
+
+
+def reduction_kwargs(conf: ReductionConf) -> dict[str, Any]:
+    """`conf` as keyword arguments of `xshard.cross_shard` (``mode`` is its ``reduction``)."""
+    kwargs = dict(vars(conf))
+    kwargs["reduction"] = kwargs.pop("mode")
+    return kwargs
+
+
+#: Where a schema default differs from the default of the function it feeds, and why.
+DEVIATIONS: dict[str, str] = {
+    "weight_decay_mask": "xshard decays no biases, norm scales or 0-D/1-D params by default",
+    "trust_ratio_mask": "as weight_decay_mask: no trust ratio for biases and norm scales",
+    "dtype_momentum": "a dtype name in YAML ('float32') for optax's jnp.float32",
+    "skip_nonfinite": (
+        "the trainer skips non-finite steps by default; the library's cross_shard does not "
+        "(as TF's CrossShardOptimizer, and so that it is exactly the inner optimizer)"
+    ),
+    "axis_name": "null: the mesh's data axes, which the library cannot know",
+}
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -228,6 +322,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "exponential": ExponentialScheduleConf,
     },
     "reduction": {"base": ReductionConf},
+    "mesh": {"base": MeshConf, "tpu": TPUMeshConf},
 }
 
 

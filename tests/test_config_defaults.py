@@ -1,0 +1,101 @@
+"""Every default is written once: schemas agree with the functions they feed, and the YAML
+options state only what differs from their schema (or parent option)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import MISSING
+
+from trainers.trainer import Trainer
+from xshard.config.schemas import DEVIATIONS, SCHEMAS, MeshConf
+from xshard.factory import MASK_ARGS
+from xshard.mesh_config import mesh_spec
+from xshard.optimizer import cross_shard
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _target(path: str):
+    module, name = path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def _defaults(schema: type) -> dict[str, object]:
+    out = {}
+    for f in dataclasses.fields(schema):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+TARGETED = [(g, n, s) for g in ("optimizer", "schedule") for n, s in SCHEMAS[g].items()]
+
+
+@pytest.mark.parametrize("group, name, schema", TARGETED, ids=[f"{g}/{n}" for g, n, _ in TARGETED])
+def test_schema_defaults_equal_the_target_defaults(group, name, schema):
+    defaults = _defaults(schema)
+    params = inspect.signature(_target(defaults["_target_"])).parameters
+    for key, value in defaults.items():
+        if key == "_target_" or value is MISSING:
+            continue
+        names = MASK_ARGS.get(key, (key,))  # weight_decay_mask may go to optax's `mask`
+        assert any(n in params for n in names), f"{group}/{name}.{key}: not an argument"
+        if key in DEVIATIONS:
+            continue
+        assert value == params[key].default, f"{group}/{name}.{key}: {value!r} in the schema"
+    required = [k for k, p in params.items() if p.default is inspect.Parameter.empty]
+    for key in required[1:]:  # the first is the learning rate, which xshard passes
+        assert defaults.get(key, MISSING) is MISSING, f"{group}/{name}.{key} must be required"
+
+
+def test_reduction_schema_is_cross_shards_keyword_arguments():
+    params = inspect.signature(cross_shard).parameters
+    for key, value in _defaults(SCHEMAS["reduction"]["base"]).items():
+        arg = "reduction" if key == "mode" else key
+        assert arg in params, f"reduction.{key} is not an argument of cross_shard"
+        if key not in DEVIATIONS:
+            assert value == params[arg].default, f"reduction.{key}: {value!r}"
+
+
+def test_mesh_schema_defaults_are_mesh_specs():
+    assert mesh_spec(_defaults(MeshConf)) == mesh_spec({})
+
+
+def test_trainer_yaml_values_equal_the_trainer_api_defaults():
+    primary = yaml.safe_load((CONF / "xshard_train.yaml").read_text())
+    params = inspect.signature(Trainer).parameters
+    assert primary["trainer"]["microbatches"] == params["microbatches"].default
+    assert primary["trainer"]["grad_impl"] == params["grad_impl"].default
+    assert primary["seed"] == params["seed"].default
+
+
+OPTIONS = sorted(
+    p for g in ("optimizer", "schedule", "reduction", "mesh") for p in (CONF / g).glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize("path", OPTIONS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_yaml_options_state_only_deviations(path):
+    raw = yaml.safe_load(path.read_text())
+    defaults = raw.pop("defaults")
+    base = defaults[0]
+    if isinstance(base, dict):  # /xshard_schemas/<group>@_here_: <schema>
+        (schema_name,) = base.values()
+        inherited = _defaults(SCHEMAS[path.parent.name][schema_name])
+    else:  # a parent option of the same group
+        parent = yaml.safe_load((path.parent / f"{base}.yaml").read_text())
+        parent.pop("defaults")
+        (schema_name,) = yaml.safe_load((path.parent / f"{base}.yaml").read_text())["defaults"][
+            0
+        ].values()
+        inherited = {**_defaults(SCHEMAS[path.parent.name][schema_name]), **parent}
+    restated = sorted(k for k, v in raw.items() if k in inherited and inherited[k] == v)
+    assert not restated, f"{path.name} restates inherited defaults: {restated}"

@@ -68,7 +68,7 @@ def build_task(cfg: DictConfig) -> Any:
 
     The task's keys other than ``_target_`` are passed as plain values (nested ``_target_``
     nodes are not instantiated), so a config cannot make the run call anything but an
-    allowed task class (``trainers.*``, ``xshard.*``, ``optax.*`` and ``allowed_targets``).
+    allowed task class (`xshard.targets`: ``trainers.tasks.*`` and ``allowed_targets``).
 
     Raises:
       ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
@@ -155,6 +155,10 @@ def train(cfg: DictConfig) -> float:
       NonFiniteError: if training went non-finite beyond what the config tolerates.
       Preempted: if a signal stopped the run (after saving a checkpoint).
     """
+    from trainers.allowlist import log_active_prefixes
+
+    log_active_prefixes(cfg)
+
     # ------------------------------------------------------------------ the run's own keys
     from xshard.config import DistributedOptions, TrainerOptions, check_seed, read_node
 
@@ -338,12 +342,14 @@ def _exit(error: BaseException, code: int, label: str = "error") -> None:
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     """Hydra main: trains and returns the final loss, or exits with a documented status."""
+    from trainers.allowlist import check_allowlist_sources
     from trainers.checkpointing import CheckpointError
     from trainers.monitor import NonFiniteError
     from trainers.preemption import Preempted
     from xshard.errors import ConfigError
 
     try:
+        check_allowlist_sources(cfg)  # only the primary config or the CLI widen the allowlist
         return train(cfg)
     except Preempted as e:
         _exit(e, EXIT_PREEMPTED, label="preempted")

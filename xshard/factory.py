@@ -14,9 +14,9 @@ so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learnin
 ``xshard.get_hyperparams(state)["learning_rate"]``.
 
 Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are resolved by
-`xshard.targets.resolve_target`, which only allows ``optax.``, ``xshard.``, ``trainers.`` and
-whatever the config lists under ``allowed_targets``. Every bad value raises `ConfigError` naming
-the key, the value and what is allowed.
+`xshard.targets.resolve_target`: a public class or function defined under ``optax.``,
+``xshard.schedules.``, ``trainers.tasks.`` or an entry of ``allowed_targets``. Every bad value
+raises `ConfigError` naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations

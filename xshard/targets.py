@@ -1,36 +1,66 @@
 """Resolution of ``_target_`` dotted paths from config, restricted to an allowlist.
 
-A config can name any callable by its dotted path (``_target_: optax.adamw``). Importing and
+A config can name a callable by its dotted path (``_target_: optax.adamw``). Importing and
 calling arbitrary paths from a config that may come from a sweep file or a CLI override is a
-code-execution hazard, so every target goes through `resolve_target`, which refuses paths
-outside the allowed prefixes. Projects add their own with the config key ``allowed_targets``.
+code-execution hazard, so every target goes through `resolve_target`. A path resolves only if:
+
+1. it is a dotted path of public names (no segment starts with ``_``: no ``__globals__``,
+   ``__builtins__``, ``_src``) and lies inside an allowed entry (see `is_allowed`);
+2. every module it walks through is itself allowed: each step ``<module>.<name>`` is checked
+   with the module's own ``__name__``, so ``trainers.preflight.os.system`` stops at ``os``.
+   Only prefixes of the path are imported, so nothing outside the allowlist is imported;
+3. it ends at a Python class or function (or a ``functools.partial`` of one) defined at the
+   top level of a module inside the allowlist: its own ``__module__`` + ``__qualname__`` is
+   allowed and names that very object. Modules, builtins, methods, instances are refused.
+
+The defaults are the modules meant to be configured; projects add their own with the config
+key ``allowed_targets`` (who may set it is decided by the trainer, `trainers.allowlist`).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
+import inspect
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from xshard.errors import ConfigError
 
-#: Prefixes every config may use; `allowed_targets` in the config adds to these.
-DEFAULT_ALLOWED_TARGETS: tuple[str, ...] = ("optax.", "xshard.", "trainers.")
+#: Entries every config may use; `allowed_targets` in the config adds to these. optax's public
+#: API (optimizers, schedules), xshard's schedules and the trainer's tasks.
+DEFAULT_ALLOWED_TARGETS: tuple[str, ...] = ("optax.", "xshard.schedules.", "trainers.tasks.")
 
 #: Config key that lists additional allowed prefixes or exact paths.
 ALLOWED_TARGETS_KEY = "allowed_targets"
 
 
+def _is_dotted_name(text: str, *, trailing_dot: bool = False) -> bool:
+    if trailing_dot and text.endswith("."):
+        text = text[:-1]
+    return bool(text) and all(part.isidentifier() for part in text.split("."))
+
+
 def allowed_prefixes(extra: Iterable[str] | None = None) -> tuple[str, ...]:
-    """Returns the default allowed prefixes followed by `extra` (from ``allowed_targets``).
+    """Returns the default allowed entries followed by `extra` (from ``allowed_targets``).
+
+    Args:
+      extra: the config's ``allowed_targets``: module prefixes (``mypkg.``) or exact dotted
+        paths (``mypkg.opt.my_sgd``); None for none.
+
+    Returns:
+      `DEFAULT_ALLOWED_TARGETS` plus `extra`, in order.
 
     Raises:
-      ConfigError: if `extra` is not a list of non-empty strings.
+      ConfigError: if `extra` is not a list of dotted names.
     """
     if extra is None:
         return DEFAULT_ALLOWED_TARGETS
-    if isinstance(extra, str) or not all(isinstance(p, str) and p.strip(".") for p in extra):
+    if isinstance(extra, str) or not all(
+        isinstance(p, str) and _is_dotted_name(p, trailing_dot=True) for p in extra
+    ):
         raise ConfigError(
             f"{ALLOWED_TARGETS_KEY}={extra!r}: expected a list of module prefixes or dotted "
             "paths, e.g. [mypkg., other.module.my_optimizer]."
@@ -39,7 +69,15 @@ def allowed_prefixes(extra: Iterable[str] | None = None) -> tuple[str, ...]:
 
 
 def is_allowed(path: str, prefixes: Sequence[str]) -> bool:
-    """True if `path` equals an allowed entry or lies inside one (``mypkg`` allows ``mypkg.x``)."""
+    """True if `path` equals an allowed entry or lies inside one (``mypkg`` allows ``mypkg.x``).
+
+    Args:
+      path: a dotted name.
+      prefixes: allowed entries, with or without a trailing dot.
+
+    Returns:
+      Whether `path` is inside the allowlist (the name only; `resolve_target` checks more).
+    """
     for prefix in prefixes:
         base = prefix.rstrip(".")
         if path == base or path.startswith(base + "."):
@@ -47,34 +85,92 @@ def is_allowed(path: str, prefixes: Sequence[str]) -> bool:
     return False
 
 
-def _locate(path: str) -> Any:
-    """Imports the longest importable module prefix of `path`, then walks the attributes."""
+def _is_ancestor(name: str, prefixes: Sequence[str]) -> bool:
+    """True if `name` is a package above an allowed entry (``xshard`` above ``xshard.schedules.``)."""
+    return any(prefix.rstrip(".").startswith(name + ".") for prefix in prefixes)
+
+
+class _Refused(Exception):
+    """Internal: the path is refused for the reason in the message."""
+
+
+def _import(name: str) -> Any:
+    """Imports module `name`; None if that very module does not exist."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        # Only "this very module does not exist" means: not a module. Anything else is a
+        # broken (allowed) module, reported as such.
+        if e.name is not None and (name + ".").startswith(e.name + "."):
+            return None
+        raise
+
+
+def _walk(path: str, allowed: Sequence[str]) -> Any:
+    """Follows `path` from its first segment through allowed modules only.
+
+    Each step ``<module>.<attr>`` uses the module's own name, which must be allowed or lie above
+    an allowed entry; a missing attribute is tried as a submodule of that (allowed) name.
+    """
     parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        module_name = ".".join(parts[:i])
+    obj = _import(parts[0])
+    if obj is None:
+        raise LookupError(f"no module named {parts[0]!r}.")
+    for depth, attr in enumerate(parts[1:], start=1):
+        reached = ".".join(parts[:depth])
+        if not inspect.ismodule(obj):
+            kind = "class" if inspect.isclass(obj) else type(obj).__name__
+            raise _Refused(
+                f"{reached!r} is a {kind}, not a module; a target is a class or function "
+                "defined at the top level of a module"
+            )
+        name = f"{obj.__name__}.{attr}"
+        if not (is_allowed(name, allowed) or _is_ancestor(name, allowed)):
+            raise _Refused(
+                f"{reached!r} is the module {obj.__name__!r}, outside the allowed prefixes "
+                f"{list(allowed)}; name a target by the module that defines it (and list that "
+                f"module in {ALLOWED_TARGETS_KEY!r} if you trust it)"
+            )
         try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            # Only "this very module does not exist" means: try a shorter prefix.
-            if e.name is not None and (module_name + ".").startswith(e.name + "."):
-                continue
-            raise
-        for depth, attr in enumerate(parts[i:], start=i):
-            try:
-                obj = getattr(obj, attr)
-            except AttributeError:
-                owner = ".".join(parts[:depth])
-                close = difflib.get_close_matches(
-                    attr, [n for n in dir(obj) if not n.startswith("_")]
-                )
-                hint = (
-                    f" Did you mean {', '.join(repr(f'{owner}.{c}') for c in close)}?"
-                    if close
-                    else ""
-                )
-                raise LookupError(f"{owner!r} has no attribute {attr!r}.{hint}") from None
-        return obj
-    raise LookupError(f"no module named {parts[0]!r}.")
+            obj = getattr(obj, attr)
+            continue
+        except AttributeError:
+            pass
+        sub = _import(name)
+        if sub is None:
+            close = difflib.get_close_matches(attr, [n for n in dir(obj) if not n.startswith("_")])
+            hint = f" Did you mean {', '.join(repr(f'{reached}.{c}') for c in close)}?"
+            raise LookupError(f"{reached!r} has no attribute {attr!r}.{hint if close else ''}")
+        obj = sub
+    return obj
+
+
+def _check_defined_in_allowlist(obj: Any, allowed: Sequence[str]) -> None:
+    """Refuses anything but a top-level class or function defined under `allowed`."""
+    if inspect.ismodule(obj):
+        raise _Refused("it is a module; name one of its classes or functions")
+    func = obj
+    while isinstance(func, functools.partial):  # optax.nadamw = partial(optax.adamw, ...)
+        func = func.func
+    if not (inspect.isclass(func) or inspect.isfunction(func)):
+        raise _Refused(
+            f"it is a {type(func).__name__}; a target must be a Python class or function"
+        )
+    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        raise _Refused("it does not say which module defines it")
+    canonical = f"{module}.{qualname}"
+    if "." in qualname or "<" in qualname:
+        raise _Refused(f"it is {canonical!r}, not defined at the top level of a module")
+    if not is_allowed(canonical, allowed):
+        raise _Refused(
+            f"it is {canonical!r}, defined outside the allowed prefixes {list(allowed)}; a "
+            f"target must be defined in an allowed module. To allow it, list the module that "
+            f"defines it in {ALLOWED_TARGETS_KEY!r}"
+        )
+    home = sys.modules.get(module)
+    if home is None or vars(home).get(qualname) is not func:
+        raise _Refused(f"it claims to be {canonical!r}, but that name holds another object")
 
 
 def resolve_target(
@@ -83,7 +179,7 @@ def resolve_target(
     *,
     key: str = "_target_",
 ) -> Callable[..., Any]:
-    """Returns the callable named by the dotted `path`, if the allowlist permits it.
+    """Returns the class or function named by the dotted `path`, if the allowlist permits it.
 
     Args:
       path: a dotted path such as ``"optax.adamw"`` or ``"xshard.schedules.warmup_cosine"``.
@@ -91,28 +187,37 @@ def resolve_target(
       key: the config key `path` came from, for error messages (``"optimizer._target_"``).
 
     Returns:
-      The imported callable.
+      The class or function (module docstring: the rules it satisfies).
 
     Raises:
-      ConfigError: naming `key` and `path`, if the path is empty, not allowed (with how to
-        allow it), cannot be imported (with close matches), or is not callable.
+      ConfigError: naming `key` and `path`, if the path is empty or not a dotted path of
+        public names, not allowed (with how to allow it), reaches outside the allowlist, is
+        not a class or function defined in an allowed module, or cannot be imported or found
+        (with close matches).
     """
-    if not isinstance(path, str) or not path.strip() or path.startswith("."):
+    if not isinstance(path, str) or not _is_dotted_name(path):
         raise ConfigError(f"{key}={path!r}: expected a dotted path such as 'optax.adamw'.")
+    private = [part for part in path.split(".") if part.startswith("_")]
+    if private:
+        raise ConfigError(
+            f"{key}={path!r} is not an allowed target: {private[0]!r} is a private name; a "
+            "target is a public class or function, e.g. 'optax.adamw'."
+        )
     if not is_allowed(path, allowed):
         module = path.rsplit(".", 1)[0] if "." in path else path
         raise ConfigError(
             f"{key}={path!r} is not an allowed target. Allowed prefixes: {list(allowed)}. "
             f"To allow it, list its module in the config key {ALLOWED_TARGETS_KEY!r}, e.g. "
-            f"'{ALLOWED_TARGETS_KEY}: [{module}.]' in your config or "
+            f"'{ALLOWED_TARGETS_KEY}: [{module}.]' in your primary config or "
             f"'+{ALLOWED_TARGETS_KEY}=[{module}.]' on the command line."
         )
     try:
-        obj = _locate(path)
+        obj = _walk(path, allowed)
+        _check_defined_in_allowlist(obj, allowed)
+    except _Refused as e:
+        raise ConfigError(f"{key}={path!r} is not an allowed target: {e}.") from None
     except ImportError as e:
         raise ConfigError(f"{key}={path!r} cannot be imported: {e}") from e
     except LookupError as e:
         raise ConfigError(f"{key}={path!r} was not found: {e}") from e
-    if not callable(obj):
-        raise ConfigError(f"{key}={path!r} is a {type(obj).__name__}, not a callable.")
     return obj

@@ -31,17 +31,8 @@ def _check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> N
         raise ValueError(f"{name}={value!r}: expected {kind} int number of steps.")
 
 
-def _warmup_then(
-    learning_rate: float,
-    warmup_steps: int,
-    decay_steps: int,
-    init_factor: float,
-    decay: Callable[[int], optax.Schedule],
-) -> optax.Schedule:
-    """Linear warmup from ``init_factor * learning_rate``, then ``decay(steps left)``.
-
-    A warmup that outlasts `decay_steps` is all there is (with a warning).
-    """
+def _warmup_only(warmup_steps: int, decay_steps: int) -> bool:
+    """Checks the step counts; warns (and returns True) when the warmup outlasts the run."""
     _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
     _check_positive_int("decay_steps", decay_steps)
     if warmup_steps >= decay_steps:
@@ -51,10 +42,27 @@ def _warmup_then(
             warmup_steps,
             decay_steps,
         )
+        return True
+    return False
+
+
+def _warmup_then(
+    learning_rate: float,
+    warmup_steps: int,
+    decay_steps: int,
+    init_factor: float,
+    decay: Callable[[int], optax.Schedule],
+) -> optax.Schedule:
+    """Linear warmup from ``init_factor * learning_rate``, then ``decay(steps left)``, with
+    optax's pieces (optax has no warmup-then-linear-decay schedule of its own).
+
+    A warmup that outlasts `decay_steps` is all there is (with a warning).
+    """
+    only = _warmup_only(warmup_steps, decay_steps)
     if warmup_steps == 0:
         return decay(decay_steps)
     warmup = optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
-    if warmup_steps >= decay_steps:
+    if only:
         return warmup
     return optax.join_schedules([warmup, decay(decay_steps - warmup_steps)], [warmup_steps])
 
@@ -99,14 +107,20 @@ def warmup_cosine(
     Raises:
       ValueError: for a negative or non-integer step count.
     """
-    return _warmup_then(
+    only = _warmup_only(warmup_steps, decay_steps)
+    if warmup_steps == 0:
+        return cosine(
+            learning_rate, decay_steps=decay_steps, end_factor=end_factor, exponent=exponent
+        )
+    if only:
+        return optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
+    return optax.warmup_cosine_decay_schedule(
+        init_factor * learning_rate,
         learning_rate,
         warmup_steps,
         decay_steps,
-        init_factor,
-        lambda n: optax.cosine_decay_schedule(
-            learning_rate, n, alpha=end_factor, exponent=exponent
-        ),
+        end_value=end_factor * learning_rate,
+        exponent=exponent,
     )
 
 
@@ -171,14 +185,17 @@ def exponential(
     _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
     if not decay_rate > 0:
         raise ValueError(f"decay_rate={decay_rate!r}: expected a positive factor.")
-    decay = optax.exponential_decay(
+    end_value = None if end_factor is None else end_factor * learning_rate
+    if warmup_steps == 0:
+        return optax.exponential_decay(
+            learning_rate, transition_steps, decay_rate, staircase=staircase, end_value=end_value
+        )
+    return optax.warmup_exponential_decay_schedule(
+        0.0,
         learning_rate,
+        warmup_steps,
         transition_steps,
         decay_rate,
         staircase=staircase,
-        end_value=None if end_factor is None else end_factor * learning_rate,
+        end_value=end_value,
     )
-    if warmup_steps == 0:
-        return decay
-    warmup = optax.linear_schedule(0.0, learning_rate, warmup_steps)
-    return optax.join_schedules([warmup, decay], [warmup_steps])

@@ -149,20 +149,12 @@ def layer_norms(tree: Any) -> dict[str, jax.Array]:
 
 def path_names(path: Sequence[Any]) -> list[str]:
     """['a', '0', 'b'] for a pytree key path (DictKey, SequenceKey, GetAttrKey, ...)."""
-    names = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                names.append(str(getattr(k, attr)))
-                break
-        else:
-            names.append(str(k))
-    return names
+    return [jax.tree_util.keystr((k,), simple=True) for k in path]
 
 
 def path_str(path: Sequence[Any]) -> str:
     """'a/0/b' for a pytree key path: the parameter names of logs and sharding rules."""
-    return "/".join(path_names(path))
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:

@@ -8,6 +8,7 @@ import importlib
 import inspect
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 import yaml
 from omegaconf import MISSING
@@ -99,3 +100,23 @@ def test_yaml_options_state_only_deviations(path):
         inherited = {**_defaults(SCHEMAS[path.parent.name][schema_name]), **parent}
     restated = sorted(k for k, v in raw.items() if k in inherited and inherited[k] == v)
     assert not restated, f"{path.name} restates inherited defaults: {restated}"
+
+
+def test_a_new_optimizer_option_is_one_yaml_file(tmp_path):
+    """The docs' "Adding an optimizer" example, composed from a user's own config dir."""
+    from hydra import compose, initialize_config_module
+
+    import xshard
+
+    (tmp_path / "optimizer").mkdir()
+    (tmp_path / "optimizer" / "nadamw.yaml").write_text(
+        "defaults:\n  - /xshard_schemas/optimizer@_here_: adamw\n  - _self_\n\n"
+        "_target_: optax.nadamw\nlearning_rate: 1e-3\n"
+    )
+    with initialize_config_module("xshard.conf", version_base="1.3"):
+        cfg = compose(
+            "xshard_train",
+            overrides=["optimizer=nadamw", f"hydra.searchpath=[file://{tmp_path}]"],
+        )
+    assert cfg.optimizer._target_ == "optax.nadamw" and cfg.optimizer.weight_decay == 1e-4
+    assert xshard.build_optimizer(cfg).init({"w": jnp.ones((2, 2))}) is not None

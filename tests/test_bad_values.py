@@ -92,6 +92,7 @@ def test_long_values_are_elided_in_messages():
         max_consecutive_nonfinite=0,
         resume_from=None,
         progress=False,
+        hooks=[],
     )
     with pytest.raises(ConfigError) as err:
         read_node(TrainerOptions, {**base, "grad_impl": LONG}, "trainer")

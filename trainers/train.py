@@ -66,32 +66,60 @@ def _hparams(cfg: DictConfig) -> dict[str, Any]:
 def build_task(cfg: DictConfig) -> Any:
     """Instantiates ``cfg.task`` after checking its ``_target_`` against the allowlist.
 
-    The task's keys other than ``_target_`` are passed as plain values (nested ``_target_``
-    nodes are not instantiated), so a config cannot make the run call anything but an
-    allowed task class (`xshard.targets`: ``trainers.tasks.*`` and ``allowed_targets``).
+    The task's keys other than ``_target_`` are passed as plain values (`xshard.targets.
+    instantiate`: nested ``_target_`` nodes are not instantiated), so a config cannot make the
+    run call anything but an allowed task class (``trainers.tasks.*`` and ``allowed_targets``).
 
     Raises:
       ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
         the task rejects.
     """
-    from xshard.config_nodes import check_kwargs, mapping, section
+    from xshard.config_nodes import mapping, section
     from xshard.errors import ConfigError
-    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
+    from xshard.targets import instantiate
 
-    kwargs = mapping(section(cfg, "task", required=True), "task")
-    target = kwargs.pop("_target_", None)
-    if target is None:
+    node = mapping(section(cfg, "task", required=True), "task")
+    if node.get("_target_") is None:
         raise ConfigError(
             "task._target_ is required, e.g. trainers.tasks.mlp.MLPTask; or "
             "choose an option of the 'task' group (task=mlp)."
         )
-    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
-    factory = resolve_target(target, allowed, key="task._target_")
-    check_kwargs(factory, kwargs, "task", target)
-    try:
-        return factory(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"task ({target}): {e}") from e
+    return instantiate(node, "task", _allowed(cfg))
+
+
+def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:
+    """The user's hooks from ``trainer.hooks``: ``[{_target_: mypkg.MyHook, arg: value}]``.
+
+    Each target must be allowed (``allowed_targets``) and build a `trainers.Hook`; the run
+    adds them after its built-in hooks.
+
+    Raises:
+      ConfigError: naming ``trainer.hooks[i]`` for a bad node, target or argument, or an
+        object that is not a `trainers.Hook`.
+    """
+    from trainers.trainer import Hook
+    from xshard.config_nodes import mapping
+    from xshard.errors import ConfigError
+    from xshard.targets import instantiate
+
+    hooks = []
+    for i, node in enumerate(nodes):
+        key = f"trainer.hooks[{i}]"
+        hook = instantiate(mapping(node, key), key, allowed)
+        if not isinstance(hook, Hook):
+            raise ConfigError(
+                f"{key}._target_={node['_target_']!r} built a {type(hook).__name__}, not a "
+                "trainers.Hook: subclass trainers.Hook and override what you need."
+            )
+        hooks.append(hook)
+    return hooks
+
+
+def _allowed(cfg: DictConfig) -> tuple[str, ...]:
+    from xshard.config_nodes import section
+    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
+
+    return allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
 
 
 def _check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
@@ -210,6 +238,7 @@ def train(cfg: DictConfig) -> float:
 
     # ------------------------------------------------------------------ task and optimizer
     task = build_task(cfg)
+    user_hooks = build_hooks(opts.hooks, _allowed(cfg))
     tx = build_optimizer(cfg, mesh=mesh)
     spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
     monitor = NonFiniteMonitor(
@@ -282,6 +311,8 @@ def train(cfg: DictConfig) -> float:
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
         hooks.append(CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config))
+
+    hooks += user_hooks  # after the built-in ones
 
     # ------------------------------------------------------------------ train
     log.info(

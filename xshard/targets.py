@@ -24,7 +24,7 @@ import functools
 import importlib
 import inspect
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from xshard.errors import ConfigError
@@ -221,3 +221,35 @@ def resolve_target(
     except LookupError as e:
         raise ConfigError(f"{key}={path!r} was not found: {e}") from e
     return obj
+
+
+def instantiate(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> Any:
+    """Calls the ``_target_`` of a config node with the node's other keys, if it is allowed.
+
+    The other keys are passed as plain values: nested ``_target_`` nodes are not
+    instantiated, so a config cannot make the run call anything but the allowed target.
+
+    Args:
+      node: the node as plain Python (``_target_`` plus keyword arguments).
+      key: the node's config key (``task``, ``trainer.hooks[0]``), for error messages.
+      allowed: the allowed entries (`allowed_prefixes`).
+
+    Returns:
+      What the target returned.
+
+    Raises:
+      ConfigError: for a missing, not allowed or unknown target, a key that is not an
+        argument of it, or a value it rejects (TypeError or ValueError).
+    """
+    from xshard.config_nodes import check_kwargs
+
+    kwargs = dict(node)
+    target = kwargs.pop("_target_", None)
+    if target is None:
+        raise ConfigError(f"{key}._target_ is required: the dotted path of what to build.")
+    factory = resolve_target(target, allowed, key=f"{key}._target_")
+    check_kwargs(factory, kwargs, key, target)
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key} ({target}): {e}") from e

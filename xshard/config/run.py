@@ -62,6 +62,7 @@ class TrainerOptions:
     max_consecutive_nonfinite: int = MISSING
     resume_from: str | None = MISSING
     progress: bool = MISSING
+    hooks: list[Any] = MISSING
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -83,6 +84,12 @@ class TrainerOptions:
         )
         if self.resume_from is not None and not self.resume_from.strip():
             raise ConfigError("trainer.resume_from='': expected a path or null.")
+        for i, hook in enumerate(self.hooks):
+            if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
+                raise ConfigError(
+                    f"trainer.hooks[{i}]={shown(hook)}: expected a node with a _target_, e.g. "
+                    "{_target_: mypkg.MyHook}."
+                )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,32 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
 
 NUM_DEVICES = 8
+
+
+@pytest.fixture
+def compose_config(tmp_path):
+    """``compose_config(*overrides)``: the trainer's config for task=mlp on 8 CPU devices,
+    composed with Hydra's compose API, its outputs under `tmp_path`."""
+    from hydra import compose, initialize_config_module
+
+    def make(*overrides: str):
+        with initialize_config_module("xshard.conf", version_base="1.3"):
+            return compose(
+                "xshard_train",
+                overrides=[
+                    "task=mlp",
+                    "mesh=cpu8",
+                    "trainer.batch_size=16",
+                    "trainer.progress=false",
+                    f"paths.output_dir={tmp_path}",
+                    *overrides,
+                ],
+            )
+
+    return make

@@ -4,7 +4,6 @@ targets outside the allowlist are refused before they are imported."""
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from trainers.checkpointing import CheckpointError
 from trainers.train import train
@@ -15,23 +14,6 @@ from xshard.errors import ConfigError
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def compose_config(tmp_path):
-    def make(*overrides: str):
-        with initialize_config_module("xshard.conf", version_base="1.3"):
-            return compose(
-                "xshard_train",
-                overrides=[
-                    "task=mlp",
-                    "mesh=cpu8",
-                    "trainer.batch_size=16",
-                    "trainer.progress=false",
-                    f"paths.output_dir={tmp_path}",
-                    *overrides,
-                ],
-            )
-
-    return make
 
 
 @pytest.mark.parametrize(

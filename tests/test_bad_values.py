@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 from cli import run_train
-from hydra import compose, initialize_config_module
 
 from trainers.train import train
 from xshard.config import TrainerOptions, read_node
@@ -18,25 +17,6 @@ from xshard.errors import ConfigError
 LONG = "x" * 5000
 
 
-@pytest.fixture
-def compose_config(tmp_path):
-    def make(*overrides: str):
-        with initialize_config_module("xshard.conf", version_base="1.3"):
-            return compose(
-                "xshard_train",
-                overrides=[
-                    "task=mlp",
-                    "mesh=cpu8",
-                    "checkpoint=none",
-                    "trainer.steps=2",
-                    "trainer.batch_size=16",
-                    "trainer.progress=false",
-                    f"paths.output_dir={tmp_path}",
-                    *overrides,
-                ],
-            )
-
-    return make
 
 
 @pytest.mark.parametrize(

@@ -170,22 +170,18 @@ class CosineScheduleConf(ScheduleConf):
 
 
 @dataclass
-class WarmupCosineScheduleConf(ScheduleConf):
-    _target_: str = "xshard.schedules.warmup_cosine"
-    warmup_steps: int = MISSING
-    decay_steps: int = MISSING
-    init_factor: float = 0.0
-    end_factor: float = 0.0
-    exponent: float = 1.0
-
-
-@dataclass
 class WarmupLinearScheduleConf(ScheduleConf):
     _target_: str = "xshard.schedules.warmup_linear"
     warmup_steps: int = MISSING
     decay_steps: int = MISSING
     init_factor: float = 0.0
     end_factor: float = 0.0
+
+
+@dataclass
+class WarmupCosineScheduleConf(WarmupLinearScheduleConf):
+    _target_: str = "xshard.schedules.warmup_cosine"
+    exponent: float = 1.0
 
 
 @dataclass

@@ -43,6 +43,7 @@ from typing import Any
 
 from trainers.checkpointing import CheckpointError
 from trainers.preflight import check_writable_dir
+from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +166,10 @@ def check_ownership(checkpoint_dir: str | os.PathLike, output_dir: str | os.Path
         whose = f"another run (no owner record; not inside this run's output dir {out})"
     what = "holds checkpoints of" if _has_subdirs(here) else "belongs to"
     raise ForeignCheckpointDirError(
-        f"paths.checkpoint_dir={str(here)!r} {what} {whose}; nothing was read or changed "
-        "there, so that run's checkpoints are safe from this run's pruning. To start from "
-        f"them, set trainer.resume_from={str(here)!r} and leave paths.checkpoint_dir to this "
-        f"run (a fresh dir); to continue that run, set hydra.run.dir={owner}."
+        f"paths.checkpoint_dir={str(here)!r} {what} {whose}; nothing was changed there (a "
+        "checkpoint dir belongs to one run, the only one that prunes it). To start from them, "
+        f"set trainer.resume_from={str(here)!r} with a fresh paths.checkpoint_dir (the "
+        f"default, inside this run's output dir); to continue that run, set hydra.run.dir={owner}."
     )
 
 
@@ -237,7 +238,10 @@ def _acquire(directory: Path, output_dir: Path, *, create: bool) -> CheckpointDi
             logger.info("Not locking %s (%s): this run writes no checkpoints.", directory, e)
             return None
         check_writable_dir(directory, "paths.checkpoint_dir")  # ConfigError naming the key
-        raise
+        raise ConfigError(
+            f"paths.checkpoint_dir={str(directory)!r}: its lock file {path} cannot be opened "
+            f"({e.strerror or e}). Make it writable, or set paths.checkpoint_dir to another dir."
+        ) from e
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -269,7 +273,7 @@ def _holder(path: Path) -> str:
             f"output dir {info['output_dir']}"
         )
     except (OSError, ValueError, KeyError, TypeError):
-        return f"holder unknown: {path} not written yet"
+        return f"holder unknown: {path} not written yet or unreadable"
 
 
 def _write_owner(directory: Path, output_dir: Path) -> None:

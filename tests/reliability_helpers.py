@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trainers.ckpt_owner import LOCK_FILE, OWNER_FILE
+
 # --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
@@ -23,6 +25,13 @@ def snapshot(directory: Path) -> dict[str, str]:
         for p in sorted(directory.rglob("*"))
         if p.is_file()
     }
+
+
+def steps_snapshot(checkpoint_dir: Path) -> dict[str, str]:
+    """`snapshot` of a checkpoint dir without the lock file and owner record, which every run
+    that claims the dir rewrites (its own bookkeeping, not checkpoint data)."""
+    bookkeeping = {LOCK_FILE, OWNER_FILE}
+    return {k: v for k, v in snapshot(checkpoint_dir).items() if k not in bookkeeping}
 
 
 def load_state(step_dir: Path) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@ corruption, compatibility; the signal handler and the non-finite monitor."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import signal
@@ -92,6 +93,21 @@ def _garble_metadata(step_dir: Path) -> None:
     (step_dir / "metadata" / "metadata").write_text("{not json")
 
 
+def _other_format_metadata(step_dir: Path) -> None:
+    (step_dir / "metadata" / "metadata").write_text('{"format": "someone.else/2", "step": 2}')
+
+
+def _list_metadata(step_dir: Path) -> None:
+    (step_dir / "metadata" / "metadata").write_text("[1, 2, 3]")
+
+
+def _malformed_metadata(step_dir: Path) -> None:
+    path = step_dir / "metadata" / "metadata"
+    metadata = json.loads(path.read_text())
+    metadata["signature"]["['params']['b']"] = 32  # not [shape, dtype]
+    path.write_text(json.dumps(metadata))
+
+
 def _swap_data(step_dir: Path) -> None:
     """Replaces the step's arrays by step 1's: valid files holding other values, which is how
     silently changed array bytes look to Orbax (it keeps no checksum of array data)."""
@@ -107,9 +123,20 @@ def _swap_data(step_dir: Path) -> None:
         (truncate_data, "corrupted or truncated"),
         (_delete_manifest, "corrupted or truncated"),
         (_garble_metadata, "metadata cannot be read"),
+        (_other_format_metadata, "metadata is not .* \\(found format 'someone.else/2'\\)"),
+        (_list_metadata, "metadata is not .* \\(found a JSON list, not an object\\)"),
+        (_malformed_metadata, "with a malformed signature entry"),
         (_swap_data, "does not match the checksums saved with it"),
     ],
-    ids=["truncated", "deleted-file", "garbled-metadata", "changed-data"],
+    ids=[
+        "truncated",
+        "deleted-file",
+        "garbled-metadata",
+        "other-format-metadata",
+        "list-metadata",
+        "malformed-metadata",
+        "changed-data",
+    ],
 )
 def test_corrupted_checkpoint_is_an_error_or_falls_back_to_the_previous_step(
     tmp_path, corrupt, message

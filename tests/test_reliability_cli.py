@@ -20,7 +20,7 @@ from tests.reliability_helpers import (
     assert_bitwise_equal,
     assert_no_traceback_but_orbax_loop_noise,
     load_state,
-    snapshot,
+    steps_snapshot,
     truncate_data,
     wait_until,
 )
@@ -170,13 +170,13 @@ def test_restore_onto_another_mesh_then_continue(baseline, tmp_path):
 def test_incompatible_checkpoint_is_refused_and_left_untouched(baseline, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(baseline, run)
-    before = snapshot(run / "checkpoints")
+    before = steps_snapshot(run / "checkpoints")
     result = cli(run, *RUN, "task.hidden=[32,32]")
     check(result, EXIT_CONFIG_ERROR)
     assert "Traceback" not in result.stderr and result.stderr.count("xshard: error:") == 1
     assert "does not match this run" in result.stderr
     assert "task.hidden: [64, 64] in the checkpoint, [32, 32] now" in result.stderr
-    assert snapshot(run / "checkpoints") == before
+    assert steps_snapshot(run / "checkpoints") == before
 
 
 @pytest.mark.slow
@@ -184,13 +184,13 @@ def test_corrupted_latest_checkpoint_is_an_error_then_falls_back_when_allowed(ba
     run = tmp_path / "run"
     shutil.copytree(baseline, run)
     truncate_data(run / "checkpoints" / "100")
-    before = snapshot(run / "checkpoints")
+    before = steps_snapshot(run / "checkpoints")
     result = cli(run, *RUN)
     check(result, EXIT_CONFIG_ERROR)
     assert "is corrupted or truncated" in result.stderr
     assert_no_traceback_but_orbax_loop_noise(result.stderr)
     assert "checkpoint.fallback_to_previous=true to resume from step 90" in result.stderr
-    assert snapshot(run / "checkpoints") == before
+    assert steps_snapshot(run / "checkpoints") == before
 
     result = cli(run, *RUN, "checkpoint.fallback_to_previous=true")
     check(result, 0)

@@ -3,6 +3,8 @@
 Layout under ``paths.checkpoint_dir`` (Orbax's `CheckpointManager`, one folder per step)::
 
     checkpoints/
+      xshard.lock        the lock of the run using the dir   (trainers.ckpt_owner)
+      xshard-owner.json  the run that owns the dir           (trainers.ckpt_owner)
       100/
         state/       TrainState(step, params, opt_state), ocp.args.StandardSave (no pickle)
         metadata/    JSON: format, step, the run's config, the state's signature and checksums
@@ -184,8 +186,9 @@ def integrity(state: TrainState) -> tuple[bool, dict[str, int]]:
 class CheckpointHook(Hook):
     """Saves the `TrainState` with Orbax: every `every_steps` steps and at the end.
 
-    Create it after the run's state was restored: its `CheckpointManager` removes unfinished
-    temporary folders and, after each save, old steps beyond `keep`.
+    Create it after the run's state was restored, on a directory this run owns
+    (`trainers.ckpt_owner.claim_checkpoint_dir`): its `CheckpointManager` removes unfinished
+    temporary folders and, after each save, old steps beyond `keep`, whoever wrote them.
 
     Args:
       directory: the run's checkpoint directory (``paths.checkpoint_dir``).

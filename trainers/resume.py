@@ -1,9 +1,12 @@
 """Resuming from an Orbax checkpoint written by `trainers.checkpointing.CheckpointHook`.
 
 `find_resume_source` picks the run's own latest checkpoint (a rerun in the same output dir
-resumes) or else ``trainer.resume_from``. `restore_checkpoint` then:
+resumes) or else ``trainer.resume_from``; `trainers.ckpt_owner` has made sure before that the
+run owns its checkpoint dir. A ``trainer.resume_from`` source is only read, never locked,
+modified or pruned. `restore_checkpoint` then:
 
-1. reads the step's JSON metadata and checks it against the current run (`check_compatible`):
+1. reads the step's JSON metadata (unreadable, or valid JSON that is not this format's
+   metadata: corrupted) and checks it against the current run (`check_compatible`):
    the state's tree structure, shapes and dtypes, and the task and optimizer ``_target_``,
    must match, else `CheckpointError` naming what differs; other config changes are logged;
 2. restores the arrays straight into the shardings of the current run's state, so that a
@@ -182,11 +185,7 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
         raise CorruptCheckpointError(
             f"Checkpoint {path}: its metadata cannot be read ({_first_line(e)})."
         ) from e
-    if not isinstance(metadata, Mapping) or metadata.get("format") != FORMAT:
-        raise CheckpointError(
-            f"Checkpoint {path} is not an xshard checkpoint of format {FORMAT!r} "
-            f"(found format {metadata.get('format') if isinstance(metadata, Mapping) else None!r})."
-        )
+    _check_metadata(metadata, path)
     check_compatible(metadata, state_signature(abstract), config, where=str(path))
     try:
         state = checkpointer.restore(
@@ -206,6 +205,34 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
         )
     logger.info("Restored step %d from %s.", int(jax.device_get(state.step)), path)
     return state
+
+
+def _check_metadata(metadata: Any, path: Path) -> None:
+    """Valid JSON that is not this format's metadata is as unusable as unreadable metadata."""
+    if not isinstance(metadata, Mapping):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}
+        problem = f"a JSON {kind.get(type(metadata), 'number')}, not an object"
+    elif metadata.get("format") != FORMAT:
+        problem = f"format {metadata.get('format', 'absent')!r:.80}"
+    else:
+        bad = [
+            k
+            for k in ("signature", "checksums", "config")
+            if not isinstance(metadata.get(k), Mapping)
+        ]
+        signature = metadata.get("signature")
+        if not bad and not all(
+            isinstance(leaf, list) and len(leaf) == 2 and isinstance(leaf[0], list)
+            for leaf in signature.values()
+        ):
+            bad.append("signature entry")
+        if not bad:
+            return
+        problem = f"format {FORMAT!r} with a malformed {', '.join(bad)}"
+    raise CorruptCheckpointError(
+        f"Checkpoint {path}: its metadata is not xshard checkpoint metadata of format "
+        f"{FORMAT!r} (found {problem})."
+    )
 
 
 def check_compatible(

@@ -210,6 +210,7 @@ def train(cfg: DictConfig) -> float:
     import jax
 
     from trainers.checkpointing import CheckpointHook, CheckpointOptions, run_config
+    from trainers.ckpt_owner import claim_checkpoint_dir
     from trainers.monitor import NonFiniteMonitor, ProgressHook
     from trainers.preemption import Preempted, StopOnSignal
     from trainers.preflight import check_batch_fits, check_writable_dir
@@ -231,6 +232,14 @@ def train(cfg: DictConfig) -> float:
     ckpt = CheckpointOptions.from_config(cfg.checkpoint)
     if jax.process_index() == 0:  # the only process that writes TensorBoard events
         check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
+    # One run per checkpoint dir: process 0 refuses another run's dir or one in use, then
+    # holds its lock until the process ends (so only this run's checkpoints are ever pruned).
+    claim_checkpoint_dir(
+        cfg.paths.checkpoint_dir,
+        cfg.paths.output_dir,
+        lead=jax.process_index() == 0,
+        create=ckpt.enabled,
+    )
     if ckpt.enabled:
         check_writable_dir(cfg.paths.checkpoint_dir, "paths.checkpoint_dir")
     # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.

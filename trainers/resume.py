@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from trainers.checkpoint_io import complete_steps
 from trainers.checkpointing import (
     FORMAT,
     METADATA_ITEM,
@@ -65,11 +66,6 @@ class RestoreSource:
     directory: Path
     step: int | None = None
     own: bool = False
-
-
-def complete_steps(directory: str | Path) -> list[int]:
-    """The steps of `directory` whose save completed (unfinished temporary folders excluded)."""
-    return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
 def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> RestoreSource | None:

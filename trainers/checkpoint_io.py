@@ -4,7 +4,9 @@ A full disk must not surface as a traceback from Orbax's background thread, nor 
 only at the first save: `check_checkpoint_space` runs at start-up (the run fails early if
 one checkpoint does not fit), and `write_failure` recognises a failed write among the errors a
 save raises (an `OSError`, or tensorstore's ``ValueError`` carrying ``os_error_code``), so
-that `CheckpointHook` can report it in one line.
+that `CheckpointHook` can report it in one line. `quiet_io_error_noise` keeps the same
+error's other reports (Orbax's and asyncio's logs, tensorstore's late callbacks) from
+printing tracebacks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ BYTES_PER_ARRAY = 1024
 BYTES_PER_CHECKPOINT = 128 * 1024
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+
+logger = logging.getLogger(__name__)
 
 
 def complete_steps(directory: str | Path) -> list[int]:
@@ -122,17 +127,18 @@ def free_bytes(directory: str | Path) -> int | None:
         return None
 
 
-class DropTracebacks(logging.Filter):
-    """Logs Orbax's errors in one line: drops the traceback, keeps the message.
+class IOErrorsInOneLine(logging.Filter):
+    """Logs a failed write or read in one line: drops the traceback, keeps the message.
 
     Orbax logs the error of a failed background save with its traceback (through absl) up to
-    four times; `CheckpointHook` raises the same error in the main thread, in one line if it
-    is a failed write and with its traceback otherwise, so nothing is lost.
+    four times, and asyncio logs its unretrieved tasks ("Task exception was never
+    retrieved"); the run raises the same error in the main thread in one line. Records of
+    other errors keep their tracebacks.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            error = record.exc_info[1]
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and write_failure(error) is not None:
             first = (str(error).strip().splitlines() or [""])[0]
             if first and first not in record.getMessage():
                 record.msg = f"{record.getMessage()} ({type(error).__name__}: {first})"
@@ -140,3 +146,50 @@ class DropTracebacks(logging.Filter):
             record.exc_info = None
             record.exc_text = None
         return True
+
+
+def _is_closed_loop_callback(unraisable: Any) -> bool:
+    """An asyncio ``call_soon_threadsafe`` on a closed loop, called from outside Python."""
+    error, tb = unraisable.exc_value, unraisable.exc_traceback
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed" or tb is None:
+        return False
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code)
+        tb = tb.tb_next
+    return frames[0].co_name == "call_soon_threadsafe" and all(
+        Path(code.co_filename).parent.name == "asyncio" for code in frames
+    )
+
+
+def quiet_io_error_noise() -> None:
+    """Keeps the aftermath of a failed checkpoint write or read off the console.
+
+    When one array of an Orbax save or restore fails (disk full, truncated file), the run
+    raises that error in one line; meanwhile:
+
+    - Orbax (absl) and asyncio log it with its traceback: `IOErrorsInOneLine` on those
+      loggers keeps the message and drops the traceback;
+    - Orbax's asyncio loop ends while tensorstore still completes the other operations; their
+      callbacks (``loop.call_soon_threadsafe``) raise ``RuntimeError: Event loop is closed``
+      from C++, which Python reports through `sys.unraisablehook` with a traceback, at any
+      later moment. Exactly those are dropped (logged at debug level); every other
+      unraisable exception goes to the previous hook.
+
+    Installed once per process, for good: the noise can come after the save or restore
+    returned.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_io_error_noise", False):
+        return
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(IOErrorsInOneLine())
+
+    def hook(unraisable: Any) -> None:
+        if _is_closed_loop_callback(unraisable):
+            logger.debug("Dropped a callback into a closed asyncio loop (after an I/O error).")
+            return
+        previous(unraisable)
+
+    hook.quiets_io_error_noise = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook

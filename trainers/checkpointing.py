@@ -39,10 +39,10 @@ import orbax.checkpoint as ocp
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.checkpoint_io import (
-    DropTracebacks,
     checkpoint_bytes,
     complete_steps,
     free_bytes,
+    quiet_io_error_noise,
     write_failure,
 )
 from trainers.monitor import NonFiniteError
@@ -201,9 +201,9 @@ class CheckpointHook(Hook):
     """Saves the `TrainState` with Orbax: every `every_steps` steps and at the end.
 
     Create it after the run's state was restored: its `CheckpointManager` removes unfinished
-    temporary folders and, after each save, old steps beyond `keep`. While it is open, Orbax's
-    error logs come without tracebacks (`DropTracebacks`): a failed write is raised as a
-    one-line `CheckpointWriteError` by `save` or `close`.
+    temporary folders and, after each save, old steps beyond `keep`. A failed write is raised
+    as a one-line `CheckpointWriteError` by `save` or `close`; its other reports lose their
+    tracebacks (`quiet_io_error_noise`).
 
     Args:
       directory: the run's checkpoint directory (``paths.checkpoint_dir``).
@@ -230,8 +230,7 @@ class CheckpointHook(Hook):
         self._pending: int | None = None  # an async save not waited for yet
         self._needed: int | None = None  # bytes of one checkpoint, known at the first save
         self._trained = False  # whether this run trained a step (else "stopped" saves nothing)
-        self._log_filter = DropTracebacks()
-        logging.getLogger("absl").addFilter(self._log_filter)
+        quiet_io_error_noise()
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self._trained = True
@@ -315,13 +314,10 @@ class CheckpointHook(Hook):
         if self._closed:
             return
         self._closed = True
-        try:
-            with self._write_errors(self._pending):
-                self._pending = None
-                self.manager.wait_until_finished()
-            self.manager.close()
-        finally:
-            logging.getLogger("absl").removeFilter(self._log_filter)
+        with self._write_errors(self._pending):
+            self._pending = None
+            self.manager.wait_until_finished()
+        self.manager.close()
 
     def _close_quietly(self) -> None:
         """`close`, logging its error in one line: the run is failing already, never mask that."""

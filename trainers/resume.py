@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from trainers.checkpoint_io import complete_steps
+from trainers.checkpoint_io import complete_steps, quiet_io_error_noise
 from trainers.checkpointing import (
     FORMAT,
     METADATA_ITEM,
@@ -131,6 +131,7 @@ def restore_checkpoint(
         corrupted (and no fallback is allowed or possible). Nothing is modified then, except
         corrupted steps that a fallback already moved aside (the message names them).
     """
+    quiet_io_error_noise()  # a corrupted file fails one read of many
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
     )

@@ -86,6 +86,7 @@ class TensorBoardHook(Hook):
       on_error: "stop" or "continue" when events cannot be written (`LoggerOptions`).
 
     Raises:
+      ValueError: for an `on_error` other than "stop" or "continue".
       LoggerError: from the constructor or `on_end`, if writing failed and `on_error` is
         "stop" (the run has stopped cleanly by then: `wants_stop`).
     """
@@ -102,6 +103,8 @@ class TensorBoardHook(Hook):
         flush_secs: float = 10,
         on_error: str = "stop",
     ):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: expected one of {list(ON_ERROR)}.")
         self.logdir = logdir
         self.on_error = on_error
         self._reported = False

@@ -37,7 +37,11 @@ _previous_excepthook: Callable[[Any], Any] | None = None
 
 
 def _excepthook(args: Any) -> None:
-    """Records the death of a watched writer thread (no traceback); others as before."""
+    """Records the death of a watched writer thread (no traceback); others as before.
+
+    Waits for `_WATCHED_LOCK`: a thread that dies while its writer is being built is looked
+    up once it is registered.
+    """
     with _WATCHED_LOCK:
         writer = _WATCHED.get(args.thread)
     if writer is not None and args.exc_value is not None:
@@ -46,14 +50,12 @@ def _excepthook(args: Any) -> None:
     (_previous_excepthook or threading.__excepthook__)(args)
 
 
-def _watch(threads: list[threading.Thread], writer: SafeSummaryWriter) -> None:
+def _install_excepthook() -> None:
+    """Puts `_excepthook` in front of the current `threading.excepthook` (call with the lock)."""
     global _previous_excepthook
-    with _WATCHED_LOCK:
-        if threading.excepthook is not _excepthook:
-            _previous_excepthook = threading.excepthook
-            threading.excepthook = _excepthook
-        for t in threads:
-            _WATCHED[t] = writer
+    if threading.excepthook is not _excepthook:
+        _previous_excepthook = threading.excepthook
+        threading.excepthook = _excepthook
 
 
 def _unwatch(threads: list[threading.Thread]) -> None:
@@ -85,17 +87,20 @@ class SafeSummaryWriter:
         self.failure: str | None = None
         self._closed = False
         self._writer: SummaryWriter | None = None
-        before = set(threading.enumerate())
-        try:
-            self._writer = SummaryWriter(logdir=logdir, flush_secs=flush_secs, max_queue=QUEUE_SIZE)
-        except OSError as e:
-            self._record(e)
-        self._threads = [
-            t
-            for t in threading.enumerate()
-            if t not in before and type(t).__module__.startswith("tensorboardX")
-        ]
-        _watch(self._threads, self)
+        self._threads: list[threading.Thread] = []
+        with _WATCHED_LOCK:  # the writer's threads are registered before their hook can look
+            _install_excepthook()
+            before = set(threading.enumerate())
+            try:
+                self._writer = SummaryWriter(
+                    logdir=logdir, flush_secs=flush_secs, max_queue=QUEUE_SIZE
+                )
+            except OSError as e:
+                self._record(e)
+            for t in threading.enumerate():
+                if t not in before and type(t).__module__.startswith("tensorboardX"):
+                    self._threads.append(t)
+                    _WATCHED[t] = self
 
     def _record(self, error: BaseException) -> None:
         if self.failure is None:

@@ -26,8 +26,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
-#: Events the writer's queue holds. A dead writer is noticed at the next write, so the queue
-#: never holds more than the events of one step beyond what the thread has written.
+#: Events the writer's queue can hold. A dead thread is noticed before the next write, so at
+#: most one write's events are left behind in its queue; a live one keeps draining it.
 QUEUE_SIZE = 1 << 20
 
 # Writer threads -> their SafeSummaryWriter, for `_excepthook`.

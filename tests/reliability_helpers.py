@@ -56,17 +56,6 @@ def truncate_data(step_dir: Path) -> None:
             fh.truncate(f.stat().st_size // 2)
 
 
-def assert_no_traceback_but_orbax_loop_noise(stderr: str) -> None:
-    """No traceback of ours. Tolerated: the "Event loop is closed" traceback that tensorstore
-    prints from C++ when a failed Orbax read leaves callbacks for Orbax's closed asyncio loop
-    (a known limit in docs/reliability.md), from several threads, interleaved with our
-    message: every frame printed must be asyncio's."""
-    if "Traceback" in stderr:
-        assert "RuntimeError: Event loop is closed" in stderr, stderr
-    frames = [line for line in stderr.splitlines() if line.lstrip().startswith('File "')]
-    assert all("asyncio/base_events.py" in f for f in frames), stderr
-
-
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
     """Polls `condition` every 20 ms until it holds; fails after `timeout` seconds."""
     deadline = time.monotonic() + timeout

@@ -18,7 +18,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.reliability_helpers import (
     assert_bitwise_equal,
-    assert_no_traceback_but_orbax_loop_noise,
     load_state,
     steps_snapshot,
     truncate_data,
@@ -188,7 +187,7 @@ def test_corrupted_latest_checkpoint_is_an_error_then_falls_back_when_allowed(ba
     result = cli(run, *RUN)
     check(result, EXIT_CONFIG_ERROR)
     assert "is corrupted or truncated" in result.stderr
-    assert_no_traceback_but_orbax_loop_noise(result.stderr)
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
     assert "checkpoint.fallback_to_previous=true to resume from step 90" in result.stderr
     assert steps_snapshot(run / "checkpoints") == before
 

@@ -17,7 +17,10 @@ that step's metrics, so `NonFiniteMonitor` has already stopped a run that went b
 also checks on device that params and optimizer slots are finite and refuses to write
 otherwise (cheap: one small reduction per save). Orbax writes into a temporary folder and
 renames it when complete, so a crash or ``kill -9`` during a save leaves the previous
-checkpoints valid; the next run's manager removes the unfinished folder.
+checkpoints valid; the next run's manager removes the unfinished folder. A save that fails to
+write (disk full) raises `CheckpointWriteError`, one line naming the directory and the space
+a checkpoint needs, whether Orbax raised it at once or from its background thread (then at
+the next save or when the hook closes); see `trainers.checkpoint_io`.
 
 The metadata makes a checkpoint checkable before and after its arrays are read: see
 `trainers.resume`.
@@ -25,8 +28,10 @@ The metadata makes a checkpoint checkable before and after its arrays are read: 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,13 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.checkpoint_io import (
+    checkpoint_bytes,
+    complete_steps,
+    free_bytes,
+    quiet_io_error_noise,
+    write_failure,
+)
 from trainers.monitor import NonFiniteError
 from trainers.trainer import Hook, TrainState
 from xshard.config_nodes import mapping
@@ -50,6 +62,10 @@ METADATA_ITEM = "metadata"
 
 class CheckpointError(Exception):
     """A checkpoint cannot be used: missing, incompatible with the run, or corrupted."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, I/O error); earlier ones are intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +204,9 @@ class CheckpointHook(Hook):
 
     Create it after the run's state was restored, on a directory this run owns
     (`trainers.ckpt_owner.claim_checkpoint_dir`): its `CheckpointManager` removes unfinished
-    temporary folders and, after each save, old steps beyond `keep`, whoever wrote them.
+    temporary folders and, after each save, old steps beyond `keep`, whoever wrote them. A
+    failed write is raised as a one-line `CheckpointWriteError` by `save` or `close`; its
+    other reports lose their tracebacks (`quiet_io_error_noise`).
 
     Args:
       directory: the run's checkpoint directory (``paths.checkpoint_dir``).
@@ -212,6 +230,13 @@ class CheckpointHook(Hook):
         )
         self.last_saved: int | None = self.manager.latest_step()
         self._closed = False
+        self._pending: int | None = None  # an async save not waited for yet
+        self._needed: int | None = None  # bytes of one checkpoint, known at the first save
+        self._trained = False  # whether this run trained a step (else "stopped" saves nothing)
+        quiet_io_error_noise()
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        self._trained = True
 
     def wants_state(self, step: int) -> bool:
         return self.options.every_steps > 0 and step % self.options.every_steps == 0
@@ -221,21 +246,26 @@ class CheckpointHook(Hook):
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         if reason != "error":
-            self.save(step, state)
+            try:
+                if self._trained or reason != "stopped":  # stopped before a step: write nothing
+                    self.save(step, state)
+            except BaseException:
+                self._close_quietly()
+                raise
             self.close()
             return
-        try:  # let a save of an earlier, good step finish; never mask the run's error
-            self.close()
-        except Exception:
-            logger.exception("Waiting for the last checkpoint save failed.")
-        if self.last_saved is not None:
-            logger.info("Last checkpoint: step %d in %s.", self.last_saved, self.directory)
+        self._close_quietly()  # let a save of an earlier, good step finish
+        done = complete_steps(self.directory)
+        if done:
+            logger.info("Last complete checkpoint: step %d in %s.", done[-1], self.directory)
 
     def save(self, step: int, state: TrainState) -> None:
         """Saves `state` as step `step` unless that step is already saved.
 
         Raises:
           NonFiniteError: if params or optimizer slots are not finite (nothing is written).
+          CheckpointWriteError: if this save, or the previous one still running in the
+            background, failed to write (disk full); earlier checkpoints are intact.
         """
         if self.last_saved is not None and step <= self.last_saved:
             return
@@ -246,6 +276,11 @@ class CheckpointHook(Hook):
                 f"Params or optimizer state are not finite at step {step}: no checkpoint is "
                 f"written (last checkpoint: {kept})."
             )
+        if self._needed is None:
+            self._needed = checkpoint_bytes(state)
+        with self._write_errors(self._pending):  # the previous save's errors name its step
+            self._pending = None
+            self.manager.wait_until_finished()
         metadata = {
             "format": FORMAT,
             "step": step,
@@ -253,16 +288,18 @@ class CheckpointHook(Hook):
             "checksums": checksums,
             "config": self.config,
         }
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE_ITEM: ocp.args.StandardSave(state),
-                    METADATA_ITEM: ocp.args.JsonSave(metadata),
-                }
-            ),
-            force=True,  # this hook decides the steps (wants_state, end of run)
-        )
+        with self._write_errors(step):
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    **{
+                        STATE_ITEM: ocp.args.StandardSave(state),
+                        METADATA_ITEM: ocp.args.JsonSave(metadata),
+                    }
+                ),
+                force=True,  # this hook decides the steps (wants_state, end of run)
+            )
+        self._pending = step if self.options.async_save else None
         self.last_saved = step
         logger.info(
             "Checkpoint step %d -> %s%s",
@@ -272,8 +309,55 @@ class CheckpointHook(Hook):
         )
 
     def close(self) -> None:
-        """Waits for pending saves and closes the manager (idempotent)."""
-        if not self._closed:
-            self._closed = True
+        """Waits for pending saves and closes the manager (idempotent).
+
+        Raises:
+          CheckpointWriteError: if the save still running in the background failed to write.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with self._write_errors(self._pending):
+            self._pending = None
             self.manager.wait_until_finished()
-            self.manager.close()
+        self.manager.close()
+
+    def _close_quietly(self) -> None:
+        """`close`, logging its error in one line: the run is failing already, never mask that."""
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - never mask the run's own error
+            logger.error("Waiting for the last checkpoint save failed: %s", _one_line(e))
+
+    @contextlib.contextmanager
+    def _write_errors(self, step: int | None) -> Iterator[None]:
+        """Turns a failed write of step `step` into a one-line `CheckpointWriteError`."""
+        try:
+            yield
+        except Exception as e:
+            reason = write_failure(e)
+            if reason is None:
+                raise
+            raise CheckpointWriteError(self._write_error_message(step, reason)) from e
+
+    def _write_error_message(self, step: int | None, reason: str) -> str:
+        done = complete_steps(self.directory)
+        needed = f"about {self._needed:,} bytes" if self._needed else "more space"
+        free = free_bytes(self.directory)
+        kept = (
+            f"earlier checkpoints are intact (latest complete: step {done[-1]}); free space "
+            "and rerun the same command to resume from it"
+            if done
+            else "no checkpoint was written yet; free space and rerun the same command"
+        )
+        return (
+            f"Writing checkpoint step {step if step is not None else '?'} to {self.directory} "
+            f"failed: {reason}. One checkpoint needs {needed}, "
+            f"{'?' if free is None else f'{free:,}'} bytes are free there: {kept} (the "
+            "unfinished save is removed then)."
+        )
+
+
+def _one_line(error: BaseException) -> str:
+    text = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {text[:300]}"

@@ -1,14 +1,19 @@
 """SIGTERM / SIGINT as a request to stop cleanly: finish the step, checkpoint, exit 75.
 
 Preemptible machines (TPU spot VMs, Kubernetes, Slurm) send SIGTERM some seconds before they
-kill a job; Ctrl-C sends SIGINT. `StopOnSignal` turns the first such signal into a flag that
-`Trainer.fit(should_stop=...)` polls after every step, so the run ends with reason "stopped",
-its checkpoint hook saves that step, and `train.py` exits with `EXIT_PREEMPTED`. A second
-signal is handled as if the handlers were never installed (SIGTERM kills the process,
-SIGINT raises KeyboardInterrupt): the previous checkpoint stays valid, as after `kill -9`.
+kill a job; Ctrl-C sends SIGINT. `train.py` installs `StopOnSignal` when `train()` starts, so
+the first such signal at any time after that, start-up included, only sets a flag:
+`Trainer.fit(should_stop=...)` polls it before the first step and after every step, so the run
+ends with reason "stopped", its checkpoint hook saves that step, and `train.py` exits with
+`EXIT_PREEMPTED`. A signal during start-up (compilation, restore) stops the run before its
+first step, with nothing written. A second signal is handled as if the handlers were never
+installed (SIGTERM kills the process, SIGINT raises KeyboardInterrupt): the previous
+checkpoint stays valid, as after `kill -9`.
 
 Python runs signal handlers in the main thread between bytecodes: a signal that arrives while
 the main thread waits on the device (compilation, a long step) is seen when that wait ends.
+The handler never raises, so it cannot be lost the way an exception raised inside a callback
+(e.g. a garbage-collection callback) is.
 """
 
 from __future__ import annotations
@@ -59,14 +64,29 @@ class StopOnSignal:
         """Name of the received signal ("SIGTERM"), or None."""
         return None if self.received is None else self.received.name
 
+    def stopped_during_start_up(self, start_step: int) -> Preempted:
+        """The error for a run stopped before it trained any step (nothing was written).
+
+        Args:
+          start_step: the step the run would have started from.
+
+        Returns:
+          A `Preempted` whose message names the signal and what a rerun does.
+        """
+        then = "start afresh" if start_step == 0 else f"resume from step {start_step}"
+        return Preempted(
+            f"Stopped by {self.signal_name} during start-up, before training any step; no "
+            f"checkpoint was written. Rerun the same command to {then}."
+        )
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         del frame
         sig = signal.Signals(signum)
         if self.received is None:
             self.received = sig
             logger.warning(
-                "Received %s: stopping after the current step and saving a checkpoint "
-                "(send it again to exit immediately).",
+                "Received %s: stopping after the current step and saving a checkpoint, or "
+                "before the first step if still starting up (send it again to exit immediately).",
                 sig.name,
             )
             return

@@ -4,12 +4,15 @@ Hydra creates the run's output directory itself, before the task function runs, 
 with a traceback when it cannot. `OutputDirCheck` is a Hydra callback (registered under
 ``hydra.callbacks`` in ``xshard_train.yaml``) that checks the directory first and exits with
 one line and status 2; `check_writable_dir` does the same check for the run's own output
-paths (``paths.tb_dir``, ``paths.checkpoint_dir``) inside `train.py`.
+paths (``paths.tb_dir``, ``paths.checkpoint_dir``) inside `train.py`. An empty file needs no
+space, so a full disk passes that check: `check_free_space` compares the free space with what
+the run will write (`trainers.checkpoint_io.check_checkpoint_space`).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -17,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
@@ -52,6 +54,47 @@ def check_writable_dir(path: str | os.PathLike, key: str) -> Path:
             f"Set {key} to a writable directory."
         ) from e
     return directory
+
+
+def check_free_space(
+    path: str | os.PathLike, needed: int, key: str, *, what: str, reclaimable: int = 0
+) -> None:
+    """Checks that the filesystem of the directory `path` has `needed` bytes free.
+
+    Args:
+      path: an existing directory.
+      needed: the bytes the run will write there.
+      key: the config key `path` came from, for the error message.
+      what: what needs the space, for the error message ("one checkpoint").
+      reclaimable: bytes in `path` that the run frees before it writes (counted as free).
+
+    Raises:
+      ConfigError: naming `key`, `path`, the bytes needed and the bytes free.
+    """
+    try:
+        free = shutil.disk_usage(path).free + reclaimable
+    except OSError as e:
+        raise ConfigError(
+            f"{key}={str(path)!r}: cannot read its free space ({e.strerror or e})."
+        ) from e
+    if free < needed:
+        raise ConfigError(
+            f"{key}={str(path)!r} has too little free space for {what}: needs about "
+            f"{needed:,} bytes, {free:,} bytes free. Free space there or set {key} to a "
+            "larger disk."
+        )
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Bytes the files under `path` occupy on disk (allocated blocks; 0 if it is gone)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 class OutputDirCheck(Callback):

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from trainers.checkpoint_io import complete_steps, quiet_io_error_noise
 from trainers.checkpointing import (
     FORMAT,
     METADATA_ITEM,
@@ -68,11 +69,6 @@ class RestoreSource:
     directory: Path
     step: int | None = None
     own: bool = False
-
-
-def complete_steps(directory: str | Path) -> list[int]:
-    """The steps of `directory` whose save completed (unfinished temporary folders excluded)."""
-    return sorted(ocp.path.step.checkpoint_steps(directory))
 
 
 def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> RestoreSource | None:
@@ -138,6 +134,7 @@ def restore_checkpoint(
         corrupted (and no fallback is allowed or possible). Nothing is modified then, except
         corrupted steps that a fallback already moved aside (the message names them).
     """
+    quiet_io_error_noise()  # a corrupted file fails one read of many
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
     )

@@ -29,7 +29,6 @@ from xshard.slots import cross_shard_state, get_hyperparams
 from xshard.stats import histogram, layer_norms, noise_scale, shard_norm_stats, tree_norm
 
 
-
 class TrainState(NamedTuple):
     """Everything that changes during training. The RNG is a pure function of (seed, step)."""
 

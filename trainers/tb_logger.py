@@ -3,20 +3,73 @@
 One `tensorboardX.SummaryWriter` per run, at `<output dir>/tb`. The hparams summary is written
 into that same writer (tensorboardX's `add_hparams` would open a second one in a subfolder),
 so a multirun sweep shows one run per job in both the Scalars and the HParams dashboards.
+
+Events are written through `SafeSummaryWriter`: when writing fails (disk full), the run never
+hangs. With ``logger.on_error=stop`` (the default) it stops cleanly after the current step,
+saves its checkpoint and `train.py` exits 2 with `LoggerError`; with ``continue`` it warns once
+and trains on without events.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import time
 from typing import Any
 
-from tensorboardX import SummaryWriter
+from omegaconf import OmegaConf
 from tensorboardX.summary import hparams as hparams_summary
 
+from trainers.tb_writer import SafeSummaryWriter
 from trainers.trainer import Hook, TrainState
+from xshard.config_nodes import mapping, positive_number
+from xshard.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 FINAL_LOSS_TAG = "hparams/final_loss"
+ON_ERROR = ("stop", "continue")
+
+
+class LoggerError(Exception):
+    """TensorBoard events could not be written and ``logger.on_error=stop``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggerOptions:
+    """The ``logger`` config node.
+
+    Attributes:
+      flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
+      on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
+        saved, exit 2) or "continue" training without events (one warning).
+    """
+
+    flush_secs: float = 10
+    on_error: str = "stop"
+
+    @classmethod
+    def from_config(cls, node: Any) -> LoggerOptions:
+        """Reads and validates the ``logger`` node.
+
+        Raises:
+          ConfigError: for an unknown key or a bad value, naming the key.
+        """
+        if OmegaConf.is_config(node):
+            node = OmegaConf.to_container(node, resolve=True)
+        values = mapping(node, "logger")
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"logger.{key}: unknown key. Allowed keys: {names}.")
+        opts = cls(**values)
+        positive_number(opts.flush_secs, "logger.flush_secs", "the flush period in seconds")
+        if opts.on_error not in ON_ERROR:
+            raise ConfigError(
+                f"logger.on_error={opts.on_error!r}: expected one of {list(ON_ERROR)}."
+            )
+        return opts
 
 
 class TensorBoardHook(Hook):
@@ -30,6 +83,12 @@ class TensorBoardHook(Hook):
       config_yaml: the resolved config, shown in the Text dashboard.
       num_steps: the run's total steps (to log the last one).
       flush_secs: how often the writer flushes to disk.
+      on_error: "stop" or "continue" when events cannot be written (`LoggerOptions`).
+
+    Raises:
+      ValueError: for an `on_error` other than "stop" or "continue".
+      LoggerError: from the constructor or `on_end`, if writing failed and `on_error` is
+        "stop" (the run has stopped cleanly by then: `wants_stop`).
     """
 
     def __init__(
@@ -41,9 +100,15 @@ class TensorBoardHook(Hook):
         num_steps: int,
         hparams: dict[str, Any] | None = None,
         config_yaml: str | None = None,
-        flush_secs: int = 10,
+        flush_secs: float = 10,
+        on_error: str = "stop",
     ):
-        self.writer = SummaryWriter(logdir=logdir, flush_secs=flush_secs)
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r}: expected one of {list(ON_ERROR)}.")
+        self.logdir = logdir
+        self.on_error = on_error
+        self._reported = False
+        self.writer = SafeSummaryWriter(logdir, flush_secs=flush_secs)
         self.log_every = max(1, int(log_every))
         self.global_batch_size = global_batch_size
         self.num_steps = num_steps
@@ -57,13 +122,48 @@ class TensorBoardHook(Hook):
             )
         if hparams:
             exp, ssi, _ = hparams_summary(_hparam_values(hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.file_writer.add_summary(exp)
-            self.writer.file_writer.add_summary(ssi)
+            self.writer.add_summary(exp)
+            self.writer.add_summary(ssi)
         self._hparams = hparams
+        self._check()
+        if self.writer.failure is not None and on_error == "stop":
+            self.writer.close()
+            raise LoggerError(self._error_message("before training"))
 
     def log_scalar(self, tag: str, value: float, step: int) -> None:
         """Writes one scalar (e.g. `perf/compile_time_s`)."""
         self.writer.add_scalar(tag, value, step)
+
+    def wants_stop(self) -> bool:
+        return self.on_error == "stop" and self.writer.failure is not None
+
+    def _check(self) -> None:
+        """Reports a failed writer once: the run stops, or goes on without events."""
+        if self.writer.failure is None or self._reported:
+            return
+        self._reported = True
+        if self.on_error == "continue":
+            logger.warning(
+                "TensorBoard events cannot be written to %s (%s): training continues without "
+                "them (logger.on_error=continue).",
+                self.logdir,
+                self.writer.failure,
+            )
+        else:
+            logger.error(
+                "TensorBoard events cannot be written to %s (%s): stopping after this step "
+                "(logger.on_error=stop).",
+                self.logdir,
+                self.writer.failure,
+            )
+
+    def _error_message(self, when: str) -> str:
+        return (
+            f"TensorBoard events cannot be written to paths.tb_dir={self.logdir!r}: "
+            f"{self.writer.failure}. The run stopped cleanly {when} (logger.on_error=stop). "
+            "Free space there and rerun the same command to resume, or set "
+            "logger.on_error=continue to train without events."
+        )
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
@@ -89,6 +189,7 @@ class TensorBoardHook(Hook):
             self.writer.add_scalar("perf/steps_per_sec", rate, step)
             self.writer.add_scalar("perf/examples_per_sec", rate * self.global_batch_size, step)
         self._window_start = (step, now)
+        self._check()
 
     def _update_noise_ema(self, metrics: dict[str, float], decay: float = 0.95) -> None:
         """B_simple from moving averages of its two noisy terms (McCandlish et al., App. A)."""
@@ -120,17 +221,21 @@ class TensorBoardHook(Hook):
                     bucket_counts=[float(x) for x in h["bucket_counts"]],
                     global_step=step,
                 )
+        self._check()
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         if self.last_loss is not None:
             self.writer.add_scalar(FINAL_LOSS_TAG, self.last_loss, step)
         if self._hparams:
             _, _, sei = hparams_summary(_hparam_values(self._hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.file_writer.add_summary(sei)
+            self.writer.add_summary(sei)
         self.close()
+        self._check()
+        if self.writer.failure is not None and self.on_error == "stop" and reason != "error":
+            raise LoggerError(self._error_message(f"at step {step}"))
 
     def close(self) -> None:
-        """Flushes and closes the writer (idempotent)."""
+        """Flushes and closes the writer (idempotent; never raises for a failed write)."""
         self.writer.flush()
         self.writer.close()
 

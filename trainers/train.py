@@ -9,9 +9,11 @@ docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
-    2   bad config or input (ConfigError) or an unusable checkpoint (CheckpointError)
+    2   bad config or input (ConfigError), an unusable or unwritable checkpoint
+        (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
     3   training went non-finite and was stopped (NonFiniteError); earlier checkpoints intact
-    75  stopped by SIGTERM/SIGINT after saving a checkpoint: rerun the command to resume
+    75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during start-up before any
+        step (nothing written): rerun the command to resume
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from trainers.preemption import EXIT_PREEMPTED
+from trainers.preemption import EXIT_PREEMPTED, StopOnSignal
 from trainers.preflight import EXIT_CONFIG_ERROR
 
 if TYPE_CHECKING:
@@ -174,15 +176,26 @@ def _init_distributed(opts: DistributedOptions) -> None:
 def train(cfg: DictConfig) -> float:
     """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
 
+    SIGTERM/SIGINT are handled from the start (`StopOnSignal`): a signal during start-up
+    stops the run before its first step.
+
     Returns:
       The final training loss.
 
     Raises:
-      ConfigError: for a bad config value (before any training work).
-      CheckpointError: if the checkpoint to resume from is incompatible or corrupted.
+      ConfigError: for a bad config value, or too little disk space (before any training).
+      CheckpointError: if the checkpoint to resume from is incompatible or corrupted, or a
+        checkpoint cannot be written (CheckpointWriteError).
+      LoggerError: if TensorBoard events cannot be written and ``logger.on_error=stop``.
       NonFiniteError: if training went non-finite beyond what the config tolerates.
-      Preempted: if a signal stopped the run (after saving a checkpoint).
+      Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
     """
+    with StopOnSignal() as stop:
+        return _train(cfg, stop)
+
+
+def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
+    """`train`'s body; `stop` is the run's `StopOnSignal`."""
     from trainers.allowlist import log_active_prefixes
 
     log_active_prefixes(cfg)
@@ -209,13 +222,14 @@ def train(cfg: DictConfig) -> float:
 
     import jax
 
+    from trainers.checkpoint_io import check_checkpoint_space
     from trainers.checkpointing import CheckpointHook, CheckpointOptions, run_config
     from trainers.ckpt_owner import claim_checkpoint_dir
     from trainers.monitor import NonFiniteMonitor, ProgressHook
-    from trainers.preemption import Preempted, StopOnSignal
+    from trainers.preemption import Preempted
     from trainers.preflight import check_batch_fits, check_writable_dir
     from trainers.resume import find_resume_source, restore_checkpoint
-    from trainers.tb_logger import TensorBoardHook
+    from trainers.tb_logger import LoggerOptions, TensorBoardHook
     from trainers.trainer import Trainer
     from xshard.errors import ConfigError
     from xshard.factory import build_optimizer
@@ -230,6 +244,7 @@ def train(cfg: DictConfig) -> float:
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
     ckpt = CheckpointOptions.from_config(cfg.checkpoint)
+    logger_opts = LoggerOptions.from_config(cfg.logger)
     if jax.process_index() == 0:  # the only process that writes TensorBoard events
         check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
     # One run per checkpoint dir: process 0 refuses another run's dir or one in use, then
@@ -290,6 +305,8 @@ def train(cfg: DictConfig) -> float:
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
     state = trainer.init(trainer.init_params(first))
+    if ckpt.enabled:  # a full disk fails here, not at the first save
+        check_checkpoint_space(cfg.paths.checkpoint_dir, state)
     config = run_config(cfg)
     # The step restores the RNG and the data position too: both are pure functions of it.
     if source is not None:
@@ -297,6 +314,8 @@ def train(cfg: DictConfig) -> float:
             source, state, config, fallback_to_previous=ckpt.fallback_to_previous
         )
     start_step = int(jax.device_get(state.step))
+    if stop():  # a signal during start-up: stop before writing anything
+        raise stop.stopped_during_start_up(start_step)
 
     # ------------------------------------------------------------------ hooks
     lead = jax.process_index() == 0  # logs and the progress bar come from one process
@@ -310,7 +329,8 @@ def train(cfg: DictConfig) -> float:
                 num_steps=num_steps,
                 hparams=_hparams(cfg),
                 config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                flush_secs=cfg.logger.flush_secs,
+                flush_secs=logger_opts.flush_secs,
+                on_error=logger_opts.on_error,
             )
         )
     hooks.append(
@@ -332,18 +352,19 @@ def train(cfg: DictConfig) -> float:
         data_axes,
         start_step,
     )
-    with StopOnSignal() as stop:
-        state, reason = trainer.fit(
-            state,
-            batches(start_step),
-            num_steps=num_steps,
-            hooks=hooks,
-            layer_stats_every=opts.layer_stats_every,
-            histogram_every=opts.histogram_every,
-            stats_every=opts.stats_every,
-            should_stop=stop,
-        )
+    state, reason = trainer.fit(
+        state,
+        batches(start_step),
+        num_steps=num_steps,
+        hooks=hooks,
+        layer_stats_every=opts.layer_stats_every,
+        histogram_every=opts.histogram_every,
+        stats_every=opts.stats_every,
+        should_stop=stop,
+    )
     step = int(jax.device_get(state.step))
+    if stop() and step == start_step < num_steps:  # the signal came before the first step
+        raise stop.stopped_during_start_up(start_step)
     final = monitor.last_loss
     log.info("Finished (%s) at step %d, final loss %.5f.", reason, step, final)
     log.info(
@@ -386,6 +407,7 @@ def main(cfg: DictConfig) -> float:
     from trainers.checkpointing import CheckpointError
     from trainers.monitor import NonFiniteError
     from trainers.preemption import Preempted
+    from trainers.tb_logger import LoggerError
     from xshard.errors import ConfigError
 
     try:
@@ -395,7 +417,7 @@ def main(cfg: DictConfig) -> float:
         _exit(e, EXIT_PREEMPTED, label="preempted")
     except NonFiniteError as e:
         _exit(e, EXIT_NONFINITE)
-    except (ConfigError, CheckpointError) as e:  # name the key, the value and what is allowed
+    except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
         _exit(e, EXIT_CONFIG_ERROR)
 
 

@@ -31,9 +31,9 @@ from trainers.step import (
 )
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
-from xshard.reduce import PerShardGradientsRequired
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
+from xshard.reduce import PerShardGradientsRequired
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,9 @@ class Hook:
     """Receives host-side values from `Trainer.fit`; override what you need.
 
     Any hook may raise `StopTraining` to end the run cleanly, or another exception to abort it
-    (then every hook's `on_end` sees reason "error").
+    (then every hook's `on_end` sees reason "error"). A hook that can no longer do its job but
+    should let the run save its state first (a dead TensorBoard writer) returns True from
+    `wants_stop`: the run then ends like on a stop signal, with reason "stopped".
     """
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -60,6 +62,10 @@ class Hook:
 
     def on_state(self, step: int, state: TrainState) -> None:
         """The state after step `step`, whose metrics every hook has already seen."""
+
+    def wants_stop(self) -> bool:
+        """Whether the run should end cleanly after the current step (polled like a signal)."""
+        return False
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         """Once, when the loop ends: "done", "data_exhausted", "stopped" or "error"."""
@@ -274,17 +280,30 @@ class Trainer:
           stats_every: compute the update/param norms and per-shard statistics on every
             `stats_every`-th step and the last one (0 = only the last); the loss, the reduced
             gradient's norm and the skip counters come every step.
-          should_stop: polled after every step; True ends the run cleanly ("stopped").
+          should_stop: polled before the first step and after every step, with the hooks'
+            `wants_stop`; True ends the run cleanly ("stopped"): the current step's state
+            goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
+            is trained.
 
         Returns:
           (final state, reason the loop ended).
+
+        Raises:
+          Whatever a hook or the step raised; every hook's `on_end` ran first. An error in an
+          `on_end` is raised after all of them ran (the first one; later ones are logged).
         """
         step = int(jax.device_get(state.step))
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
+
+        def stop_requested() -> bool:
+            return bool(should_stop()) or any(h.wants_stop() for h in hooks)
+
         try:
-            while step < num_steps:
+            if stop_requested():  # e.g. a signal during start-up: train nothing
+                reason = "stopped"
+            while reason == "done" and step < num_steps:
                 try:
                     local = next(batch_iter)
                 except StopIteration:
@@ -306,7 +325,7 @@ class Trainer:
                 if pending is not None:  # waits for step - 1 only: two steps in flight at most
                     self._emit(pending, hooks)
                 pending = (step, metrics)
-                stop = should_stop()
+                stop = stop_requested()
                 if stop or any(h.wants_state(step) for h in hooks):
                     self._emit(pending, hooks)  # the state's own metrics come first
                     pending = None
@@ -320,11 +339,9 @@ class Trainer:
         except StopTraining as stop_request:
             reason = str(stop_request) or "stopped"
         except BaseException:
-            for h in hooks:
-                h.on_end(step, state, "error")
+            _end_hooks(hooks, step, state, "error")
             raise
-        for h in hooks:
-            h.on_end(int(jax.device_get(state.step)), state, reason)
+        _end_hooks(hooks, int(jax.device_get(state.step)), state, reason)
         return state, reason
 
     @staticmethod
@@ -333,3 +350,24 @@ class Trainer:
         host = dict(metrics)  # waits for this step only
         for h in hooks:
             h.on_step(step, host)
+
+
+def _end_hooks(hooks: Sequence[Hook], step: int, state: TrainState, reason: str) -> None:
+    """Every hook's `on_end`, even when one of them raises (a later hook may save a checkpoint).
+
+    Raises:
+      The first error of an `on_end`, after all ran; later ones are logged in one line each.
+      On reason "error" (the run is failing already) they are only logged, so that the run's
+      own error is the one raised.
+    """
+    first: Exception | None = None
+    for h in hooks:
+        try:
+            h.on_end(step, state, reason)
+        except Exception as e:  # noqa: BLE001 - each hook must get its on_end
+            if first is None and reason != "error":
+                first = e
+            else:
+                logger.error("%s.on_end(%r) failed too: %s", type(h).__name__, reason, e)
+    if first is not None:
+        raise first

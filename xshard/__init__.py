@@ -48,18 +48,23 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-if TYPE_CHECKING:
-    from xshard.errors import ConfigError
-    from xshard.factory import build_optimizer, build_schedule
-    from xshard.mesh import (
-        MeshConfigError,
-        build_mesh,
-        check_axis_names,
-        check_batch_divisible,
-        configure_devices,
-        data_axes,
-        data_parallel_size,
-    )
-    from xshard.optimizer import CrossShardState, cross_shard
-    from xshard.reduce import DoubleReductionError, Reduction, reduce_gradients
-    from xshard.slots import get_hyperparams, get_slot, get_slot_names, inner_state
+if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
+    from xshard.errors import ConfigError as ConfigError
+    from xshard.factory import build_optimizer as build_optimizer
+    from xshard.factory import build_schedule as build_schedule
+    from xshard.mesh import MeshConfigError as MeshConfigError
+    from xshard.mesh import build_mesh as build_mesh
+    from xshard.mesh import check_axis_names as check_axis_names
+    from xshard.mesh import check_batch_divisible as check_batch_divisible
+    from xshard.mesh import configure_devices as configure_devices
+    from xshard.mesh import data_axes as data_axes
+    from xshard.mesh import data_parallel_size as data_parallel_size
+    from xshard.optimizer import CrossShardState as CrossShardState
+    from xshard.optimizer import cross_shard as cross_shard
+    from xshard.reduce import DoubleReductionError as DoubleReductionError
+    from xshard.reduce import Reduction as Reduction
+    from xshard.reduce import reduce_gradients as reduce_gradients
+    from xshard.slots import get_hyperparams as get_hyperparams
+    from xshard.slots import get_slot as get_slot
+    from xshard.slots import get_slot_names as get_slot_names
+    from xshard.slots import inner_state as inner_state

@@ -1,0 +1,280 @@
+"""I/O faults end to end, the real CLI in subprocesses (all slow): a full disk for checkpoints
+and for TensorBoard (small tmpfs mounts; the tests run as root, else they skip), bad
+``logger.*`` values, a stop signal during start-up. Each fault ends the run in bounded time
+with one line on stderr and the documented exit status, and leaves earlier checkpoints valid."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.reliability_helpers import load_state, wait_until
+from trainers.checkpoint_io import complete_steps, unfinished_saves
+from trainers.preemption import EXIT_PREEMPTED
+from trainers.train import EXIT_CONFIG_ERROR
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "task=mlp",
+    "trainer.batch_size=16",
+    "trainer.log_every=1",
+    "trainer.layer_stats_every=0",
+    "trainer.histogram_every=0",
+]
+TIMEOUT = 240  # every run is bounded: a hang fails the test instead of blocking CI
+
+
+@contextlib.contextmanager
+def sigint_handled() -> Iterator[None]:
+    """Children started inside get SIGINT at its default even if this process ignores it (a
+    background job of a shell without job control does): exec resets a handled signal, not
+    an ignored one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def cli(run_dir: Path, *overrides: str, env: dict[str, str] | None = None):
+    """`python -m trainers.train` (as `tests.cli.run_train`), bounded by `TIMEOUT`."""
+    with sigint_handled():
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainers.train",
+                "trainer.progress=false",
+                *COMMON,
+                *overrides,
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=REPO,
+            env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,  # callers assert the exit status
+        )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int, label: str) -> str:
+    """Exit `code`, exactly one line on stderr (``xshard: <label>: ...``), no traceback."""
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == code, output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"xshard: {label}: "), output
+    assert "Traceback" not in result.stdout + result.stderr, output
+    return lines[0]
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of `size` bytes mounted at `path` (skips the test if that is not possible)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], check=False, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+
+
+def resize(path: Path, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True, timeout=30)
+
+
+def fill(path: Path) -> None:
+    """Writes zeros into `path`/fill until the filesystem is full."""
+    with contextlib.suppress(OSError), open(path / "fill", "wb", buffering=0) as f:
+        while True:
+            f.write(b"\0" * 4096)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints on a full disk
+# --------------------------------------------------------------------------------------------
+
+
+def test_full_disk_for_checkpoints_fails_early_or_at_the_save_and_a_rerun_resumes(tmp_path):
+    run, mnt = tmp_path / "run", tmp_path / "mnt"
+    ckpt_dir = mnt / "checkpoints"
+    overrides = [
+        "trainer.steps=30",
+        "checkpoint.every_steps=10",
+        "checkpoint.keep=null",
+        f"paths.checkpoint_dir={ckpt_dir}",
+    ]
+    with tmpfs(mnt, 64 * 1024):
+        # A: too small for one checkpoint: refused at start-up, before any step.
+        line = assert_one_line_error(cli(run, *overrides), EXIT_CONFIG_ERROR, "error")
+        assert f"paths.checkpoint_dir='{ckpt_dir}'" in line
+        needed = int(re.search(r"needs about ([\d,]+) bytes", line)[1].replace(",", ""))
+        free = int(re.search(r"([\d,]+) bytes free", line)[1].replace(",", ""))
+        assert free <= 64 * 1024 < needed
+        assert complete_steps(ckpt_dir) == [] and not list((run / "tb").iterdir())
+
+        # B: room for the estimate (about one checkpoint), not for three: the save that does
+        # not fit fails with one line; the complete checkpoints before it stay valid.
+        resize(mnt, needed + 64 * 1024)
+        line = assert_one_line_error(cli(run, *overrides), EXIT_CONFIG_ERROR, "error")
+        assert re.search(rf"Writing checkpoint step \d+ to {ckpt_dir} failed: No space left", line)
+        assert f"needs about {needed:,} bytes" in line
+        kept = complete_steps(ckpt_dir)
+        assert kept and max(kept) < 30, line
+        assert f"latest complete: step {max(kept)}" in line
+        assert load_state(ckpt_dir / str(max(kept)))["['step']"] == max(kept)
+
+        # Space freed: the same command resumes from the last complete checkpoint.
+        resize(mnt, 8 * 1024 * 1024)
+        resumed = cli(run, *overrides)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"Restored step {max(kept)} from" in resumed.stdout
+        assert complete_steps(ckpt_dir)[-1] == 30 and unfinished_saves(ckpt_dir) == []
+
+
+# --------------------------------------------------------------------------------------------
+# TensorBoard on a full disk; bad logger config
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_full_disk_for_tensorboard_never_hangs(tmp_path, on_error):
+    run, mnt = tmp_path / "run", tmp_path / "mnt"
+    with tmpfs(mnt, 16 * 1024):
+        fill(mnt)
+        start = time.monotonic()
+        result = cli(
+            run,
+            "trainer.steps=100",
+            "checkpoint.every_steps=50",
+            f"paths.tb_dir={mnt / 'tb'}",
+            f"logger.on_error={on_error}",
+        )
+        assert time.monotonic() - start < TIMEOUT
+    if on_error == "stop":  # stopped cleanly after the step that found it: checkpoint, exit 2
+        line = assert_one_line_error(result, EXIT_CONFIG_ERROR, "error")
+        assert f"TensorBoard events cannot be written to paths.tb_dir='{mnt / 'tb'}'" in line
+        assert "No space left on device" in line and "logger.on_error=continue" in line
+        stopped = int(re.search(r"stopped cleanly at step (\d+)", line)[1])
+        assert complete_steps(run / "checkpoints")[-1] == stopped
+    else:  # trains to the end without events, and says so once
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stdout + result.stderr
+        assert result.stdout.count("training continues without them") == 1
+        assert complete_steps(run / "checkpoints")[-1] == 100
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logger.flush_secs=abc", "logger.flush_secs='abc': expected the flush period"),
+        ("logger.flush_secs=-1", "logger.flush_secs=-1: expected"),
+        ("logger.flush_secs=0", "logger.flush_secs=0: expected"),
+        ("logger.flush_secs=nan", "logger.flush_secs=nan: expected"),
+        ("logger.on_error=ignore", "logger.on_error='ignore': expected one of"),
+        ("+logger.bogus=1", "logger.bogus: unknown key"),
+    ],
+)
+def test_bad_logger_values_are_one_line_config_errors(tmp_path, override, message):
+    line = assert_one_line_error(
+        cli(tmp_path / "run", "trainer.steps=3", override), EXIT_CONFIG_ERROR, "error"
+    )
+    assert message in line
+
+
+# --------------------------------------------------------------------------------------------
+# A stop signal during start-up
+# --------------------------------------------------------------------------------------------
+
+SIGNALLING_TASK = """\
+import signal
+
+from trainers.tasks.mlp import MLPTask
+
+
+class SignalledMLP(MLPTask):
+    \"\"\"An MLP task whose construction (start-up, before any step) receives a SIGINT.\"\"\"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        signal.raise_signal(signal.SIGINT)
+"""
+
+
+def test_sigint_during_start_up_stops_before_the_first_step_and_writes_nothing(tmp_path):
+    (tmp_path / "xs_signalled_task.py").write_text(SIGNALLING_TASK)
+    run = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))}
+    stopped = cli(
+        run,
+        "trainer.steps=20",
+        "task._target_=xs_signalled_task.SignalledMLP",
+        "+allowed_targets=[xs_signalled_task.]",
+        env=env,
+    )
+    line = assert_one_line_error(stopped, EXIT_PREEMPTED, "preempted")
+    assert "Stopped by SIGINT during start-up, before training any step" in line
+    assert "Rerun the same command to start afresh" in line
+    assert complete_steps(run / "checkpoints") == [] and not any((run / "tb").iterdir())
+
+    rerun = cli(run, "trainer.steps=20")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "from step 0." in rerun.stdout and complete_steps(run / "checkpoints") == [20]
+
+
+def test_sigint_while_compiling_stops_the_run_and_a_rerun_finishes_it(tmp_path):
+    run, log = tmp_path / "run", tmp_path / "first.log"
+    args = [*COMMON, "trainer.progress=false", "trainer.steps=300", "checkpoint.every_steps=0"]
+    with open(log, "w") as out, sigint_handled():
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainers.train", *args, f"hydra.run.dir={run}"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        # Logged right before `fit`, which compiles the step before the first update.
+        wait_until(
+            lambda: "Training mlp for 300 steps" in log.read_text() or proc.poll() is not None,
+            TIMEOUT,
+            "the start of training",
+        )
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=TIMEOUT) == EXIT_PREEMPTED, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    done = complete_steps(run / "checkpoints")
+    if done:  # the signal came during compilation: the first step ends, is saved, the run stops
+        assert len(done) == 1 and done[0] < 300
+        assert f"Stopped by SIGINT at step {done[0]} of 300" in text
+    else:  # it came before `fit` started its first step
+        assert "Stopped by SIGINT during start-up" in text
+
+    rerun = cli(run, "trainer.steps=300", "checkpoint.every_steps=0")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert complete_steps(run / "checkpoints")[-1] == 300

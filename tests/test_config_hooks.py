@@ -9,7 +9,8 @@ import pytest
 from cli import run_train
 from hydra import compose, initialize_config_module
 
-from trainers.train import build_hooks, train
+from trainers.setup import build_hooks
+from trainers.train import train
 from xshard.errors import ConfigError
 from xshard.targets import allowed_prefixes
 

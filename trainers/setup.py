@@ -1,0 +1,152 @@
+"""What `trainers.train` builds from the config before training: the task, the user's hooks,
+the distributed runtime, the HParams entry, and the checks that join config nodes.
+
+Each builder reads the composed config and raises `xshard.ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from xshard.config import DistributedOptions
+
+#: The ``distributed`` node of a config that has none: a single process.
+NOT_DISTRIBUTED = {
+    "enabled": False,
+    "coordinator_address": None,
+    "num_processes": None,
+    "process_id": None,
+    "cpu_collectives": None,
+}
+
+
+def hparams(cfg: DictConfig) -> dict[str, Any]:
+    """The HParams entry: Hydra's group choices plus the values people sweep most."""
+    from hydra.core.hydra_config import HydraConfig
+
+    choices = {}
+    if HydraConfig.initialized():
+        runtime = HydraConfig.get().runtime.choices
+        choices = {k: v for k, v in runtime.items() if not k.startswith("hydra/") and v is not None}
+    return {
+        **choices,
+        "seed": cfg.seed,
+        "optimizer.learning_rate": cfg.optimizer.learning_rate,
+        "reduction.mode": cfg.reduction.mode,
+        "trainer.batch_size": cfg.trainer.batch_size,
+        "trainer.microbatches": cfg.trainer.microbatches,
+        "trainer.grad_impl": cfg.trainer.grad_impl,
+        "clip": cfg.clip,
+    }
+
+
+def build_task(cfg: DictConfig) -> Any:
+    """Instantiates ``cfg.task`` after checking its ``_target_`` against the allowlist.
+
+    The task's keys other than ``_target_`` are passed as plain values (`xshard.targets.
+    instantiate`: nested ``_target_`` nodes are not instantiated), so a config cannot make the
+    run call anything but an allowed task class (``trainers.tasks.*`` and ``allowed_targets``).
+
+    Raises:
+      ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
+        the task rejects.
+    """
+    from xshard.config_nodes import mapping, section
+    from xshard.errors import ConfigError
+    from xshard.targets import instantiate
+
+    node = mapping(section(cfg, "task", required=True), "task")
+    if node.get("_target_") is None:
+        raise ConfigError(
+            "task._target_ is required, e.g. trainers.tasks.mlp.MLPTask; or "
+            "choose an option of the 'task' group (task=mlp)."
+        )
+    return instantiate(node, "task", allowed_targets(cfg))
+
+
+def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:
+    """The user's hooks from ``trainer.hooks``: ``[{_target_: mypkg.MyHook, arg: value}]``.
+
+    Each target must be allowed (``allowed_targets``) and build a `trainers.Hook`; the run
+    adds them after its built-in hooks.
+
+    Raises:
+      ConfigError: naming ``trainer.hooks[i]`` for a bad node, target or argument, or an
+        object that is not a `trainers.Hook`.
+    """
+    from trainers.trainer import Hook
+    from xshard.config_nodes import mapping
+    from xshard.errors import ConfigError
+    from xshard.targets import instantiate
+
+    hooks = []
+    for i, node in enumerate(nodes):
+        key = f"trainer.hooks[{i}]"
+        hook = instantiate(mapping(node, key), key, allowed)
+        if not isinstance(hook, Hook):
+            raise ConfigError(
+                f"{key}._target_={node['_target_']!r} built a {type(hook).__name__}, not a "
+                "trainers.Hook: subclass trainers.Hook and override what you need."
+            )
+        hooks.append(hook)
+    return hooks
+
+
+def allowed_targets(cfg: DictConfig) -> tuple[str, ...]:
+    """The run's `_target_` allowlist: the defaults plus the config's ``allowed_targets``."""
+    from xshard.config_nodes import section
+    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
+
+    return allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+
+
+def check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
+    """The trainer reduces over exactly the axes it splits the batch over.
+
+    Reducing over fewer would leave replicas with different params; over more (a model axis)
+    would sum gradients of different parameter shards.
+    """
+    from xshard.errors import ConfigError
+
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if set(axes) != set(data_axes):
+        raise ConfigError(
+            f"reduction.axis_name={list(axes)} must name the data-parallel axes of the mesh, "
+            f"mesh.data_axes={list(data_axes)}: the batch is split over those, so gradients "
+            f"are reduced over them. Set reduction.axis_name={list(data_axes)}."
+        )
+
+
+def init_distributed(opts: DistributedOptions) -> None:
+    """``jax.distributed.initialize`` for multi-process runs (``distributed.enabled=true``).
+
+    One process per host; on TPU pods and SLURM the arguments can stay null (JAX detects
+    them). ``distributed.cpu_collectives=gloo`` joins CPU-only processes, as the tests do.
+
+    Raises:
+      ConfigError: if JAX cannot form the cluster from these settings (e.g. nothing to
+        detect it from).
+    """
+    if not opts.enabled:
+        return
+    import jax
+
+    from xshard.errors import ConfigError
+
+    if opts.cpu_collectives:
+        jax.config.update("jax_cpu_collectives_implementation", opts.cpu_collectives)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=opts.coordinator_address,
+            num_processes=opts.num_processes,
+            process_id=opts.process_id,
+        )
+    except ValueError as e:  # JAX's "coordinator_address should be defined." and the like
+        raise ConfigError(
+            f"distributed.enabled=true: JAX could not set up the cluster ({e}). Outside a "
+            "cluster JAX detects (TPU pod, SLURM), set distributed.coordinator_address, "
+            "distributed.num_processes and distributed.process_id."
+        ) from e

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
-from trainers.checkpointing import CheckpointError, CheckpointHook, CheckpointOptions
+from trainers.checkpointing import CheckpointError, CheckpointHook
+from xshard.config import CheckpointOptions
 from trainers.monitor import NonFiniteError, NonFiniteMonitor
 from trainers.preemption import StopOnSignal
 from trainers.resume import RestoreSource, complete_steps, find_resume_source, restore_checkpoint
@@ -203,7 +204,7 @@ def test_resume_source_prefers_own_checkpoints_and_ignores_unfinished_saves(tmp_
     [
         ({"every_steps": -1}, "checkpoint.every_steps=-1"),
         ({"keep": 0}, "checkpoint.keep=0"),
-        ({"async_save": "yes"}, "checkpoint.async_save='yes'"),
+        ({"async_save": "maybe"}, "checkpoint.async_save='maybe'"),
         ({"every": 5}, "checkpoint.every: unknown key"),
     ],
 )

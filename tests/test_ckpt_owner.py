@@ -14,7 +14,8 @@ import pytest
 
 from tests.reliability_helpers import snapshot
 from tests.test_checkpoints import CONFIG, synthetic_state
-from trainers.checkpointing import CheckpointHook, CheckpointOptions
+from trainers.checkpointing import CheckpointHook
+from xshard.config import CheckpointOptions
 from trainers.ckpt_owner import (
     LOCK_FILE,
     OWNER_FILE,

@@ -14,6 +14,13 @@ import yaml
 from omegaconf import MISSING
 
 from trainers.trainer import Trainer
+from xshard.config import (
+    CheckpointOptions,
+    DistributedOptions,
+    LoggerOptions,
+    TrainerOptions,
+    read_node,
+)
 from xshard.config.schemas import DEVIATIONS, SCHEMAS, MeshConf
 from xshard.factory import MASK_ARGS
 from xshard.mesh_config import mesh_spec
@@ -70,12 +77,27 @@ def test_mesh_schema_defaults_are_mesh_specs():
     assert mesh_spec(_defaults(MeshConf)) == mesh_spec({})
 
 
-def test_trainer_yaml_values_equal_the_trainer_api_defaults():
+def test_trainer_schema_defaults_equal_the_trainer_api_defaults():
     primary = yaml.safe_load((CONF / "xshard_train.yaml").read_text())
     params = inspect.signature(Trainer).parameters
-    assert primary["trainer"]["microbatches"] == params["microbatches"].default
-    assert primary["trainer"]["grad_impl"] == params["grad_impl"].default
+    defaults = TrainerOptions()
+    assert defaults.microbatches == params["microbatches"].default
+    assert defaults.grad_impl == params["grad_impl"].default
     assert primary["seed"] == params["seed"].default
+    assert "trainer" not in primary and "distributed" not in primary  # only in the schemas
+
+
+@pytest.mark.parametrize(
+    "schema", [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions]
+)
+def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
+    """The composed node equals the dataclass defaults; the YAML options add nothing."""
+    key = {TrainerOptions: "trainer", DistributedOptions: "distributed"}.get(
+        schema, schema.__name__.removesuffix("Options").lower()
+    )
+    composed = read_node(schema, compose_config()[key], key)
+    overridden = {"batch_size": 16, "progress": False} if key == "trainer" else {}
+    assert composed == dataclasses.replace(schema(), **overridden)
 
 
 OPTIONS = sorted(
@@ -120,3 +142,4 @@ def test_a_new_optimizer_option_is_one_yaml_file(tmp_path):
         )
     assert cfg.optimizer._target_ == "optax.nadamw" and cfg.optimizer.weight_decay == 1e-4
     assert xshard.build_optimizer(cfg).init({"w": jnp.ones((2, 2))}) is not None
+

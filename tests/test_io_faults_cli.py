@@ -189,7 +189,7 @@ def test_full_disk_for_tensorboard_never_hangs(tmp_path, on_error):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("logger.flush_secs=abc", "logger.flush_secs='abc': expected the flush period"),
+        ("logger.flush_secs=abc", "logger.flush_secs='abc': expected a number"),
         ("logger.flush_secs=-1", "logger.flush_secs=-1: expected"),
         ("logger.flush_secs=0", "logger.flush_secs=0: expected"),
         ("logger.flush_secs=nan", "logger.flush_secs=nan: expected"),

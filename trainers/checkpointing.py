@@ -29,7 +29,6 @@ The metadata makes a checkpoint checkable before and after its arrays are read: 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,8 +48,7 @@ from trainers.checkpoint_io import (
 )
 from trainers.monitor import NonFiniteError
 from trainers.trainer import Hook, TrainState
-from xshard.config_nodes import mapping
-from xshard.errors import ConfigError
+from xshard.config import CheckpointOptions
 from xshard.slots import inner_state
 
 logger = logging.getLogger(__name__)
@@ -66,60 +64,6 @@ class CheckpointError(Exception):
 
 class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (disk full, I/O error); earlier ones are intact."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointOptions:
-    """The ``checkpoint`` config node.
-
-    Attributes:
-      enabled: write checkpoints (restoring does not depend on it).
-      every_steps: save every N steps (0: only at the end of the run).
-      keep: keep the last K checkpoints (null: all).
-      keep_period: also keep every M-th step forever (null: none).
-      async_save: write in a background thread; the step loop does not wait.
-      fallback_to_previous: restore the previous step when the latest is corrupted.
-    """
-
-    enabled: bool = True
-    every_steps: int = 100
-    keep: int | None = 3
-    keep_period: int | None = None
-    async_save: bool = True
-    fallback_to_previous: bool = False
-
-    @classmethod
-    def from_config(cls, node: Any) -> CheckpointOptions:
-        """Reads and validates the ``checkpoint`` node.
-
-        Raises:
-          ConfigError: for an unknown key or a bad value, naming the key.
-        """
-        if OmegaConf.is_config(node):
-            node = OmegaConf.to_container(node, resolve=True)
-        values = mapping(node, "checkpoint")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in names:
-                raise ConfigError(f"checkpoint.{key}: unknown key. Allowed keys: {names}.")
-        opts = cls(**values)
-        for key in ("enabled", "async_save", "fallback_to_previous"):
-            if not isinstance(getattr(opts, key), bool):
-                raise ConfigError(
-                    f"checkpoint.{key}={getattr(opts, key)!r}: expected true or false."
-                )
-        _check_int(opts.every_steps, "checkpoint.every_steps", 0, "0 (only at the end) or more")
-        if opts.enabled:
-            _check_int(opts.keep, "checkpoint.keep", 1, "null (keep all) or >= 1", nullable=True)
-            _check_int(opts.keep_period, "checkpoint.keep_period", 1, "null or >= 1", nullable=True)
-        return opts
-
-
-def _check_int(value: Any, key: str, minimum: int, allowed: str, *, nullable: bool = False) -> None:
-    if value is None and nullable:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}={value!r}: expected an integer, {allowed}.")
 
 
 def run_config(cfg: DictConfig) -> dict[str, Any]:

@@ -13,15 +13,6 @@ from omegaconf import DictConfig
 if TYPE_CHECKING:
     from xshard.config import DistributedOptions
 
-#: The ``distributed`` node of a config that has none: a single process.
-NOT_DISTRIBUTED = {
-    "enabled": False,
-    "coordinator_address": None,
-    "num_processes": None,
-    "process_id": None,
-    "cpu_collectives": None,
-}
-
 
 def hparams(cfg: DictConfig) -> dict[str, Any]:
     """The HParams entry: Hydra's group choices plus the values people sweep most."""

@@ -12,64 +12,24 @@ and trains on without events.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from typing import Any
 
-from omegaconf import OmegaConf
 from tensorboardX.summary import hparams as hparams_summary
 
 from trainers.tb_writer import SafeSummaryWriter
 from trainers.trainer import Hook, TrainState
-from xshard.config_nodes import mapping, positive_number
-from xshard.errors import ConfigError
+from xshard.config.outputs import ON_ERROR
 
 logger = logging.getLogger(__name__)
 
 FINAL_LOSS_TAG = "hparams/final_loss"
-ON_ERROR = ("stop", "continue")
 
 
 class LoggerError(Exception):
     """TensorBoard events could not be written and ``logger.on_error=stop``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoggerOptions:
-    """The ``logger`` config node.
-
-    Attributes:
-      flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
-      on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
-        saved, exit 2) or "continue" training without events (one warning).
-    """
-
-    flush_secs: float = 10
-    on_error: str = "stop"
-
-    @classmethod
-    def from_config(cls, node: Any) -> LoggerOptions:
-        """Reads and validates the ``logger`` node.
-
-        Raises:
-          ConfigError: for an unknown key or a bad value, naming the key.
-        """
-        if OmegaConf.is_config(node):
-            node = OmegaConf.to_container(node, resolve=True)
-        values = mapping(node, "logger")
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in values:
-            if key not in names:
-                raise ConfigError(f"logger.{key}: unknown key. Allowed keys: {names}.")
-        opts = cls(**values)
-        positive_number(opts.flush_secs, "logger.flush_secs", "the flush period in seconds")
-        if opts.on_error not in ON_ERROR:
-            raise ConfigError(
-                f"logger.on_error={opts.on_error!r}: expected one of {list(ON_ERROR)}."
-            )
-        return opts
 
 
 class TensorBoardHook(Hook):

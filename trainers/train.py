@@ -27,7 +27,6 @@ from omegaconf import DictConfig, OmegaConf
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal
 from trainers.preflight import EXIT_CONFIG_ERROR
 from trainers.setup import (
-    NOT_DISTRIBUTED,
     allowed_targets,
     build_hooks,
     build_task,
@@ -70,11 +69,18 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
     log_active_prefixes(cfg)
 
     # ------------------------------------------------------------------ the run's own keys
-    from xshard.config import DistributedOptions, TrainerOptions, check_seed, read_node
+    from xshard.config import (
+        CheckpointOptions,
+        DistributedOptions,
+        LoggerOptions,
+        TrainerOptions,
+        check_seed,
+        read_node,
+    )
 
     seed = check_seed(cfg.get("seed"))
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
-    dist = read_node(DistributedOptions, cfg.get("distributed", NOT_DISTRIBUTED), "distributed")
+    dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
 
     # ------------------------------------------------------------------ devices and mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
@@ -92,13 +98,13 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
     import jax
 
     from trainers.checkpoint_io import check_checkpoint_space
-    from trainers.checkpointing import CheckpointHook, CheckpointOptions, run_config
+    from trainers.checkpointing import CheckpointHook, run_config
     from trainers.ckpt_owner import claim_checkpoint_dir
     from trainers.monitor import NonFiniteMonitor, ProgressHook
     from trainers.preemption import Preempted
     from trainers.preflight import check_batch_fits, check_writable_dir
     from trainers.resume import find_resume_source, restore_checkpoint
-    from trainers.tb_logger import LoggerOptions, TensorBoardHook
+    from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
     from xshard.errors import ConfigError
     from xshard.factory import build_optimizer

@@ -10,6 +10,7 @@ the dataclass, whose ``__post_init__`` checks ranges and choices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -81,6 +82,23 @@ def read_node(schema: type[T], node: Any, key: str) -> T:
         raise ConfigError(f"{key}: {_first_line(e)}") from e
     assert isinstance(typed, DictConfig)
     return OmegaConf.to_object(typed)  # type: ignore[return-value]
+
+
+@functools.cache
+def permissive(schema: type) -> type:
+    """A copy of the dataclass `schema` with every field typed `Any` (same names, defaults).
+
+    Registered in Hydra's ConfigStore for the nodes that `read_node` checks after composition:
+    composition then knows every key and default (a typo still fails, ``trainer.x=1`` without
+    ``+``), but leaves the values to `read_node`, whose errors are one line and exit 2.
+    """
+    fields = []
+    for f in dataclasses.fields(schema):
+        if f.default_factory is not dataclasses.MISSING:
+            fields.append((f.name, Any, dataclasses.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, Any, dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(f"{schema.__name__}Node", fields)
 
 
 def _required(schema: type, name: str) -> bool:

@@ -1,6 +1,8 @@
 """The run's own config nodes: ``seed``, ``trainer`` and ``distributed``.
 
-Field types and checks live here; the values (defaults included) live in ``xshard_train.yaml``.
+Field types, defaults and checks live here. The composed config gets the keys and defaults
+from a permissive copy of each dataclass (`xshard.config.nodes.permissive`), so that a bad
+value reaches `read_node` and the user as one line (exit 2), not as a Hydra traceback.
 """
 
 from __future__ import annotations
@@ -8,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Any
-
-from omegaconf import MISSING
 
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
@@ -49,20 +49,39 @@ def check_seed(value: Any, key: str = "seed") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
-    """The ``trainer`` node (see ``xshard_train.yaml`` for what each key does)."""
+    """The ``trainer`` node.
 
-    steps: int = MISSING
-    batch_size: int = MISSING
-    microbatches: int = MISSING
-    grad_impl: str = MISSING
-    log_every: int = MISSING
-    stats_every: int = MISSING
-    layer_stats_every: int = MISSING
-    histogram_every: int = MISSING
-    max_consecutive_nonfinite: int = MISSING
-    resume_from: str | None = MISSING
-    progress: bool = MISSING
-    hooks: list[Any] = MISSING
+    Attributes:
+      steps: updates of the whole run (a resumed run continues to this count).
+      batch_size: the global batch, split over the data-parallel axes.
+      microbatches: gradient accumulation steps per update.
+      grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd" (grad under plain jit).
+      log_every: TensorBoard scalars every N steps (the last step always).
+      stats_every: update/param norms and per-shard statistics every N steps (0: the last
+        only; null: every `log_every`); the loss and the reduced gradient's norm come every
+        step.
+      layer_stats_every: per-parameter norms every N steps (0: never).
+      histogram_every: gradient histograms every N steps (0: never).
+      max_consecutive_nonfinite: skipped non-finite steps in a row that are tolerated.
+      resume_from: a checkpoints dir, step dir or run dir; used when this run's own
+        checkpoints are empty (a rerun in the same dir resumes from those).
+      progress: a progress bar on stderr.
+      hooks: the user's `trainers.Hook`s, ``[{_target_: mypkg.MyHook, arg: 1}]`` (with
+        ``allowed_targets: [mypkg.]``), run after the built-in ones.
+    """
+
+    steps: int = 300
+    batch_size: int = 64
+    microbatches: int = 1
+    grad_impl: str = "manual"
+    log_every: int = 10
+    stats_every: int | None = None
+    layer_stats_every: int = 100
+    histogram_every: int = 100
+    max_consecutive_nonfinite: int = 10
+    resume_from: str | None = None
+    progress: bool = True
+    hooks: list[Any] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -74,6 +93,8 @@ class TrainerOptions:
                 f"{list(GRAD_IMPLS)}."
             )
         check_int(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
+        if self.stats_every is None:
+            object.__setattr__(self, "stats_every", self.log_every)
         for key in ("stats_every", "layer_stats_every", "histogram_every"):
             check_int(getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 disables")
         check_int(
@@ -94,16 +115,23 @@ class TrainerOptions:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedOptions:
-    """The ``distributed`` node: arguments of ``jax.distributed.initialize``.
+    """The ``distributed`` node: arguments of ``jax.distributed.initialize``, one process per
+    host.
 
-    With ``enabled: true`` and the rest null, JAX detects the cluster (TPU pods, SLURM).
+    Attributes:
+      enabled: join a multi-process run. With the rest null, JAX detects the cluster (TPU
+        pods, SLURM).
+      coordinator_address: host:port of process 0.
+      num_processes: the number of processes.
+      process_id: this process's index.
+      cpu_collectives: "gloo" joins CPU-only processes (how the tests run two hosts).
     """
 
-    enabled: bool = MISSING
-    coordinator_address: str | None = MISSING
-    num_processes: int | None = MISSING
-    process_id: int | None = MISSING
-    cpu_collectives: str | None = MISSING
+    enabled: bool = False
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    cpu_collectives: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_processes is not None:

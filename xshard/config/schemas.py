@@ -28,7 +28,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from xshard.config.nodes import shown
+from xshard.config.nodes import permissive, shown
+from xshard.config.outputs import CheckpointOptions, LoggerOptions
+from xshard.config.run import DistributedOptions, TrainerOptions
 from xshard.errors import ConfigError
 
 SCHEMA_GROUP = "xshard_schemas"
@@ -319,6 +321,11 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "reduction": {"base": ReductionConf},
     "mesh": {"base": MeshConf, "tpu": TPUMeshConf},
+    # Checked after composition by read_node (one-line errors): permissive copies here.
+    "trainer": {"base": permissive(TrainerOptions)},
+    "distributed": {"base": permissive(DistributedOptions)},
+    "checkpoint": {"base": permissive(CheckpointOptions)},
+    "logger": {"base": permissive(LoggerOptions)},
 }
 
 

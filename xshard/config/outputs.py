@@ -1,0 +1,81 @@
+"""The run's output nodes: ``checkpoint`` and ``logger`` (TensorBoard).
+
+Defaults live here; the YAML options state only what differs (``checkpoint=none``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from xshard.config.nodes import read_node
+from xshard.config.run import check_int, finite_positive
+from xshard.errors import ConfigError
+
+#: What the TensorBoard hook does when events cannot be written (disk full).
+ON_ERROR = ("stop", "continue")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """The ``checkpoint`` config node.
+
+    Attributes:
+      enabled: write checkpoints (restoring does not depend on it).
+      every_steps: save every N steps (0: only at the end of the run).
+      keep: keep the last K checkpoints (null: all).
+      keep_period: also keep every M-th step forever (null: none).
+      async_save: write in a background thread; the step loop does not wait.
+      fallback_to_previous: restore the previous step when the latest is corrupted.
+    """
+
+    enabled: bool = True
+    every_steps: int = 100
+    keep: int | None = 3
+    keep_period: int | None = None
+    async_save: bool = True
+    fallback_to_previous: bool = False
+
+    @classmethod
+    def from_config(cls, node: Any) -> CheckpointOptions:
+        """Reads the ``checkpoint`` node (`read_node`: one-line errors naming the key)."""
+        return read_node(cls, node, "checkpoint")
+
+    def __post_init__(self) -> None:
+        for key in ("enabled", "async_save", "fallback_to_previous"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(
+                    f"checkpoint.{key}={getattr(self, key)!r}: expected true or false."
+                )
+        check_int(self.every_steps, "checkpoint.every_steps", 0, "0 (only at the end) or more")
+        if self.enabled:
+            if self.keep is not None:
+                check_int(self.keep, "checkpoint.keep", 1, "null (keep all) or >= 1")
+            if self.keep_period is not None:
+                check_int(self.keep_period, "checkpoint.keep_period", 1, "null or >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggerOptions:
+    """The ``logger`` config node.
+
+    Attributes:
+      flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
+      on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
+        saved, exit 2) or "continue" training without events (one warning).
+    """
+
+    flush_secs: float = 10
+    on_error: str = "stop"
+
+    @classmethod
+    def from_config(cls, node: Any) -> LoggerOptions:
+        """Reads the ``logger`` node (`read_node`: one-line errors naming the key)."""
+        return read_node(cls, node, "logger")
+
+    def __post_init__(self) -> None:
+        finite_positive(self.flush_secs, "logger.flush_secs", "the flush period in seconds")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(
+                f"logger.on_error={self.on_error!r}: expected one of {list(ON_ERROR)}."
+            )

@@ -1,5 +1,7 @@
 """Gradient statistics computed on device, inside the compiled step.
 
+* `when` — a computation on statistics steps only: a Python bool decides at trace time (a
+  separate executable per value), a traced bool under a `lax.cond` (one executable).
 * `summarize` — norm, max |g| and non-finite count of a gradient pytree (one fused pass).
 * `shard_norm_stats` — inside shard_map: each shard's local gradient norm, combined across the
   data axes (two scalar collectives, not the gradient) into mean/max/min/std.
@@ -11,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +30,45 @@ class GradSummary(NamedTuple):
 
 def _f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
+
+
+Flag = bool | jax.Array | None
+
+
+def when(flag: Flag, compute: Callable[[], Any], otherwise: Callable[[], Any] | None = None):
+    """`compute()` where `flag` holds, `otherwise()` (default: NaN of the same shapes) elsewhere.
+
+    Args:
+      flag: None or True: always compute; False: never (decided at trace time, nothing of
+        `compute` is in the program); a traced bool: both under one `lax.cond`, so both
+        values of the flag share one executable.
+      compute: returns a pytree of arrays.
+      otherwise: returns a pytree of the same structure, shapes and dtypes.
+
+    Returns:
+      The pytree of the branch taken.
+    """
+    if otherwise is None:
+        otherwise = lambda: nan_like(jax.eval_shape(compute))
+    if flag is None or flag is True:
+        return compute()
+    if flag is False:
+        return otherwise()
+    return jax.lax.cond(flag, compute, otherwise)
+
+
+def nan_like(shapes: Any) -> Any:
+    """NaN (zeros for integer and bool dtypes) of the shapes and dtypes of `shapes`, varying
+    over the same manual axes (inside shard_map) as the abstract values they replace."""
+
+    def fill(aval):
+        floating = jnp.issubdtype(aval.dtype, jnp.inexact)
+        value = jnp.full(aval.shape, jnp.nan if floating else 0, aval.dtype)
+        mat = getattr(aval, "manual_axis_type", None)
+        varying = tuple(sorted(getattr(mat, "varying", ()) or ()))
+        return jax.lax.pcast(value, varying, to="varying") if varying else value
+
+    return jax.tree.map(fill, shapes)
 
 
 def summarize(tree: Any) -> GradSummary:
@@ -91,19 +132,22 @@ def tree_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(_f32(x))) for x in leaves))
 
 
-def shard_norm_stats(local_grads: Any, axes: Sequence[str]) -> dict[str, jax.Array]:
+def shard_norm_stats(
+    local_grads: Any, axes: Sequence[str], norm: jax.Array | None = None
+) -> dict[str, jax.Array]:
     """Per-shard gradient norms across `axes`, to be called inside shard_map.
 
     Args:
       local_grads: this shard's gradient (varying over `axes`), before any reduction.
       axes: the manual data-parallel mesh axes.
+      norm: `tree_norm(local_grads)` if the caller already has it.
 
     Returns:
       ``shard_norm_{mean,max,min,std}`` and ``shard_sq_norm_mean`` (the mean of the squared
       per-shard norms, the small-batch term of the noise scale), identical on every shard.
     """
     axes = tuple(axes)
-    norm = tree_norm(local_grads)
+    norm = tree_norm(local_grads) if norm is None else norm
     # Two scalar collectives: sums for the moments, a max for max and -min.
     mean, sq_mean = jax.lax.pmean(jnp.stack([norm, jnp.square(norm)]), axes)
     hi, neg_lo = jax.lax.pmax(jnp.stack([norm, -norm]), axes)

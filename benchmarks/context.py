@@ -122,9 +122,12 @@ class Bench:
         if name.startswith("xshard_trainer+"):
             level = {"layer_stats": LAYERS, "histograms": HISTOGRAMS}[name.split("+", 1)[1]]
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, level)
-        if "/" in name:  # <step_executables>/<level name>
+        if "/" in name:  # <step_executables>/<level name>, on a trainer of its own
             design, level_name = name.split("/", 1)
-            trainer = self.trainer(task, n, step_executables=design)
+            trainer = self.memo(
+                ("design", task, n, design),
+                lambda: variants.make_trainer(wl, mesh, "manual", design),
+            )
             return variants.trainer_loop(name, wl, trainer, params, LEVEL_NAMES[level_name])
         if name in ("xshard_nostats", "xshard_guard"):
             return variants.shard_map_loop(name, wl, mesh, params, guard=name == "xshard_guard")

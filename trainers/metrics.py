@@ -37,9 +37,9 @@ class StepMetrics(Mapping[str, float]):
       values: float32 vector of the metrics.
       host: host-side values merged in (e.g. the compile time).
       hidden: names not computed on this step (statistics on a plain step).
-      diag: on steps that computed per-layer statistics, their device arrays: ``grads``
-        (`xshard.layer_stats.LayerSummary` of the applied gradient) and ``params`` (the
-        params' per-leaf norms); None on other steps.
+      diag: on steps that log per-layer statistics, their device arrays: ``grad_norms`` and
+        ``param_norms`` (per leaf) and, on histogram steps, ``grad_hist``
+        (`xshard.layer_stats.Histograms`); None on other steps.
       diag_names: the leaf names of the rows of `diag`.
       histograms: whether `diag` holds gradient histograms.
     """
@@ -88,7 +88,10 @@ class StepMetrics(Mapping[str, float]):
         if self._diagnostics is None:
             host = jax.device_get(self.diag)
             self._diagnostics = as_diagnostics(
-                list(self.diag_names), host["grads"], host["params"], histograms=self.histograms
+                list(self.diag_names),
+                host["grad_norms"],
+                host["param_norms"],
+                host["grad_hist"] if self.histograms else None,
             )
         return self._diagnostics
 

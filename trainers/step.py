@@ -98,23 +98,28 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, k
     return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads
 
 
-def _norm_metrics(new_params, updates) -> dict[str, jax.Array]:
+def _norm_metrics(new_params, updates) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The update/param norms, and the new params' per-leaf norms (from the same sums)."""
     # Only the new params are read: reading the old ones after the update would make XLA
     # copy the donated params every step.
-    param_norm = tree_norm(new_params)
+    leaf_sq = jnp.square(leaf_norms(new_params))
+    param_norm = jnp.sqrt(jnp.sum(leaf_sq))
     update_norm = tree_norm(updates)
-    return {
+    metrics = {
         "optim/update_norm": update_norm,
         "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
         "params/global_norm": param_norm,
     }
+    return metrics, jnp.sqrt(leaf_sq)
 
 
 def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag]:
-    """The optimizer's statistics flags for a step of `level`, one of `levels`.
+    """The statistics flags for a step of `level`, one of `levels`.
 
     A flag that holds on every level of `levels` is True, one that holds on none is False
-    (both decided when tracing); otherwise it is the traced comparison of `level`.
+    (both decided when tracing); otherwise it is the traced comparison of `level`. Per-layer
+    norms (level 2) need no flag of their own: statistics steps compute them anyway (from the
+    sums of squares of the global norms), and level 2 only returns them.
     """
 
     def flag(threshold: int) -> Flag:
@@ -124,7 +129,7 @@ def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag
             return False
         return level >= threshold
 
-    return {"with_stats": flag(STATS), "layer_stats": flag(LAYERS), "histograms": flag(HISTOGRAMS)}
+    return {"with_stats": flag(STATS), "histograms": flag(HISTOGRAMS)}
 
 
 def make_train_step(
@@ -147,8 +152,8 @@ def make_train_step(
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
       NaN below level 1, and the function's `stats_keys` (filled when it is traced) names
       them. `diag` (present when a level >= 2 is served) holds the per-layer statistics:
-      ``grads`` (the applied gradient's `xshard.layer_stats.LayerSummary`, histograms only
-      when level 3 is served) and ``params`` (the new params' per-leaf norms).
+      ``grad_norms`` (the applied gradient's per-leaf norms), ``param_norms`` (the new
+      params') and, when level 3 is served, ``grad_hist`` (`xshard.layer_stats.Histograms`).
 
       A `tx` without a `cross_shard` state (a plain optax optimizer) gets the per-shard
       gradients reduced by the trainer first (``spec.reduction``: MEAN = ``pmean``), with the
@@ -188,18 +193,16 @@ def make_train_step(
             per_shard=per_shard,
             batch_sizes=(per_shard_batch, spec.global_batch_size),
         )
-        norms = when(flags["with_stats"], lambda: _norm_metrics(new_params, updates))
+        norms, param_leaf_norms = when(
+            flags["with_stats"], lambda: _norm_metrics(new_params, updates)
+        )
         metrics |= norms
         stats_keys.update(stats_only | set(norms))
         diag = None
         if diag_wanted:
-            grads_summary = cs.layers
-            if flags["histograms"] is False:
-                grads_summary = grads_summary._replace(hist=None)
-            diag = {
-                "grads": grads_summary,
-                "params": when(flags["layer_stats"], lambda: leaf_norms(new_params)),
-            }
+            diag = {"grad_norms": cs.reduced.leaf_norms, "param_norms": param_leaf_norms}
+            if flags["histograms"] is not False:
+                diag["grad_hist"] = cs.histograms
         return new_params, opt_state, metrics, diag
 
     def manual(state: TrainState, batch, level):

@@ -1,12 +1,14 @@
-"""Per-parameter statistics of a gradient, stacked into a few arrays, and the transform that
-records them in an optimizer state.
+"""Per-leaf statistics of a gradient, stacked into a few arrays, and the transform that records
+its histograms in an optimizer state.
 
-`cross_shard` records them for the reduced gradient (the one the inner optimizer applies) on
-the steps that ask for them (extra update arguments ``layer_stats`` and ``histograms``), so a
-trainer logs per-layer norms and histograms of the applied gradient without a second forward
-and backward pass. The arrays are stacked over the leaves, in `jax.tree.leaves` order, so the
-state holds a handful of small arrays whatever the model (and `optax.tree_map_params` never
-mistakes them for per-parameter state).
+The per-leaf *norms* of the reduced gradient cost nothing extra: `xshard.stats.summarize`
+takes them from the sums of squares it computes for the global norm (``GradSummary.leaf_norms``,
+on every statistics step). The *histograms* need a pass of their own, so `summarize_histograms`
+computes them only on the steps that ask (extra update argument ``histograms``). Either way a
+trainer logs per-layer statistics of the applied gradient without a second forward and
+backward pass. The arrays are stacked over the leaves, in `jax.tree.leaves` order, so the state
+holds a handful of small arrays whatever the model (and `optax.tree_map_params` never mistakes
+them for per-parameter state).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ HISTOGRAM_BINS = 64
 
 
 class Histograms(NamedTuple):
-    """One histogram per leaf (row), in the fields of TensorBoard's raw histogram."""
+    """One histogram per leaf (row), in the fields of TensorBoard's raw histogram; NaN where
+    the last update did not compute them."""
 
     min: jax.Array  # f32[L]
     max: jax.Array  # f32[L]
@@ -36,17 +39,10 @@ class Histograms(NamedTuple):
     bucket_counts: jax.Array  # f32[L, bins]
 
 
-class LayerSummary(NamedTuple):
-    """Per-leaf statistics of a gradient; NaN where the last update did not compute them."""
-
-    norms: jax.Array  # f32[L]: L2 norm of every leaf
-    hist: Histograms
-
-
-def _shapes(num_leaves: int, bins: int) -> LayerSummary:
+def _shapes(num_leaves: int, bins: int) -> Histograms:
     vec = jax.ShapeDtypeStruct((num_leaves,), jnp.float32)
     mat = jax.ShapeDtypeStruct((num_leaves, bins), jnp.float32)
-    return LayerSummary(vec, Histograms(vec, vec, vec, vec, vec, mat, mat))
+    return Histograms(vec, vec, vec, vec, vec, mat, mat)
 
 
 def leaf_norms(tree: Any) -> jax.Array:
@@ -61,40 +57,30 @@ def leaf_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
     """`xshard.stats.histogram` of every leaf of `tree`, stacked into rows."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        return nan_like(_shapes(0, bins).hist)
+        return nan_like(_shapes(0, bins))
     rows = [histogram(x, bins) for x in leaves]
     return Histograms(**{f: jnp.stack([r[f] for r in rows]) for f in Histograms._fields})
 
 
-def empty_layer_summary(tree: Any, bins: int = HISTOGRAM_BINS) -> LayerSummary:
-    """A NaN `LayerSummary` for a gradient shaped like `tree`."""
+def empty_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
+    """NaN `Histograms` for a gradient shaped like `tree`."""
     return nan_like(_shapes(len(jax.tree.leaves(tree)), bins))
 
 
-def summarize_layers(bins: int = HISTOGRAM_BINS) -> optax.GradientTransformationExtraArgs:
-    """Records a `LayerSummary` of the updates in its state; the updates pass unchanged.
+def summarize_histograms(bins: int = HISTOGRAM_BINS) -> optax.GradientTransformationExtraArgs:
+    """Records the `Histograms` of the updates' leaves in its state; the updates pass unchanged.
 
-    Extra update arguments (each None, a Python bool or a traced bool):
-      layer_stats: compute the per-leaf norms (None or False: not computed, NaN).
-      histograms: also the per-leaf histograms (only where `layer_stats` holds).
+    The extra update argument ``histograms`` (None, a Python bool or a traced bool) says on
+    which updates to compute them (None or False: never; NaN then).
     """
 
     def init_fn(params):
-        return empty_layer_summary(params, bins)
+        return empty_histograms(params, bins)
 
-    def update_fn(updates, state, params=None, *, layer_stats=None, histograms=None, **extra):
+    def update_fn(updates, state, params=None, *, histograms=None, **extra):
         del params, extra
-        if layer_stats is None or layer_stats is False:
-            return updates, nan_like(jax.eval_shape(lambda: state))
-
-        def compute():
-            hist = when(
-                False if histograms is None else histograms,
-                lambda: leaf_histograms(updates, bins),
-            )
-            return LayerSummary(leaf_norms(updates), hist)
-
-        return updates, when(layer_stats, compute)
+        flag = False if histograms is None else histograms
+        return updates, when(flag, lambda: leaf_histograms(updates, bins))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -105,26 +91,29 @@ def leaf_names(tree: Any) -> list[str]:
 
 
 def as_diagnostics(
-    names: list[str], grads: LayerSummary, param_norms: Any, *, histograms: bool
+    names: list[str],
+    grad_norms: np.ndarray,
+    param_norms: np.ndarray,
+    histograms: Histograms | None = None,
 ) -> dict[str, Any]:
     """The host-side dict `Hook.on_diagnostics` receives, from fetched (NumPy) arrays.
 
     Args:
       names: the leaf names (`leaf_names` of the params).
-      grads: the gradient's `LayerSummary`, fetched to the host.
-      param_norms: the params' `leaf_norms`, fetched to the host.
-      histograms: whether to include the gradient histograms.
+      grad_norms: the gradient's per-leaf norms.
+      param_norms: the params' per-leaf norms.
+      histograms: the gradient's `Histograms`, or None.
 
     Returns:
       ``{"grad_norms": {name: float}, "param_norms": {name: float}}`` and, with histograms,
       ``"grad_hist": {name: {min, max, num, sum, sum_squares, bucket_limits, bucket_counts}}``.
     """
     out: dict[str, Any] = {
-        "grad_norms": dict(zip(names, np.asarray(grads.norms).tolist(), strict=True)),
+        "grad_norms": dict(zip(names, np.asarray(grad_norms).tolist(), strict=True)),
         "param_norms": dict(zip(names, np.asarray(param_norms).tolist(), strict=True)),
     }
-    if histograms:
-        fields = {f: np.asarray(v) for f, v in grads.hist._asdict().items()}
+    if histograms is not None:
+        fields = {f: np.asarray(v) for f, v in histograms._asdict().items()}
         out["grad_hist"] = {
             name: {f: v[i] for f, v in fields.items()} for i, name in enumerate(names)
         }

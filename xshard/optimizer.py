@@ -9,10 +9,10 @@ order in one update:
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
    (``shard_weight``); see `xshard.reduce` for where the reduction happens;
-3. `xshard.guard.summarize_updates` and `xshard.layer_stats.summarize_layers`
-   (``track_stats``): norm, max |g| and non-finite count of the reduced gradient, and on the
-   steps that ask for them its per-leaf norms and histograms, kept in the state for logging
-   without a second pass; before step 1, `xshard.shard_stats` records the local gradients'
+3. `xshard.guard.summarize_updates` and `xshard.layer_stats.summarize_histograms`
+   (``track_stats``): norm, max |g|, non-finite count and per-leaf norms of the reduced
+   gradient, and on the steps that ask for them its per-leaf histograms, kept in the state for
+   logging without a second pass; before step 1, `xshard.shard_stats` records the local gradients'
    norms and the noise-scale terms;
 4. `xshard.guard.skip_if_nonfinite` (``skip_nonfinite``): after the reduction, so every shard
    takes the same decision;
@@ -33,7 +33,7 @@ from xshard.guard import (
     skip_if_nonfinite,
     summarize_updates,
 )
-from xshard.layer_stats import LayerSummary, summarize_layers
+from xshard.layer_stats import Histograms, summarize_histograms
 from xshard.reduce import (
     AxisNames,
     PerShardClipState,
@@ -63,8 +63,8 @@ class CrossShardState(NamedTuple):
 
     clip: PerShardClipState | optax.EmptyState  # share of shards clipped (clip_per_shard)
     shards: ShardStats | optax.EmptyState  # per-shard norms before clipping, noise-scale terms
-    reduced: GradSummary  # norm, max |g| and non-finite count of the last reduced gradient
-    layers: LayerSummary | optax.EmptyState  # per-leaf norms and histograms of that gradient
+    reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
+    histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
     guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
 
     @property
@@ -108,12 +108,12 @@ def cross_shard(
         unchanged on every shard (zero updates) and count the step in the state.
       num_shards: shard count for SUM outside shard_map when no mesh is in context.
       track_stats: record statistics in the state for logging without a second pass: of the
-        reduced gradient its norm, max |g| and non-finite count (``state.reduced``,
-        `xshard.stats.GradSummary`) and per-leaf norms and histograms (``state.layers``,
-        `xshard.layer_stats.LayerSummary`); inside shard_map, of the local gradients their
-        norms before clipping and the noise-scale terms (``state.shards``,
-        `xshard.shard_stats.ShardStats`) and, with `clip_per_shard`, the share of shards
-        clipped (``state.clip``).
+        reduced gradient its norm, max |g|, non-finite count and per-leaf norms
+        (``state.reduced``, `xshard.stats.GradSummary`) and per-leaf histograms
+        (``state.histograms``, `xshard.layer_stats.Histograms`); inside shard_map, of the
+        local gradients their norms before clipping and the noise-scale terms
+        (``state.shards``, `xshard.shard_stats.ShardStats`) and, with `clip_per_shard`, the
+        share of shards clipped (``state.clip``).
 
     Returns:
       An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keywords
@@ -121,9 +121,9 @@ def cross_shard(
       flags, each None, a Python bool or a traced bool (one executable for both values):
       ``with_stats`` (default: on every update) — when false only max |g| and the non-finite
       count of the reduced gradient are recorded, and nothing that needs a collective;
-      ``layer_stats`` and ``histograms`` (default: never) — per-leaf norms, and histograms,
-      of the reduced gradient. Statistics not computed on an update are NaN. Every other
-      extra argument is forwarded to `inner`.
+      ``histograms`` (default: never) — per-leaf histograms of the reduced gradient.
+      Statistics not computed on an update are NaN. Every other extra argument is forwarded
+      to `inner`.
 
     Raises:
       ValueError: at construction for an unknown reduction or bad clip value; at update time
@@ -134,7 +134,7 @@ def cross_shard(
     clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes)
     reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
     summary = summarize_updates()
-    layers = summarize_layers()
+    hists = summarize_histograms()
     guard = (skip_if_nonfinite if skip_nonfinite else apply_always)(inner)
     empty = optax.EmptyState()
 
@@ -142,8 +142,8 @@ def cross_shard(
         return CrossShardState(
             empty if clip is None else clip.init(params),
             empty_shard_stats() if track_stats else empty,
-            empty_summary(),
-            layers.init(params) if track_stats else empty,
+            empty_summary(params),
+            hists.init(params) if track_stats else empty,
             guard.init(params),
         )
 
@@ -154,7 +154,6 @@ def cross_shard(
         *,
         shard_weight=None,
         with_stats: Flag = None,
-        layer_stats: Flag = None,
         histograms: Flag = None,
         **extra_args,
     ):
@@ -184,12 +183,10 @@ def cross_shard(
                 local_norm=local_norm,
             )
         updates, _ = reduce.update(updates, empty, params, shard_weight=shard_weight)
-        layer_summary = state.layers
+        histogram_state = state.histograms
         if track_stats:
             _, reduced = summary.update(updates, state.reduced, with_stats=with_stats)
-            _, layer_summary = layers.update(
-                updates, state.layers, layer_stats=layer_stats, histograms=histograms
-            )
+            _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
             if per_shard:
                 summed = _shards_in_context(axes, None) if mode is Reduction.SUM else 1
                 shards = with_reduced_norm(shards, use_reduced, reduced.norm, summed)
@@ -200,6 +197,6 @@ def cross_shard(
         updates, guarded = guard.update(
             updates, state.guard, params, nonfinite=reduced.nonfinite, **extra_args
         )
-        return updates, CrossShardState(clip_state, shards, reduced, layer_summary, guarded)
+        return updates, CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 
 
 class GradSummary(NamedTuple):
-    """Scalars describing one gradient pytree."""
+    """Scalars describing one gradient pytree, and the norm of each of its leaves."""
 
     norm: jax.Array  # global L2 norm (float32)
     max_abs: jax.Array  # largest |g| (float32)
     nonfinite: jax.Array  # number of NaN/Inf elements (int32)
+    leaf_norms: jax.Array  # f32[L]: L2 norm of every leaf, in jax.tree.leaves order
 
 
 def _f32(x: jax.Array) -> jax.Array:
@@ -71,30 +72,38 @@ def nan_like(shapes: Any) -> Any:
     return jax.tree.map(fill, shapes)
 
 
-def summarize(tree: Any) -> GradSummary:
-    """Returns the global norm, max |g| and non-finite element count of `tree`.
+def _no_leaves() -> GradSummary:
+    zero = jnp.zeros((), jnp.float32)
+    return GradSummary(zero, zero, jnp.zeros((), jnp.int32), jnp.zeros((0,), jnp.float32))
 
-    The common, finite case costs one sum of squares and one max per leaf: a NaN or Inf
-    anywhere makes the (NaN-propagating) max non-finite, and only then does a second pass
-    count the bad elements and recompute the norm and max over the finite ones, so one NaN
-    does not hide how large the rest of the gradient is. `None` leaves are ignored.
+
+def summarize(tree: Any) -> GradSummary:
+    """Returns the global norm, max |g|, non-finite element count and leaf norms of `tree`.
+
+    The common, finite case costs one sum of squares and one max per leaf (the per-leaf
+    norms come from the same sums): a NaN or Inf anywhere makes the (NaN-propagating) max
+    non-finite, and only then does a second pass count the bad elements and recompute the
+    norms and max over the finite ones, so one NaN does not hide how large the rest of the
+    gradient is. `None` leaves are ignored.
     """
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        zero = jnp.zeros((), jnp.float32)
-        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+        return _no_leaves()
     max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
-    sq = sum(jnp.sum(jnp.square(_f32(g))) for g in leaves)
+    sq = jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
 
     def finite_case():
-        return GradSummary(jnp.sqrt(sq), max_abs, jnp.zeros_like(max_abs, jnp.int32))
+        zero = jnp.zeros_like(max_abs, jnp.int32)
+        return GradSummary(jnp.sqrt(jnp.sum(sq)), max_abs, zero, jnp.sqrt(sq))
 
     def nonfinite_case():
         clean = [jnp.where(jnp.isfinite(g), _f32(g), 0.0) for g in leaves]
+        clean_sq = jnp.stack([jnp.sum(jnp.square(c)) for c in clean])
         return GradSummary(
-            jnp.sqrt(sum(jnp.sum(jnp.square(c)) for c in clean)),
+            jnp.sqrt(jnp.sum(clean_sq)),
             jnp.max(jnp.stack([jnp.max(jnp.abs(c), initial=0.0) for c in clean])),
             count_nonfinite(leaves),
+            jnp.sqrt(clean_sq),
         )
 
     return jax.lax.cond(jnp.isfinite(max_abs), finite_case, nonfinite_case)
@@ -102,18 +111,18 @@ def summarize(tree: Any) -> GradSummary:
 
 def guard_summary(tree: Any) -> GradSummary:
     """What the non-finite guard needs, at one max per leaf: max |g| and the non-finite count
-    (a second pass only when something is non-finite). The norm is NaN: not computed."""
+    (a second pass only when something is non-finite). The norms are NaN: not computed."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        zero = jnp.zeros((), jnp.float32)
-        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+        return _no_leaves()
     max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
     nonfinite = jax.lax.cond(
         jnp.isfinite(max_abs),
         lambda: jnp.zeros_like(max_abs, jnp.int32),
         lambda: count_nonfinite(leaves),
     )
-    return GradSummary(jnp.full_like(max_abs, jnp.nan), max_abs, nonfinite)
+    nan = jnp.full_like(max_abs, jnp.nan)
+    return GradSummary(nan, max_abs, nonfinite, jnp.full((len(leaves),), jnp.nan, jnp.float32))
 
 
 def count_nonfinite(tree: Any) -> jax.Array:

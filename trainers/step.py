@@ -10,10 +10,11 @@ Two ways to get the gradient, one result:
 
 What a step computes besides the update is its *level*: 0 plain (loss, what the optimizer
 state records every step), 1 statistics (update/param norms, the reduced gradient's norm,
-per-shard statistics), 2 per-layer norms of the applied gradient and the params, 3 those and
-gradient histograms. All of it comes from the step's own gradient, inside the step; levels
-the program may take at run time are a traced int under `lax.cond`s, the others are decided
-when tracing (see `Trainer`, ``step_executables``).
+per-shard statistics), 2 statistics plus the per-layer norms of the applied gradient and of
+the params (taken from the same sums of squares as the global norms: returning them is all
+level 2 adds), 3 those and gradient histograms. All of it comes from the step's own gradient,
+inside the step; levels the program may take at run time are a traced int under `lax.cond`s,
+the others are decided when tracing (see `Trainer`, ``step_executables``).
 """
 
 from __future__ import annotations

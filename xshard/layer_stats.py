@@ -26,23 +26,47 @@ from xshard.stats import histogram, nan_like, path_str, when
 HISTOGRAM_BINS = 64
 
 
-class Histograms(NamedTuple):
-    """One histogram per leaf (row), in the fields of TensorBoard's raw histogram; NaN where
-    the last update did not compute them."""
+_SCALARS = ("min", "max", "num", "sum", "sum_squares")
 
-    min: jax.Array  # f32[L]
-    max: jax.Array  # f32[L]
-    num: jax.Array  # f32[L]: finite values counted
-    sum: jax.Array  # f32[L]
-    sum_squares: jax.Array  # f32[L]
-    bucket_limits: jax.Array  # f32[L, bins]: upper edges
-    bucket_counts: jax.Array  # f32[L, bins]
+
+class Histograms(NamedTuple):
+    """One histogram per leaf (row) in the fields of TensorBoard's raw histogram, packed into
+    one f32[L, 5 + 2 * bins] array (one buffer to write per step, not seven); NaN where the
+    last update did not compute them. Read it through the properties."""
+
+    table: jax.Array  # f32[L, 5 + 2 * bins]: min, max, num, sum, sum_squares, limits, counts
+
+    @property
+    def bins(self) -> int:
+        return (self.table.shape[-1] - len(_SCALARS)) // 2
+
+    def _column(self, name: str) -> jax.Array:
+        return self.table[..., _SCALARS.index(name)]
+
+    min = property(lambda self: self._column("min"))  # f32[L]
+    max = property(lambda self: self._column("max"))  # f32[L]
+    num = property(lambda self: self._column("num"))  # f32[L]: finite values counted
+    sum = property(lambda self: self._column("sum"))  # f32[L]
+    sum_squares = property(lambda self: self._column("sum_squares"))  # f32[L]
+
+    @property
+    def bucket_limits(self) -> jax.Array:
+        """f32[L, bins]: the buckets' upper edges."""
+        return self.table[..., len(_SCALARS) : len(_SCALARS) + self.bins]
+
+    @property
+    def bucket_counts(self) -> jax.Array:
+        """f32[L, bins]."""
+        return self.table[..., len(_SCALARS) + self.bins :]
+
+    def fields(self) -> dict[str, Any]:
+        """Every field by name: the five per-leaf scalars and the two per-leaf rows."""
+        out = {name: getattr(self, name) for name in _SCALARS}
+        return out | {"bucket_limits": self.bucket_limits, "bucket_counts": self.bucket_counts}
 
 
 def _shapes(num_leaves: int, bins: int) -> Histograms:
-    vec = jax.ShapeDtypeStruct((num_leaves,), jnp.float32)
-    mat = jax.ShapeDtypeStruct((num_leaves, bins), jnp.float32)
-    return Histograms(vec, vec, vec, vec, vec, mat, mat)
+    return Histograms(jax.ShapeDtypeStruct((num_leaves, len(_SCALARS) + 2 * bins), jnp.float32))
 
 
 def leaf_norms(tree: Any) -> jax.Array:
@@ -58,8 +82,12 @@ def leaf_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return nan_like(_shapes(0, bins))
-    rows = [histogram(x, bins) for x in leaves]
-    return Histograms(**{f: jnp.stack([r[f] for r in rows]) for f in Histograms._fields})
+    rows = []
+    for x in leaves:
+        h = histogram(x, bins)
+        scalars = jnp.stack([h[name] for name in _SCALARS])
+        rows.append(jnp.concatenate([scalars, h["bucket_limits"], h["bucket_counts"]]))
+    return Histograms(jnp.stack(rows))
 
 
 def empty_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
@@ -113,7 +141,7 @@ def as_diagnostics(
         "param_norms": dict(zip(names, np.asarray(param_norms).tolist(), strict=True)),
     }
     if histograms is not None:
-        fields = {f: np.asarray(v) for f, v in histograms._asdict().items()}
+        fields = Histograms(np.asarray(histograms.table)).fields()
         out["grad_hist"] = {
             name: {f: v[i] for f, v in fields.items()} for i, name in enumerate(names)
         }

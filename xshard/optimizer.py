@@ -9,11 +9,12 @@ order in one update:
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
    (``shard_weight``); see `xshard.reduce` for where the reduction happens;
-3. `xshard.guard.summarize_updates` and `xshard.layer_stats.summarize_histograms`
-   (``track_stats``): norm, max |g|, non-finite count and per-leaf norms of the reduced
-   gradient, and on the steps that ask for them its per-leaf histograms, kept in the state for
-   logging without a second pass; before step 1, `xshard.shard_stats` records the local gradients'
-   norms and the noise-scale terms;
+3. statistics (``track_stats``), kept in the state for logging without a second pass: the
+   norm, max |g|, non-finite count and per-leaf norms of the reduced gradient
+   (`xshard.stats.summarize`, what `xshard.guard.summarize_updates` records), with the local
+   gradients' norms and the noise-scale terms (`xshard.shard_stats`) under the same
+   ``with_stats`` cond, and on the steps that ask for them per-leaf histograms
+   (`xshard.layer_stats.summarize_histograms`);
 4. `xshard.guard.skip_if_nonfinite` (``skip_nonfinite``): after the reduction, so every shard
    takes the same decision;
 5. the inner optimizer.
@@ -31,7 +32,6 @@ from xshard.guard import (
     apply_always,
     empty_summary,
     skip_if_nonfinite,
-    summarize_updates,
 )
 from xshard.layer_stats import Histograms, summarize_histograms
 from xshard.reduce import (
@@ -48,10 +48,17 @@ from xshard.shard_stats import (
     ShardStats,
     empty_shard_stats,
     local_shard_stats,
-    skipped_shard_stats,
     with_reduced_norm,
 )
-from xshard.stats import Flag, GradSummary, count_nonfinite, tree_norm, when
+from xshard.stats import (
+    Flag,
+    GradSummary,
+    count_nonfinite,
+    guard_summary,
+    summarize,
+    tree_norm,
+    when,
+)
 
 
 class CrossShardState(NamedTuple):
@@ -133,7 +140,6 @@ def cross_shard(
     mode = Reduction.parse(reduction)
     clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes)
     reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
-    summary = summarize_updates()
     hists = summarize_histograms()
     guard = (skip_if_nonfinite if skip_nonfinite else apply_always)(inner)
     empty = optax.EmptyState()
@@ -159,20 +165,7 @@ def cross_shard(
     ):
         per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
         local_norm = tree_norm(updates) if clip is not None and per_shard else None
-        shards, use_reduced = state.shards, None
-        if per_shard:
-            raw = updates
-            shards, use_reduced = when(
-                with_stats,
-                lambda: local_shard_stats(
-                    raw,
-                    axes,
-                    norm=local_norm,
-                    clip_norm=clip_per_shard,
-                    weighted=shard_weight is not None,
-                ),
-                skipped_shard_stats,
-            )
+        raw = updates
         clip_state = state.clip
         if clip is not None:
             updates, clip_state = clip.update(
@@ -183,13 +176,29 @@ def cross_shard(
                 local_norm=local_norm,
             )
         updates, _ = reduce.update(updates, empty, params, shard_weight=shard_weight)
-        histogram_state = state.histograms
+        shards, histogram_state = state.shards, state.histograms
         if track_stats:
-            _, reduced = summary.update(updates, state.reduced, with_stats=with_stats)
-            _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
-            if per_shard:
+            # One cond for the reduced gradient's summary and the per-shard statistics (the
+            # local gradients stay alive until then, as the reduction's input).
+            def statistics():
+                reduced = summarize(updates)
+                if not per_shard:
+                    return reduced, shards
+                local, use_reduced = local_shard_stats(
+                    raw,
+                    axes,
+                    norm=local_norm,
+                    clip_norm=clip_per_shard,
+                    weighted=shard_weight is not None,
+                )
                 summed = _shards_in_context(axes, None) if mode is Reduction.SUM else 1
-                shards = with_reduced_norm(shards, use_reduced, reduced.norm, summed)
+                return reduced, with_reduced_norm(local, use_reduced, reduced.norm, summed)
+
+            def no_statistics():
+                return guard_summary(updates), empty_shard_stats() if per_shard else shards
+
+            reduced, shards = when(with_stats, statistics, no_statistics)
+            _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
         elif skip_nonfinite:
             reduced = state.reduced._replace(nonfinite=count_nonfinite(updates))
         else:

@@ -1,8 +1,7 @@
 """Per-shard statistics of the local gradients, for `cross_shard` to record in its state.
 
-Inside ``jax.shard_map``, before per-shard clipping and the reduction, each shard's local
-gradient norm is combined across the data axes (scalar collectives only) into
-`ShardStats`: the norms' mean/max/min/std and the two terms of the gradient noise scale of
+Inside ``jax.shard_map``, each shard's local gradient norm, taken before per-shard clipping,
+is combined across the data axes (scalar collectives only) into `ShardStats`: the norms' mean/max/min/std and the two terms of the gradient noise scale of
 McCandlish et al. (2018), App. A, both taken where they are exact:
 
 * |G_small|^2 — the mean over shards of the local squared norm, *before* clipping;
@@ -26,7 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xshard.stats import nan_like, shard_norm_stats, tree_norm
+from xshard.stats import shard_norm_stats, tree_norm
 
 
 class ShardStats(NamedTuple):
@@ -97,12 +96,6 @@ def local_shard_stats(
         mean_sq,
     )
     return stats, use_reduced
-
-
-def skipped_shard_stats() -> tuple[ShardStats, jax.Array]:
-    """What `local_shard_stats` gives on a step without statistics: NaN, and no reduced norm."""
-    shapes = jax.ShapeDtypeStruct((), jnp.float32)
-    return nan_like(ShardStats(*(shapes,) * len(ShardStats._fields))), jnp.zeros((), jnp.bool_)
 
 
 def with_reduced_norm(

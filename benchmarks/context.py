@@ -18,7 +18,11 @@ from benchmarks import variants
 from benchmarks.timing import Plan
 from benchmarks.variants import StepLoop
 from benchmarks.workloads import Workload, make_mesh, make_workload
+from trainers.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.trainer import Trainer
+
+#: Names of the step levels in variant names ("one/plain", "per_level/histograms", ...).
+LEVEL_NAMES = {"plain": PLAIN, "stats": STATS, "layers": LAYERS, "histograms": HISTOGRAMS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +59,7 @@ class Bench:
         self._workloads: dict[str, Workload] = {}
         self._meshes: dict[int, Mesh] = {}
         self._params: dict[str, Any] = {}
-        self._trainers: dict[tuple[str, int, str], Trainer] = {}
+        self._trainers: dict[tuple[str, int, str, str], Trainer] = {}
         self._loops: dict[tuple[str, str, int], StepLoop] = {}
         self._memo: dict[Any, Any] = {}
 
@@ -75,12 +79,18 @@ class Bench:
             self._meshes[n] = make_mesh(n)
         return self._meshes[n]
 
-    def trainer(self, task: str, n: int | None = None, grad_impl: str = "manual") -> Trainer:
+    def trainer(
+        self,
+        task: str,
+        n: int | None = None,
+        grad_impl: str = "manual",
+        step_executables: str = "one",
+    ) -> Trainer:
         n = self.max_devices if n is None else n
-        key = (task, n, grad_impl)
+        key = (task, n, grad_impl, step_executables)
         if key not in self._trainers:
             self._trainers[key] = variants.make_trainer(
-                self.workload(task), self.mesh(n), grad_impl
+                self.workload(task), self.mesh(n), grad_impl, step_executables
             )
         return self._trainers[key]
 
@@ -105,12 +115,20 @@ class Bench:
         if name == "xshard_trainer":
             return variants.trainer_loop(name, wl, self.trainer(task, n), params)
         if name == "xshard_trainer_stats10":
-            return variants.trainer_loop(name, wl, self.trainer(task, n), params, stats_every=10)
+            every10 = lambda i: STATS if i % 10 == 0 else PLAIN
+            return variants.trainer_loop(name, wl, self.trainer(task, n), params, every10)
         if name == "xshard_trainer_gspmd":
             return variants.trainer_loop(name, wl, self.trainer(task, n, "gspmd"), params)
         if name.startswith("xshard_trainer+"):
-            diag = name.split("+", 1)[1]
-            return variants.trainer_loop(name, wl, self.trainer(task, n), params, diag)
+            level = {"layer_stats": LAYERS, "histograms": HISTOGRAMS}[name.split("+", 1)[1]]
+            return variants.trainer_loop(name, wl, self.trainer(task, n), params, level)
+        if "/" in name:  # <step_executables>/<level name>, on a trainer of its own
+            design, level_name = name.split("/", 1)
+            trainer = self.memo(
+                ("design", task, n, design),
+                lambda: variants.make_trainer(wl, mesh, "manual", design),
+            )
+            return variants.trainer_loop(name, wl, trainer, params, LEVEL_NAMES[level_name])
         if name in ("xshard_nostats", "xshard_guard"):
             return variants.shard_map_loop(name, wl, mesh, params, guard=name == "xshard_guard")
         if name == "jit_gspmd":

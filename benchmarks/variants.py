@@ -17,8 +17,11 @@ Names used in the report:
   shard_map, loss only: the library with its non-finite guard, no trainer statistics.
 * ``xshard_nostats`` — the same with the guard off: the library's reduction alone.
 * ``jit_gspmd`` / ``pmap_pmean`` — the hand-written baselines of `benchmarks.baselines`.
-* ``xshard_trainer+layer_stats`` / ``+histograms`` — `Trainer.diagnostics` (fetched to the
-  host, as `Trainer.fit` does) before every step: the cost of a step that logs them.
+* ``xshard_trainer+layer_stats`` / ``+histograms`` — `Trainer.step` computing per-layer norms
+  (and gradient histograms) of its own gradient on every step, fetched to the host as
+  `Trainer.fit` does: the cost of a step that logs them.
+* ``<design>/<level>`` (section ``executables``) — a trainer built with
+  ``step_executables=<design>`` running steps of one level (plain, stats, layers, histograms).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import baselines
 from benchmarks.compile_events import CompileEvents
 from benchmarks.workloads import DATA_AXIS, Workload
+from trainers.step import HISTOGRAMS, LAYERS, STATS
 from trainers.tasks.sharding import param_shardings
 from trainers.trainer import Trainer
 from xshard import Reduction, cross_shard
@@ -53,7 +57,6 @@ class StepLoop:
       batches: device-placed batches, cycled.
       compiled: returns the step's compiled executable (for its HLO and memory analysis).
       params: returns the params inside a state; opt_state: its optimizer state.
-      before_step: optional host work before each step (diagnostics), as in `Trainer.fit`.
       first_call: the `CompileEvents` of the first step (filled by `start`).
       trainer: the `Trainer`, for the trainer variants.
       jitted: the ``jax.jit`` function, for the hand-written jit variant (its cache size).
@@ -66,7 +69,6 @@ class StepLoop:
     compiled: Callable[[], jax.stages.Compiled]
     params: Callable[[Any], Any]
     opt_state: Callable[[Any], Any]
-    before_step: Callable[[Any, Any], None] | None = None
     first_call: dict[str, Any] = dataclasses.field(default_factory=dict)
     trainer: Trainer | None = None
     jitted: Any = None
@@ -79,8 +81,6 @@ class StepLoop:
         for _ in range(steps):
             batch = self.batches[self._next % len(self.batches)]
             self._next += 1
-            if self.before_step is not None:
-                self.before_step(self.state, batch)
             self.state, out = self.step(self.state, batch)
         jax.block_until_ready((self.state, out))
 
@@ -96,7 +96,7 @@ class StepLoop:
             self.run(1)
         self.first_call = events.as_dict()
         seconds = None if self.trainer is None else self.trainer.compile_seconds
-        if seconds is not None and self.before_step is None:  # the step, not diagnostics
+        if seconds is not None and events.compiles:  # this loop's first step compiled
             self.first_call["trainer_compile_seconds"] = round(seconds, 4)
         return self
 
@@ -106,7 +106,9 @@ class StepLoop:
 # --------------------------------------------------------------------------------------------
 
 
-def make_trainer(wl: Workload, mesh: Mesh, grad_impl: str = "manual") -> Trainer:
+def make_trainer(
+    wl: Workload, mesh: Mesh, grad_impl: str = "manual", step_executables: str = "one"
+) -> Trainer:
     """The `Trainer` the CLI would build for `wl` on `mesh`."""
     return Trainer(
         wl.task,
@@ -118,6 +120,7 @@ def make_trainer(wl: Workload, mesh: Mesh, grad_impl: str = "manual") -> Trainer
         grad_impl=grad_impl,
         reduction=wl.cfg.reduction.mode,
         seed=int(wl.cfg.seed),
+        step_executables=step_executables,
     )
 
 
@@ -134,31 +137,34 @@ def trainer_loop(
     wl: Workload,
     trainer: Trainer,
     params: Any,
-    diagnostics: str | None = None,
-    stats_every: int = 1,
+    level: int | Callable[[int], int] = STATS,
 ) -> StepLoop:
-    """`Trainer.step` on its own fresh state, optionally after `Trainer.diagnostics`.
+    """`Trainer.step` on its own fresh state, every step at `level` (see `trainers.step`).
 
     Args:
       name: the variant's name.
       wl: the workload.
-      trainer: the trainer (several loops may share one, and so its compiled step).
+      trainer: the trainer (several loops may share one, and so its compiled steps).
       params: initial params (host arrays).
-      diagnostics: None, "layer_stats" or "histograms": run `Trainer.diagnostics` before
-        every step and fetch it to the host, as `Trainer.fit` does on the steps that log it.
-      stats_every: compute the statistics on every `stats_every`-th step, as `Trainer.fit`.
+      level: the level of every step, or a function of the step's 1-based count (e.g.
+        statistics on every 10th step). Steps that log per-layer statistics fetch them to the
+        host, as `Trainer.fit` does.
     """
-    before = None
-    if diagnostics is not None:
-        histograms = {"layer_stats": False, "histograms": True}[diagnostics]
-
-        def before(state, batch):
-            jax.device_get(trainer.diagnostics(state, batch, histograms=histograms))
-
+    level_of = level if callable(level) else (lambda _: level)
     count = iter(range(1, 1 << 62))
 
     def step(state, batch):
-        return trainer.step(state, batch, with_stats=next(count) % stats_every == 0)
+        lv = level_of(next(count))
+        state, metrics = trainer.step(
+            state,
+            batch,
+            with_stats=lv >= STATS,
+            layer_stats=lv >= LAYERS,
+            histograms=lv >= HISTOGRAMS,
+        )
+        if lv >= LAYERS:
+            metrics.diagnostics  # noqa: B018 - fetched to the host, as Trainer.fit does
+        return state, metrics
 
     return StepLoop(
         name=name,
@@ -168,7 +174,6 @@ def trainer_loop(
         compiled=lambda: compiled_step(trainer),
         params=lambda s: s.params,
         opt_state=lambda s: s.opt_state,
-        before_step=before,
         trainer=trainer,
     ).start()
 

@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
 from trainers.checkpointing import CheckpointError, CheckpointHook
-from xshard.config import CheckpointOptions
 from trainers.monitor import NonFiniteError, NonFiniteMonitor
 from trainers.preemption import StopOnSignal
 from trainers.resume import RestoreSource, complete_steps, find_resume_source, restore_checkpoint
 from trainers.step import TrainState
 from trainers.tasks.mlp import MLPTask
+from xshard.config import CheckpointOptions
 from xshard.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import pytest
 from tests.reliability_helpers import snapshot
 from tests.test_checkpoints import CONFIG, synthetic_state
 from trainers.checkpointing import CheckpointHook
-from xshard.config import CheckpointOptions
 from trainers.ckpt_owner import (
     LOCK_FILE,
     OWNER_FILE,
@@ -25,6 +24,7 @@ from trainers.ckpt_owner import (
     read_owner,
 )
 from trainers.resume import complete_steps
+from xshard.config import CheckpointOptions
 
 
 def write_steps(directory: Path, *steps: int, keep: int | None = None) -> None:

@@ -28,12 +28,11 @@ from trainers.checkpoint_io import (
     write_failure,
 )
 from trainers.checkpointing import CheckpointHook
-from xshard.config import CheckpointOptions
 from trainers.preflight import check_free_space
 from trainers.tasks.mlp import MLPTask
-from xshard.config import LoggerOptions
 from trainers.tb_writer import SafeSummaryWriter
 from trainers.trainer import Hook, Trainer
+from xshard.config import CheckpointOptions, LoggerOptions
 from xshard.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------

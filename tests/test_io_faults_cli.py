@@ -190,8 +190,8 @@ def test_full_disk_for_tensorboard_never_hangs(tmp_path, on_error):
     "override, message",
     [
         ("logger.flush_secs=abc", "logger.flush_secs='abc': expected a number"),
-        ("logger.flush_secs=-1", "logger.flush_secs=-1: expected"),
-        ("logger.flush_secs=0", "logger.flush_secs=0: expected"),
+        ("logger.flush_secs=-1", "logger.flush_secs=-1.0: expected"),
+        ("logger.flush_secs=0", "logger.flush_secs=0.0: expected"),
         ("logger.flush_secs=nan", "logger.flush_secs=nan: expected"),
         ("logger.on_error=ignore", "logger.on_error='ignore': expected one of"),
         ("+logger.bogus=1", "logger.bogus: unknown key"),

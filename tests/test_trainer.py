@@ -100,14 +100,15 @@ def test_statistics_are_consistent(reference):
     assert np.isfinite(m["grad/noise_trace"]) and m["grad/noise_trace"] > 0
 
 
-def test_diagnostics_give_per_parameter_norms_and_histograms(mlp):
+def test_logging_step_gives_per_parameter_norms_and_histograms(mlp):
     mesh = mesh_of((8,), ("data",))
     tx = xshard.cross_shard(optax.sgd(0.1), "mean")
     trainer = Trainer(mlp, tx, mesh, global_batch_size=BATCH)
     batch = next(iter(mlp.batches(BATCH, seed=0)))
     state = trainer.init(trainer.init_params(batch))
-    diag = jax.device_get(trainer.diagnostics(state, batch, histograms=True))
     grads = jax.grad(lambda p: mlp.loss(p, batch, None)[0])(jax.device_get(state.params))
+    _, metrics = trainer.step(state, batch, histograms=True)
+    diag = metrics.diagnostics
     expected = {
         xshard.stats.path_str(k): np.linalg.norm(v)
         for k, v in jax.tree_util.tree_leaves_with_path(grads)

@@ -4,30 +4,45 @@ Two ways to get the gradient, one result:
 
 * ``manual`` (default): ``jax.shard_map`` is manual over the data-parallel axes and automatic
   over the model axes. Params are cast to varying, so ``jax.grad`` gives each shard's own
-  gradient; per-shard statistics are taken; the cross-shard optimizer reduces.
+  gradient; the cross-shard optimizer reduces it and records the per-shard statistics.
 * ``gspmd``: ``jax.grad`` of the global-mean loss under plain ``jit``; the compiler inserts the
   reduction, and the cross-shard optimizer sees an already reduced gradient (MEAN = identity).
+
+What a step computes besides the update is its *level*: 0 plain (loss, what the optimizer
+state records every step), 1 statistics (update/param norms, the reduced gradient's norm,
+per-shard statistics), 2 statistics plus the per-layer norms of the applied gradient and of
+the params (taken from the same sums of squares as the global norms: returning them is all
+level 2 adds), 3 those and gradient histograms. All of it comes from the step's own gradient,
+inside the step; levels the program may take at run time are a traced int under `lax.cond`s,
+the others are decided when tracing (see `Trainer`, ``step_executables``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from trainers.metrics import StepMetrics, stack_metrics, state_metrics
 from xshard import Reduction
 from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
-from xshard.slots import cross_shard_state, get_hyperparams
-from xshard.stats import histogram, layer_norms, noise_scale, shard_norm_stats, tree_norm
+from xshard.layer_stats import leaf_norms
+from xshard.optimizer import cross_shard
+from xshard.slots import cross_shard_state, has_cross_shard_state
+from xshard.stats import Flag, tree_norm, when
 
+__all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
+
+#: Step levels: what a step computes besides the update (each includes the ones below).
+PLAIN, STATS, LAYERS, HISTOGRAMS = 0, 1, 2, 3
+LEVELS = (PLAIN, STATS, LAYERS, HISTOGRAMS)
 
 class TrainState(NamedTuple):
     """Everything that changes during training. The RNG is a pure function of (seed, step)."""
@@ -48,63 +63,6 @@ class StepSpec:
     grad_impl: str = "manual"
     reduction: Reduction = Reduction.MEAN
     seed: int = 0
-
-
-@jax.tree_util.register_pytree_node_class
-class StepMetrics(Mapping[str, float]):
-    """A step's scalar metrics: one device vector, fetched to the host once, on first read.
-
-    Reading any key waits for the step to finish. Fetching one stacked vector instead of a
-    dict of ~20 scalars saves a device-to-host transfer per metric every step. It is a pytree
-    (of that vector), so `jax.block_until_ready(metrics)` works.
-    """
-
-    def __init__(
-        self,
-        keys: Sequence[str],
-        values: jax.Array,
-        host: dict[str, float] | None = None,
-        hidden: frozenset[str] = frozenset(),
-    ):
-        self.keys_ = tuple(keys)
-        self.values = values
-        self.hidden = hidden  # not computed on this step (statistics on a plain step)
-        self._host = dict(host or {})
-        self._fetched = False
-
-    def with_host_values(self, **values: float) -> StepMetrics:
-        """A copy with extra host-side values (e.g. the compile time) merged in."""
-        return StepMetrics(self.keys_, self.values, {**self._host, **values}, self.hidden)
-
-    def _fetch(self) -> dict[str, float]:
-        if not self._fetched:
-            device = np.asarray(jax.device_get(self.values)).tolist()
-            shown = {k: v for k, v in zip(self.keys_, device, strict=True) if k not in self.hidden}
-            self._host = {**shown, **self._host}
-            self._fetched = True
-        return self._host
-
-    def tree_flatten(self):
-        return (self.values,), (self.keys_, tuple(self._host.items()), self.hidden)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(aux[0], children[0], dict(aux[1]), aux[2])
-
-    def __getitem__(self, key: str) -> float:
-        return self._fetch()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fetch())
-
-    def __len__(self) -> int:
-        return len(self._fetch())
-
-
-def stack_metrics(metrics: dict[str, jax.Array]) -> tuple[tuple[str, ...], jax.Array]:
-    """(sorted keys, float32 vector of their values), for use inside the compiled step."""
-    keys = tuple(sorted(metrics))
-    return keys, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in keys])
 
 
 def step_rng(seed: int, step: jax.Array) -> jax.Array:
@@ -140,160 +98,146 @@ def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, k
     return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads
 
 
-def _optimizer_metrics(opt_state) -> dict[str, jax.Array]:
-    """Scalars the optimizer state already holds: free to report every step."""
-    cs = cross_shard_state(opt_state)
-    metrics = {
-        "grad/global_norm": cs.reduced.norm,
-        "grad/max_abs": cs.reduced.max_abs,
-        "grad/nonfinite": cs.reduced.nonfinite,
-        "train/skipped_steps": cs.skipped_steps,
-        "train/consecutive_skipped": cs.consecutive_skipped,
-    }
-    lr = get_hyperparams(opt_state).get("learning_rate")
-    if lr is not None:
-        metrics["optim/learning_rate"] = jnp.asarray(lr, jnp.float32)
-    return metrics
-
-
-def _norm_metrics(new_params, updates) -> dict[str, jax.Array]:
+def _norm_metrics(new_params, updates) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The update/param norms, and the new params' per-leaf norms (from the same sums)."""
     # Only the new params are read: reading the old ones after the update would make XLA
     # copy the donated params every step.
-    param_norm = tree_norm(new_params)
+    leaf_sq = jnp.square(leaf_norms(new_params))
+    param_norm = jnp.sqrt(jnp.sum(leaf_sq))
     update_norm = tree_norm(updates)
-    return {
+    metrics = {
         "optim/update_norm": update_norm,
         "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
         "params/global_norm": param_norm,
     }
+    return metrics, jnp.sqrt(leaf_sq)
 
 
-def _when(with_stats: jax.Array, compute: Callable[[], dict[str, jax.Array]]):
-    """`compute()` on statistics steps, NaNs (never reported) on the others: one executable."""
-    shapes = jax.eval_shape(compute)
-    skip = lambda: {k: jnp.full(v.shape, jnp.nan, v.dtype) for k, v in shapes.items()}
-    return jax.lax.cond(with_stats, compute, skip)
+def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag]:
+    """The statistics flags for a step of `level`, one of `levels`.
+
+    A flag that holds on every level of `levels` is True, one that holds on none is False
+    (both decided when tracing); otherwise it is the traced comparison of `level`. Per-layer
+    norms (level 2) need no flag of their own: statistics steps compute them anyway (from the
+    sums of squares of the global norms), and level 2 only returns them.
+    """
+
+    def flag(threshold: int) -> Flag:
+        if all(lv >= threshold for lv in levels):
+            return True
+        if not any(lv >= threshold for lv in levels):
+            return False
+        return level >= threshold
+
+    return {"with_stats": flag(STATS), "histograms": flag(HISTOGRAMS)}
 
 
-def _shard_metrics(local_grads, reduced_norm, spec: StepSpec) -> dict[str, jax.Array]:
-    stats = shard_norm_stats(local_grads, spec.data_axes)
-    metrics = {f"grad/{k}": v for k, v in stats.items() if k != "shard_sq_norm_mean"}
-    n = spec.num_data_shards
-    if n > 1:
-        mean_norm = reduced_norm / (n if spec.reduction is Reduction.SUM else 1)
-        noise = noise_scale(
-            stats["shard_sq_norm_mean"],
-            jnp.square(mean_norm),
-            spec.global_batch_size // n,
-            spec.global_batch_size,
-        )
-        metrics.update({f"grad/{k}": v for k, v in noise.items()})
-    return metrics
+def make_train_step(
+    task: Any,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    spec: StepSpec,
+    levels: Sequence[int] = LEVELS,
+):
+    """Returns ``step(state, batch, level) -> (state, metrics, diag)``, to be jitted.
 
+    Args:
+      task, tx, mesh, spec: the task, the optimizer (with extra-args support), the mesh and
+        the static description of the step.
+      levels: the levels this program serves. With several, `level` is a traced int32 and
+        what differs between them runs under `lax.cond` (one executable); with one, `level`
+        is ignored and the program computes exactly that level.
 
-def make_train_step(task: Any, tx: optax.GradientTransformation, mesh: Mesh, spec: StepSpec):
-    """Returns ``step(state, batch, with_stats) -> (state, metrics)``, to be jitted.
+    Returns:
+      The step. `metrics` is a dict of scalars; those computed on statistics steps only are
+      NaN below level 1, and the function's `stats_keys` (filled when it is traced) names
+      them. `diag` (present when a level >= 2 is served) holds the per-layer statistics:
+      ``grad_norms`` (the applied gradient's per-leaf norms), ``param_norms`` (the new
+      params') and, when level 3 is served, ``grad_hist`` (`xshard.layer_stats.Histograms`).
 
-    `with_stats` is a traced bool: the norms of the update and params and the per-shard
-    statistics (the costly part, ~1 kernel per parameter each) are computed under a
-    `lax.cond` only when it is true, so statistics steps and plain steps share one
-    executable. On plain steps those metrics are NaN; the returned function's `stats_keys`
-    (filled when it is traced) names them.
+      A `tx` without a `cross_shard` state (a plain optax optimizer) gets the per-shard
+      gradients reduced by the trainer first (``spec.reduction``: MEAN = ``pmean``), with the
+      same statistics but no skip counters (it skips nothing).
     """
     if spec.grad_impl not in GRAD_IMPLS:
         raise ConfigError(
             f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
         )
+    levels = tuple(sorted(set(levels)))
+    if not levels or not set(levels) <= set(LEVELS):
+        raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {levels!r}.")
     axes = spec.data_axes
-    # The optimizer records the reduced gradient's norm only on statistics steps.
-    stats_keys: set[str] = {"grad/global_norm"}
+    per_shard = spec.grad_impl == "manual"
+    per_shard_batch = spec.global_batch_size // spec.num_data_shards
+    diag_wanted = levels[-1] >= LAYERS
+    stats_keys: set[str] = set()
+    # The reduction for a plain optax optimizer: cross_shard's own, statistics and all.
+    front = cross_shard(optax.identity(), spec.reduction, axis_name=axes)
 
-    def when_stats(with_stats, compute):
-        stats = _when(with_stats, compute)
-        stats_keys.update(stats)
-        return stats
+    def update(params, opt_state, grads, flags):
+        if has_cross_shard_state(opt_state):
+            updates, opt_state = tx.update(grads, opt_state, params, **flags)
+            return updates, opt_state, cross_shard_state(opt_state), True
+        grads, cs = front.update(grads, front.init(params), params, **flags)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return updates, opt_state, cs, False
 
-    def apply(params, opt_state, grads, with_stats):
-        updates, opt_state = tx.update(grads, opt_state, params, with_stats=with_stats)
-        return optax.apply_updates(params, updates), opt_state, updates
+    def train_and_measure(params, opt_state, grads, level):
+        flags = level_flags(level, levels)
+        updates, opt_state, cs, own = update(params, opt_state, grads, flags)
+        new_params = optax.apply_updates(params, updates)
+        metrics, stats_only = state_metrics(
+            cs,
+            opt_state,
+            own_optimizer=own,
+            per_shard=per_shard,
+            batch_sizes=(per_shard_batch, spec.global_batch_size),
+        )
+        norms, param_leaf_norms = when(
+            flags["with_stats"], lambda: _norm_metrics(new_params, updates)
+        )
+        metrics |= norms
+        stats_keys.update(stats_only | set(norms))
+        diag = None
+        if diag_wanted:
+            diag = {"grad_norms": cs.reduced.leaf_norms, "param_norms": param_leaf_norms}
+            if flags["histograms"] is not False:
+                diag["grad_hist"] = cs.histograms
+        return new_params, opt_state, metrics, diag
 
-    def manual(state: TrainState, batch, with_stats):
-        def per_shard(params, opt_state, batch, rng, with_stats):
+    def manual(state: TrainState, batch, level):
+        traced = () if len(levels) == 1 else (level,)  # a single level is static
+
+        def shard_step(params, opt_state, batch, rng, *traced):
+            level = traced[0] if traced else levels[0]
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
             loss, aux, grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
-            new_params, opt_state, updates = apply(params, opt_state, grads, with_stats)
-            metrics = _optimizer_metrics(opt_state)
-            reduced_norm = metrics["grad/global_norm"]
-            metrics |= when_stats(
-                with_stats,
-                lambda: (
-                    _norm_metrics(new_params, updates) | _shard_metrics(grads, reduced_norm, spec)
-                ),
-            )
+            params, opt_state, metrics, diag = train_and_measure(params, opt_state, grads, level)
             metrics["train/loss"] = jax.lax.pmean(loss, axes)
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
-            return new_params, opt_state, metrics
+            return params, opt_state, metrics, diag
 
-        params, opt_state, metrics = jax.shard_map(
-            per_shard,
+        params, opt_state, metrics, diag = jax.shard_map(
+            shard_step,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P(), P()),
-            out_specs=(P(), P(), P()),
+            in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
+            out_specs=(P(), P(), P(), P()),
             axis_names=set(axes),
-        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step), with_stats)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step), *traced)
+        return TrainState(state.step + 1, params, opt_state), metrics, diag
 
-    def gspmd(state: TrainState, batch, with_stats):
+    def gspmd(state: TrainState, batch, level):
         rng = step_rng(spec.seed, state.step)
         loss, aux, grads = loss_and_grads(task.loss, state.params, batch, rng, spec.microbatches)
-        params, opt_state, updates = apply(state.params, state.opt_state, grads, with_stats)
-        metrics = _optimizer_metrics(opt_state)
-        metrics |= when_stats(with_stats, lambda: _norm_metrics(params, updates))
+        level = level if len(levels) > 1 else levels[0]
+        params, opt_state, metrics, diag = train_and_measure(
+            state.params, state.opt_state, grads, level
+        )
         metrics["train/loss"] = loss
         metrics |= {f"train/{k}": v for k, v in aux.items()}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state), metrics, diag
 
-    step = manual if spec.grad_impl == "manual" else gspmd
+    step = manual if per_shard else gspmd
     step.stats_keys = stats_keys
     return step
-
-
-def make_diagnostics(task: Any, mesh: Mesh, spec: StepSpec, *, histograms: bool):
-    """Returns ``diag(state, batch) -> dict``: per-parameter norms (and gradient histograms).
-
-    Run on the few steps that log them, before the step itself, on the same batch. The
-    gradient here is that of the global-mean loss (the MEAN over shards).
-    """
-
-    def mean_grads(params, batch, rng):
-        if spec.grad_impl == "gspmd":
-            return loss_and_grads(task.loss, params, batch, rng, spec.microbatches)[2]
-
-        def per_shard(params, batch, rng):
-            local = jax.lax.pcast(params, spec.data_axes, to="varying")
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(spec.data_axes))
-            grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)[2]
-            return jax.lax.pmean(grads, spec.data_axes)
-
-        return jax.shard_map(
-            per_shard,
-            mesh=mesh,
-            in_specs=(P(), P(spec.data_axes), P()),
-            out_specs=P(),
-            axis_names=set(spec.data_axes),
-        )(params, batch, rng)
-
-    def diag(state: TrainState, batch) -> dict[str, Any]:
-        grads = mean_grads(state.params, batch, step_rng(spec.seed, state.step))
-        out: dict[str, Any] = {
-            "grad_norms": layer_norms(grads),
-            "param_norms": layer_norms(state.params),
-        }
-        if histograms:
-            out["grad_hist"] = {
-                k: histogram(g) for k, g in zip(layer_norms(grads), jax.tree.leaves(grads))
-            }
-        return out
-
-    return diag

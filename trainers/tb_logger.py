@@ -75,6 +75,7 @@ class TensorBoardHook(Hook):
         self.last_loss: float | None = None
         self._window_start: tuple[int, float] | None = None
         self._noise_ema: list[float] | None = None  # [tr(Sigma), |G|^2], every step
+        self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
             self.writer.add_text(
@@ -131,6 +132,8 @@ class TensorBoardHook(Hook):
         if self._window_start is None:
             self._window_start = (step, now)  # the first step includes compilation
         self._update_noise_ema(metrics)
+        if "grad/clip_fired" in metrics:
+            self._clip_fired.append(metrics["grad/clip_fired"])
         if "perf/compile_time_s" in metrics:
             self.writer.add_scalar("perf/compile_time_s", metrics["perf/compile_time_s"], step)
         if step % self.log_every and step != self.num_steps:
@@ -139,6 +142,10 @@ class TensorBoardHook(Hook):
             if tag == "grad/noise_scale" and not math.isfinite(value):
                 continue  # undefined on steps where the |G|^2 estimate is <= 0
             self.writer.add_scalar(tag, value, step)
+        if self._clip_fired:  # how often the global clip fired since the last write
+            rate = sum(self._clip_fired) / len(self._clip_fired)
+            self.writer.add_scalar("grad/clip_fired_rate", rate, step)
+            self._clip_fired = []
         if self._noise_ema is not None and self._noise_ema[1] > 0:
             self.writer.add_scalar(
                 "grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step

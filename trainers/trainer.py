@@ -21,17 +21,21 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainers.metrics import StepMetrics, stack_metrics
 from trainers.step import (
-    StepMetrics,
+    HISTOGRAMS,
+    LAYERS,
+    LEVELS,
+    PLAIN,
+    STATS,
     StepSpec,
     TrainState,
-    make_diagnostics,
     make_train_step,
-    stack_metrics,
 )
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
 from xshard.errors import ConfigError
+from xshard.layer_stats import leaf_names
 from xshard.mesh import check_batch_divisible
 from xshard.reduce import PerShardGradientsRequired
 
@@ -39,6 +43,15 @@ logger = logging.getLogger(__name__)
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
+
+#: How the step levels (plain, statistics, per-layer norms, histograms; `trainers.step`) map
+#: to compiled executables: levels in one group share an executable (a traced level under
+#: `lax.cond`s), each group is compiled on its first use. docs/benchmarks.md measures them.
+STEP_EXECUTABLES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "one": (LEVELS,),
+    "two": ((PLAIN, STATS), (LAYERS, HISTOGRAMS)),
+    "per_level": tuple((lv,) for lv in LEVELS),
+}
 
 
 class Hook:
@@ -54,7 +67,9 @@ class Hook:
         """Metrics of step `step` (1-based count of updates), delivered one step late."""
 
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
-        """Per-parameter norms / gradient histograms computed at step `step`."""
+        """Per-parameter norms / gradient histograms of step `step`, right after its metrics:
+        the norms of the gradient that step applied and of the params after it
+        (`StepMetrics.diagnostics`)."""
 
     def wants_state(self, step: int) -> bool:
         """Whether `on_state` should see the state right after step `step`."""
@@ -76,19 +91,31 @@ class StopTraining(Exception):
 
 
 class Trainer:
-    """Trains `task` with the cross-shard optimizer `tx` on `mesh`.
+    """Trains `task` with the optimizer `tx` on `mesh`.
 
     Args:
       task: a `trainers.tasks.base.Task`.
-      tx: the optimizer, normally from `xshard.build_optimizer` (a `cross_shard` wrapper).
+      tx: the optimizer, normally from `xshard.build_optimizer` (a `cross_shard` wrapper,
+        which reduces the gradients and records the statistics). A plain optax optimizer
+        works too: the trainer then reduces the gradients itself (`reduction`) and reports
+        the same statistics, except the skip counters (nothing is skipped).
       mesh: the device mesh.
       data_axes: the data-parallel mesh axes (the batch is split and gradients reduced over
         them); other axes are model axes, used by the task's sharding rules.
       global_batch_size: examples per step over all shards.
       microbatches: gradient accumulation steps per update.
       grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd".
-      reduction: the optimizer's reduction (for the noise-scale statistics).
+      reduction: how the trainer reduces the gradients for a plain optax `tx` (MEAN:
+        ``pmean``); a `cross_shard` optimizer reduces as it was built, and this is unused.
       seed: the run's seed (step RNGs are derived from it and the step).
+      step_executables: how plain, statistics and logging steps map to compiled programs, a
+        key of `STEP_EXECUTABLES`: "one" (the default; every kind of step in one executable,
+        the differences under `lax.cond`), "two" (plain and statistics steps / per-layer
+        logging steps) or "per_level" (four). See docs/benchmarks.md for the measurement.
+
+    Raises:
+      ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
+        `grad_impl` or `step_executables`.
     """
 
     def __init__(
@@ -103,8 +130,9 @@ class Trainer:
         grad_impl: str = "manual",
         reduction: Reduction | str = Reduction.MEAN,
         seed: int = 0,
+        step_executables: str = "one",
     ):
-        # The step passes `with_stats` to the optimizer; plain transforms just ignore it.
+        # The step passes the statistics flags to the optimizer; plain transforms ignore them.
         tx = optax.with_extra_args_support(tx)
         self.task, self.tx, self.mesh = task, tx, mesh
         data_axes = tuple(data_axes)
@@ -116,6 +144,11 @@ class Trainer:
                 f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
                 "shards)."
             )
+        if step_executables not in STEP_EXECUTABLES:
+            raise ConfigError(
+                f"step_executables={step_executables!r} is not allowed; choose one of "
+                f"{list(STEP_EXECUTABLES)}."
+            )
         self.spec = StepSpec(
             data_axes=data_axes,
             num_data_shards=n,
@@ -126,13 +159,15 @@ class Trainer:
             seed=seed,
         )
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
-        self._step_fn = make_train_step(task, tx, mesh, self.spec)
-        self._compiled = None
+        self._groups = STEP_EXECUTABLES[step_executables]
+        # Validates grad_impl now (ConfigError), not at the first step.
+        self._step_fns = {g: make_train_step(task, tx, mesh, self.spec, g) for g in self._groups}
+        self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self._metric_keys: tuple[str, ...] = ()
         self._stats_keys: frozenset[str] = frozenset()
+        self._leaf_names: tuple[str, ...] = ()
         self._replicated = NamedSharding(mesh, P())
-        self._stats_flag = {b: jax.device_put(np.bool_(b), self._replicated) for b in (True, False)}
-        self._diag: dict[bool, Any] = {}
+        self._levels = {lv: jax.device_put(np.int32(lv), self._replicated) for lv in LEVELS}
         self.compile_seconds: float | None = None
         self._report_compile = False
 
@@ -188,72 +223,103 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
 
-    def _compile(self, state: TrainState, batch: dict[str, jax.Array]):
+    def _group(self, level: int) -> tuple[int, ...]:
+        return next(g for g in self._groups if level in g)
+
+    def _compile(self, group: tuple[int, ...], state: TrainState, batch: dict[str, jax.Array]):
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
+        step_fn = self._step_fns[group]
 
-        def train_step(state, batch, with_stats):
-            state, metrics = self._step_fn(state, batch, with_stats)
+        def train_step(state, batch, level):
+            state, metrics, diag = step_fn(state, batch, level)
             names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
-            return state, values
+            return state, values, diag
 
         jitted = jax.jit(
             train_step,
             in_shardings=(shardings, self.batch_sharding, self._replicated),
-            out_shardings=(shardings, None),
+            out_shardings=(shardings, None, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                self._compiled = jitted.lower(state, batch, self._stats_flag[True]).compile()
+                compiled = jitted.lower(state, batch, self._levels[group[0]]).compile()
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
                 f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
                 "without per-shard clipping or weights (reduction.clip_per_shard=null)."
             ) from None
-        self.compile_seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        self._executables[group] = compiled
+        if self._metric_keys and keys[0] != self._metric_keys:  # one metric layout for all
+            raise AssertionError(f"metric keys differ between executables: {keys[0]}")
         self._metric_keys = keys[0]
-        self._stats_keys = frozenset(self._step_fn.stats_keys)
+        self._stats_keys = frozenset(step_fn.stats_keys)
+        self._leaf_names = tuple(leaf_names(state.params))
         self._report_compile = True
-        logger.info("Compiled the train step in %.2f s.", self.compile_seconds)
+        logger.info("Compiled the train step for levels %s in %.2f s.", group, seconds)
 
     @property
     def compiled(self) -> jax.stages.Compiled | None:
-        """The compiled step (for HLO, cost and memory analysis); None before the first step."""
-        return self._compiled
+        """The compiled step that runs plain and statistics steps (for HLO, cost and memory
+        analysis); None before the first step."""
+        return self._executables.get(self._group(STATS))
+
+    def executables(self) -> dict[tuple[int, ...], jax.stages.Compiled]:
+        """Every compiled step so far, by the levels it serves (see `STEP_EXECUTABLES`)."""
+        return dict(self._executables)
 
     def step(
-        self, state: TrainState, batch: dict[str, Any], *, with_stats: bool = True
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        *,
+        with_stats: bool = True,
+        layer_stats: bool = False,
+        histograms: bool = False,
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
-        The step is compiled ahead of time on the first call; later calls reuse that
-        executable (a batch of another shape is an error, never a silent recompilation).
-        The metrics are a mapping of floats, fetched from the device on first read. With
-        `with_stats=False` the same executable skips the update/param norms and per-shard
-        statistics (about one kernel per parameter each), and the metrics leave them out.
+        The step is compiled ahead of time on first use (each executable of
+        ``step_executables`` on the first step that needs it); later calls reuse it (a batch
+        of another shape is an error, never a silent recompilation). The metrics are a
+        mapping of floats, fetched from the device on first read.
+
+        Args:
+          state: the state to update (donated).
+          batch: the step's batch.
+          with_stats: compute the update/param norms, the reduced gradient's norm and the
+            per-shard statistics (about one kernel per parameter each); without them the
+            metrics leave them out.
+          layer_stats: also the per-layer norms of the applied gradient and of the new params
+            (`StepMetrics.diagnostics`); implies `with_stats`.
+          histograms: also gradient histograms per layer; implies `layer_stats`.
+
+        Returns:
+          (the new state, its `StepMetrics`).
         """
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
-        if self._compiled is None:
-            self._compile(state, batch)
-        state, values = self._compiled(state, batch, self._stats_flag[bool(with_stats)])
-        hidden = frozenset() if with_stats else self._stats_keys
-        return state, StepMetrics(self._metric_keys, values, hidden=hidden)
-
-    def diagnostics(self, state: TrainState, batch: dict[str, Any], *, histograms: bool) -> dict:
-        """Per-parameter gradient/param norms (and gradient histograms) at `state` on `batch`."""
-        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
-            batch = self.global_batch(batch)
-        if histograms not in self._diag:
-            self._diag[histograms] = jax.jit(
-                make_diagnostics(self.task, self.mesh, self.spec, histograms=histograms)
-            )
-        with jax.set_mesh(self.mesh):
-            return self._diag[histograms](state, batch)
+        level = (
+            HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
+        )
+        group = self._group(level)
+        if group not in self._executables:
+            self._compile(group, state, batch)
+        state, values, diag = self._executables[group](state, batch, self._levels[level])
+        return state, StepMetrics(
+            self._metric_keys,
+            values,
+            hidden=self._stats_keys if level == PLAIN else frozenset(),
+            diag=diag if level >= LAYERS else None,
+            diag_names=self._leaf_names,
+            histograms=level == HISTOGRAMS,
+        )
 
     # --------------------------------------------------------------------- loop
 
@@ -276,7 +342,9 @@ class Trainer:
           batches: host-local batches for steps state.step, state.step + 1, ...
           num_steps: the total number of updates of the run (not the number left).
           hooks: receive each step's metrics one step late, diagnostics, and the end.
-          layer_stats_every / histogram_every: diagnostics period in steps (0 = never).
+          layer_stats_every / histogram_every: period in steps (0 = never) of the per-layer
+            norms and gradient histograms, computed inside those steps from the gradient they
+            apply and delivered to `Hook.on_diagnostics` right after the step's metrics.
           stats_every: compute the update/param norms and per-shard statistics on every
             `stats_every`-th step and the last one (0 = only the last); the loss, the reduced
             gradient's norm and the skip counters come every step.
@@ -311,12 +379,11 @@ class Trainer:
                     break
                 step += 1
                 hist = histogram_every > 0 and step % histogram_every == 0
-                if hist or (layer_stats_every > 0 and step % layer_stats_every == 0):
-                    diag = jax.device_get(self.diagnostics(state, local, histograms=hist))
-                    for h in hooks:
-                        h.on_diagnostics(step, diag)
+                layers = hist or (layer_stats_every > 0 and step % layer_stats_every == 0)
                 with_stats = step == num_steps or (stats_every > 0 and step % stats_every == 0)
-                state, metrics = self.step(state, local, with_stats=with_stats)
+                state, metrics = self.step(
+                    state, local, with_stats=with_stats, layer_stats=layers, histograms=hist
+                )
                 if self._report_compile:
                     metrics = metrics.with_host_values(
                         **{"perf/compile_time_s": self.compile_seconds}
@@ -350,6 +417,10 @@ class Trainer:
         host = dict(metrics)  # waits for this step only
         for h in hooks:
             h.on_step(step, host)
+        diag = metrics.diagnostics  # None except on the steps that log them
+        if diag is not None:
+            for h in hooks:
+                h.on_diagnostics(step, diag)
 
 
 def _end_hooks(hooks: Sequence[Hook], step: int, state: TrainState, reason: str) -> None:

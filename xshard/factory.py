@@ -4,11 +4,13 @@
 composed config (a ``DictConfig`` or a plain dict) and returns::
 
     cross_shard(                      # per-shard clip -> reduce -> non-finite guard
-        chain(clip_by_global_norm(clip),                   # only if clip is set
+        chain(xshard.clipping.clip_by_global_norm(clip),   # only if clip is set
               inject_hyperparams(optax.<optimizer>)(learning_rate=<schedule>, ...)),
         reduction.mode, axis_name=..., clip_per_shard=..., comm_dtype=..., skip_nonfinite=...)
 
-The global clip sits inside `cross_shard`, so the non-finite guard covers it. Only
+The global clip sits inside `cross_shard`, so the non-finite guard covers it. It clips as
+`optax.clip_by_global_norm` does and records the norms and whether it fired in its state
+(`xshard.clipping.GlobalClipState`), for the trainer's clipping statistics. Only
 ``learning_rate`` is injected as a hyperparameter (every other argument is passed statically),
 so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learning_rate")`` or
 ``xshard.get_hyperparams(state)["learning_rate"]``.
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
+from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
 from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
@@ -283,5 +286,5 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationE
 
     inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed)
     if clip is not None:
-        inner = optax.chain(optax.clip_by_global_norm(clip), inner)
+        inner = optax.chain(clip_by_global_norm(clip), inner)
     return cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards)

@@ -1,8 +1,8 @@
 """The two transforms after the reduction: a summary of the reduced gradient and the
 non-finite guard.
 
-* `summarize_updates` records the norm, max |g| and non-finite count of the updates passing
-  through (`xshard.stats.GradSummary`), so the trainer logs them without a second pass.
+* `summarize_updates` records the norm, max |g|, non-finite count and per-leaf norms of the
+  updates passing through (`xshard.stats.GradSummary`), so the trainer logs them without a second pass.
 * `skip_if_nonfinite` applies the inner optimizer only when the updates are finite, like
   `optax.apply_if_finite` (same state field names), but never gives up: the trainer decides
   how many skipped steps in a row are too many. After the reduction the updates are identical
@@ -11,19 +11,23 @@ non-finite guard.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.stats import GradSummary, count_nonfinite, guard_summary, summarize
+from xshard.stats import GradSummary, count_nonfinite, guard_summary, summarize, when
 
 
-def empty_summary() -> GradSummary:
-    """A `GradSummary` of zeros (distinct buffers: a donated state must not alias one twice)."""
+def empty_summary(params: Any = ()) -> GradSummary:
+    """A `GradSummary` of zeros for a gradient shaped like `params` (distinct buffers: a
+    donated state must not alias one twice)."""
     return GradSummary(
-        jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.int32),
+        jnp.zeros((len(jax.tree.leaves(params)),), jnp.float32),
     )
 
 
@@ -31,19 +35,16 @@ def summarize_updates() -> optax.GradientTransformationExtraArgs:
     """Records a `GradSummary` of the updates in its state; the updates pass unchanged.
 
     The extra update argument ``with_stats`` (a bool, may be traced) limits the work: when
-    false only max |g| and the non-finite count are computed (the norm is NaN), saving a
+    false only max |g| and the non-finite count are computed (the norms are NaN), saving a
     reduction per leaf on steps that log nothing, in the same compiled program.
     """
 
     def init_fn(params):
-        del params
-        return empty_summary()
+        return empty_summary(params)
 
     def update_fn(updates, state, params=None, *, with_stats=None, **extra_args):
         del state, params, extra_args
-        if with_stats is None:
-            return updates, summarize(updates)
-        return updates, jax.lax.cond(with_stats, summarize, guard_summary, updates)
+        return updates, when(with_stats, lambda: summarize(updates), lambda: guard_summary(updates))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -72,7 +73,9 @@ def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTran
 
     def init_fn(params):
         return SkipIfNonFiniteState(
-            jnp.zeros((), jnp.int32), jnp.ones((), jnp.bool_), jnp.zeros((), jnp.int32),
+            jnp.zeros((), jnp.int32),
+            jnp.ones((), jnp.bool_),
+            jnp.zeros((), jnp.int32),
             inner.init(params),
         )
 
@@ -121,5 +124,3 @@ def apply_always(inner: optax.GradientTransformation) -> optax.GradientTransform
         return new_updates, state._replace(inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(guarded.init, update_fn)
-
-

@@ -9,8 +9,12 @@ order in one update:
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
    (``shard_weight``); see `xshard.reduce` for where the reduction happens;
-3. `xshard.guard.summarize_updates` (``track_stats``): norm, max |g| and non-finite count of
-   the reduced gradient, kept in the state for logging without a second pass;
+3. statistics (``track_stats``), kept in the state for logging without a second pass: the
+   norm, max |g|, non-finite count and per-leaf norms of the reduced gradient
+   (`xshard.stats.summarize`, what `xshard.guard.summarize_updates` records), with the local
+   gradients' norms and the noise-scale terms (`xshard.shard_stats`) under the same
+   ``with_stats`` cond, and on the steps that ask for them per-leaf histograms
+   (`xshard.layer_stats.summarize_histograms`);
 4. `xshard.guard.skip_if_nonfinite` (``skip_nonfinite``): after the reduction, so every shard
    takes the same decision;
 5. the inner optimizer.
@@ -29,10 +33,33 @@ from xshard.guard import (
     apply_always,
     empty_summary,
     skip_if_nonfinite,
-    summarize_updates,
 )
-from xshard.reduce import AxisNames, Reduction, all_reduce, axis_tuple, per_shard_clip
-from xshard.stats import GradSummary, count_nonfinite
+from xshard.layer_stats import Histograms, summarize_histograms
+from xshard.reduce import (
+    AxisNames,
+    PerShardClipState,
+    Reduction,
+    _manual_axes,
+    _shards_in_context,
+    all_reduce,
+    axis_tuple,
+    per_shard_clip,
+)
+from xshard.shard_stats import (
+    ShardStats,
+    empty_shard_stats,
+    local_shard_stats,
+    with_reduced_norm,
+)
+from xshard.stats import (
+    Flag,
+    GradSummary,
+    count_nonfinite,
+    guard_summary,
+    summarize,
+    tree_norm,
+    when,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +80,16 @@ def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
 
 
 class CrossShardState(NamedTuple):
-    """State of `cross_shard`: the reduced gradient's summary and the guarded inner state."""
+    """State of `cross_shard`, in the order of the update's steps.
 
-    reduced: GradSummary  # norm, max |g| and non-finite count of the last reduced gradient
+    The statistics fields hold `optax.EmptyState()` when the optimizer does not record them
+    (no per-shard clipping; ``track_stats=False``).
+    """
+
+    clip: PerShardClipState | optax.EmptyState  # share of shards clipped (clip_per_shard)
+    shards: ShardStats | optax.EmptyState  # per-shard norms before clipping, noise-scale terms
+    reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
+    histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
     guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
 
     @property
@@ -98,37 +132,91 @@ def cross_shard(
       skip_nonfinite: if the reduced gradient has a NaN/Inf, leave params and inner state
         unchanged on every shard (zero updates) and count the step in the state.
       num_shards: shard count for SUM outside shard_map when no mesh is in context.
-      track_stats: record the norm, max |g| and non-finite count of the reduced gradient in
-        ``state.reduced`` (`xshard.stats.GradSummary`), for logging without a second pass.
+      track_stats: record statistics in the state for logging without a second pass: of the
+        reduced gradient its norm, max |g|, non-finite count and per-leaf norms
+        (``state.reduced``, `xshard.stats.GradSummary`) and per-leaf histograms
+        (``state.histograms``, `xshard.layer_stats.Histograms`); inside shard_map, of the
+        local gradients their norms before clipping and the noise-scale terms
+        (``state.shards``, `xshard.shard_stats.ShardStats`) and, with `clip_per_shard`, the
+        share of shards clipped (``state.clip``).
 
     Returns:
-      An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keyword
-      ``shard_weight`` (a scalar per shard) for a weighted reduction, and ``with_stats`` (a
-      bool, may be traced): when false, `track_stats` records only max |g| and the
-      non-finite count (the norm is NaN), saving a reduction per leaf on steps that log
-      nothing. Every other extra argument is forwarded to `inner`.
+      An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keywords
+      ``shard_weight`` (a scalar per shard) for a weighted reduction, and the statistics
+      flags, each None, a Python bool or a traced bool (one executable for both values):
+      ``with_stats`` (default: on every update) — when false only max |g| and the non-finite
+      count of the reduced gradient are recorded, and nothing that needs a collective;
+      ``histograms`` (default: never) — per-leaf histograms of the reduced gradient.
+      Statistics not computed on an update are NaN. Every other extra argument is forwarded
+      to `inner`.
 
     Raises:
       ValueError: at construction for an unknown reduction or bad clip value; at update time
         (`DoubleReductionError`) when gradients are already reduced over the axis.
     """
-    clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axis_name)
-    reduce = all_reduce(
-        reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards
-    )
-    summary = summarize_updates()
+    axes = axis_tuple(axis_name)
+    mode = Reduction.parse(reduction)
+    clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes)
+    reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
+    hists = summarize_histograms()
     guard = (skip_if_nonfinite if skip_nonfinite else apply_always)(inner)
     empty = optax.EmptyState()
 
     def init_fn(params):
-        return CrossShardState(empty_summary(), guard.init(params))
+        return CrossShardState(
+            empty if clip is None else clip.init(params),
+            empty_shard_stats() if track_stats else empty,
+            empty_summary(params),
+            hists.init(params) if track_stats else empty,
+            guard.init(params),
+        )
 
-    def update_fn(updates, state, params=None, *, shard_weight=None, with_stats=None, **extra_args):
+    def update_fn(
+        updates,
+        state,
+        params=None,
+        *,
+        shard_weight=None,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        **extra_args,
+    ):
+        per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
+        local_norm = tree_norm(updates) if clip is not None and per_shard else None
+        raw = updates
+        clip_state = state.clip
         if clip is not None:
-            updates, _ = clip.update(updates, empty, params)
+            updates, clip_state = clip.update(
+                updates,
+                state.clip,
+                params,
+                with_stats=with_stats if track_stats else False,
+                local_norm=local_norm,
+            )
         updates, _ = reduce.update(updates, empty, params, shard_weight=shard_weight)
+        shards, histogram_state = state.shards, state.histograms
         if track_stats:
-            _, reduced = summary.update(updates, state.reduced, with_stats=with_stats)
+            # One cond for the reduced gradient's summary and the per-shard statistics (the
+            # local gradients stay alive until then, as the reduction's input).
+            def statistics():
+                reduced = summarize(updates)
+                if not per_shard:
+                    return reduced, shards
+                local, use_reduced = local_shard_stats(
+                    raw,
+                    axes,
+                    norm=local_norm,
+                    clip_norm=clip_per_shard,
+                    weighted=shard_weight is not None,
+                )
+                summed = _shards_in_context(axes, None) if mode is Reduction.SUM else 1
+                return reduced, with_reduced_norm(local, use_reduced, reduced.norm, summed)
+
+            def no_statistics():
+                return guard_summary(updates), empty_shard_stats() if per_shard else shards
+
+            reduced, shards = when(with_stats, statistics, no_statistics)
+            _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
         elif skip_nonfinite:
             reduced = state.reduced._replace(nonfinite=count_nonfinite(updates))
         else:
@@ -136,7 +224,7 @@ def cross_shard(
         updates, guarded = guard.update(
             updates, state.guard, params, nonfinite=reduced.nonfinite, **extra_args
         )
-        return updates, CrossShardState(reduced, guarded)
+        return updates, CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
 
     update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
         Reduction.parse(reduction),

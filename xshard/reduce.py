@@ -19,11 +19,14 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from xshard.clipping import clip_to_norm
+from xshard.stats import tree_norm, when
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +196,15 @@ def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def per_shard_clip(max_norm: float, axis_name: AxisNames = "data") -> optax.GradientTransformation:
+class PerShardClipState(NamedTuple):
+    """State of `per_shard_clip`."""
+
+    clipped_fraction: jax.Array  # f32: share of shards clipped on the last statistics step
+
+
+def per_shard_clip(
+    max_norm: float, axis_name: AxisNames = "data"
+) -> optax.GradientTransformationExtraArgs:
     """`optax.clip_by_global_norm` of each shard's own gradient, before the reduction.
 
     TF reduced late for this: one shard's huge gradient must not dominate the others. Must run
@@ -203,6 +214,12 @@ def per_shard_clip(max_norm: float, axis_name: AxisNames = "data") -> optax.Grad
       max_norm: the global norm each shard's local gradient is clipped to (> 0).
       axis_name: the data-parallel mesh axis, or axes, the gradients vary over.
 
+    Returns:
+      A transformation with state `PerShardClipState`. Its `update` takes the extra
+      arguments ``with_stats`` (None, a bool or a traced bool: record the fraction of shards
+      that were clipped, one scalar ``pmean``; None: on every update, False: never, NaN) and
+      ``local_norm`` (this shard's gradient norm, if the caller already computed it).
+
     Raises:
       ValueError: for a `max_norm` that is not > 0; at update time,
         `PerShardGradientsRequired` outside shard_map and `DoubleReductionError` for
@@ -211,13 +228,20 @@ def per_shard_clip(max_norm: float, axis_name: AxisNames = "data") -> optax.Grad
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
         raise ValueError(f"clip_per_shard must be > 0 or None, got {max_norm!r}.")
     axes = axis_tuple(axis_name)
-    clip = optax.clip_by_global_norm(max_norm)
 
-    def update_fn(updates, state, params=None):
+    def init_fn(params):
+        del params
+        return PerShardClipState(jnp.full((), jnp.nan, jnp.float32))
+
+    def update_fn(updates, state, params=None, *, with_stats=None, local_norm=None, **extra):
+        del state, params, extra
         _require_per_shard(updates, axes, "clip_per_shard")
-        return clip.update(updates, state, params)
+        norm = tree_norm(updates) if local_norm is None else local_norm
+        clipped, fired = clip_to_norm(updates, norm, max_norm)
+        fraction = when(with_stats, lambda: jax.lax.pmean(fired.astype(jnp.float32), axes))
+        return clipped, PerShardClipState(fraction)
 
-    return optax.GradientTransformation(clip.init, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def all_reduce(
@@ -298,6 +322,7 @@ def reduce_gradients(
       The reduced gradients, identical on every shard.
     """
     if clip_per_shard is not None:
-        grads, _ = per_shard_clip(clip_per_shard, axis_name).update(grads, optax.EmptyState())
+        clip = per_shard_clip(clip_per_shard, axis_name)
+        grads, _ = clip.update(grads, clip.init(grads), with_stats=False)
     reduce = all_reduce(reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards)
     return reduce.update(grads, optax.EmptyState(), shard_weight=shard_weight)[0]

@@ -73,6 +73,18 @@ def cross_shard_state(state: optax.OptState) -> CrossShardState:
     raise ValueError(f"No cross_shard state found in a {type(state).__name__}.")
 
 
+def has_cross_shard_state(state: optax.OptState) -> bool:
+    """Whether `state` is, or holds, a `cross_shard` state."""
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CrossShardState))
+    return any(isinstance(x, CrossShardState) for x in leaves)
+
+
+def find_states(state: optax.OptState, kind: type) -> list[Any]:
+    """Every sub-state of type `kind` in `state`, depth first (e.g. the recorded clip's)."""
+    leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind))
+    return [x for x in leaves if isinstance(x, kind)]
+
+
 def inner_state(state: optax.OptState) -> optax.OptState:
     """Returns the inner optimizer's state from a `cross_shard` state (or a tree holding one).
 
@@ -107,9 +119,12 @@ def get_hyperparams(state: optax.OptState) -> dict[str, Any]:
     """Returns the current hyperparameters of the first `optax.inject_hyperparams` inside.
 
     With a schedule, ``get_hyperparams(state)["learning_rate"]`` is the rate of the last
-    update. Returns an empty dict when no inner transform injects hyperparameters.
+    update. Returns an empty dict when no inner transform injects hyperparameters. `state` is
+    a `cross_shard` state (or a tree holding one: its inner optimizer is searched) or the
+    state of any optax optimizer.
     """
+    searched = inner_state(state) if has_cross_shard_state(state) else state
     found = optax.tree.get_all_with_path(
-        inner_state(state), "hyperparams", filtering=lambda _, value: isinstance(value, dict)
+        searched, "hyperparams", filtering=lambda _, value: isinstance(value, dict)
     )
     return found[0][1] if found else {}

@@ -1,5 +1,7 @@
 """Gradient statistics computed on device, inside the compiled step.
 
+* `when` — a computation on statistics steps only: a Python bool decides at trace time (a
+  separate executable per value), a traced bool under a `lax.cond` (one executable).
 * `summarize` — norm, max |g| and non-finite count of a gradient pytree (one fused pass).
 * `shard_norm_stats` — inside shard_map: each shard's local gradient norm, combined across the
   data axes (two scalar collectives, not the gradient) into mean/max/min/std.
@@ -11,7 +13,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -19,41 +21,89 @@ import jax.numpy as jnp
 
 
 class GradSummary(NamedTuple):
-    """Scalars describing one gradient pytree."""
+    """Scalars describing one gradient pytree, and the norm of each of its leaves."""
 
     norm: jax.Array  # global L2 norm (float32)
     max_abs: jax.Array  # largest |g| (float32)
     nonfinite: jax.Array  # number of NaN/Inf elements (int32)
+    leaf_norms: jax.Array  # f32[L]: L2 norm of every leaf, in jax.tree.leaves order
 
 
 def _f32(x: jax.Array) -> jax.Array:
     return x.astype(jnp.float32)
 
 
-def summarize(tree: Any) -> GradSummary:
-    """Returns the global norm, max |g| and non-finite element count of `tree`.
+Flag = bool | jax.Array | None
 
-    The common, finite case costs one sum of squares and one max per leaf: a NaN or Inf
-    anywhere makes the (NaN-propagating) max non-finite, and only then does a second pass
-    count the bad elements and recompute the norm and max over the finite ones, so one NaN
-    does not hide how large the rest of the gradient is. `None` leaves are ignored.
+
+def when(flag: Flag, compute: Callable[[], Any], otherwise: Callable[[], Any] | None = None):
+    """`compute()` where `flag` holds, `otherwise()` (default: NaN of the same shapes) elsewhere.
+
+    Args:
+      flag: None or True: always compute; False: never (decided at trace time, nothing of
+        `compute` is in the program); a traced bool: both under one `lax.cond`, so both
+        values of the flag share one executable.
+      compute: returns a pytree of arrays.
+      otherwise: returns a pytree of the same structure, shapes and dtypes.
+
+    Returns:
+      The pytree of the branch taken.
+    """
+    if otherwise is None:
+        otherwise = lambda: nan_like(jax.eval_shape(compute))
+    if flag is None or flag is True:
+        return compute()
+    if flag is False:
+        return otherwise()
+    return jax.lax.cond(flag, compute, otherwise)
+
+
+def nan_like(shapes: Any) -> Any:
+    """NaN (zeros for integer and bool dtypes) of the shapes and dtypes of `shapes`, varying
+    over the same manual axes (inside shard_map) as the abstract values they replace."""
+
+    def fill(aval):
+        floating = jnp.issubdtype(aval.dtype, jnp.inexact)
+        value = jnp.full(aval.shape, jnp.nan if floating else 0, aval.dtype)
+        mat = getattr(aval, "manual_axis_type", None)
+        varying = tuple(sorted(getattr(mat, "varying", ()) or ()))
+        return jax.lax.pcast(value, varying, to="varying") if varying else value
+
+    return jax.tree.map(fill, shapes)
+
+
+def _no_leaves() -> GradSummary:
+    zero = jnp.zeros((), jnp.float32)
+    return GradSummary(zero, zero, jnp.zeros((), jnp.int32), jnp.zeros((0,), jnp.float32))
+
+
+def summarize(tree: Any) -> GradSummary:
+    """Returns the global norm, max |g|, non-finite element count and leaf norms of `tree`.
+
+    The common, finite case costs one sum of squares and one max per leaf (the per-leaf
+    norms come from the same sums): a NaN or Inf anywhere makes the (NaN-propagating) max
+    non-finite, and only then does a second pass count the bad elements and recompute the
+    norms and max over the finite ones, so one NaN does not hide how large the rest of the
+    gradient is. `None` leaves are ignored.
     """
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        zero = jnp.zeros((), jnp.float32)
-        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+        return _no_leaves()
     max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
-    sq = sum(jnp.sum(jnp.square(_f32(g))) for g in leaves)
+    sq = jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
 
     def finite_case():
-        return GradSummary(jnp.sqrt(sq), max_abs, jnp.zeros_like(max_abs, jnp.int32))
+        zero = jnp.zeros_like(max_abs, jnp.int32)
+        return GradSummary(jnp.sqrt(jnp.sum(sq)), max_abs, zero, jnp.sqrt(sq))
 
     def nonfinite_case():
         clean = [jnp.where(jnp.isfinite(g), _f32(g), 0.0) for g in leaves]
+        clean_sq = jnp.stack([jnp.sum(jnp.square(c)) for c in clean])
         return GradSummary(
-            jnp.sqrt(sum(jnp.sum(jnp.square(c)) for c in clean)),
+            jnp.sqrt(jnp.sum(clean_sq)),
             jnp.max(jnp.stack([jnp.max(jnp.abs(c), initial=0.0) for c in clean])),
             count_nonfinite(leaves),
+            jnp.sqrt(clean_sq),
         )
 
     return jax.lax.cond(jnp.isfinite(max_abs), finite_case, nonfinite_case)
@@ -61,18 +111,18 @@ def summarize(tree: Any) -> GradSummary:
 
 def guard_summary(tree: Any) -> GradSummary:
     """What the non-finite guard needs, at one max per leaf: max |g| and the non-finite count
-    (a second pass only when something is non-finite). The norm is NaN: not computed."""
+    (a second pass only when something is non-finite). The norms are NaN: not computed."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        zero = jnp.zeros((), jnp.float32)
-        return GradSummary(zero, zero, jnp.zeros((), jnp.int32))
+        return _no_leaves()
     max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
     nonfinite = jax.lax.cond(
         jnp.isfinite(max_abs),
         lambda: jnp.zeros_like(max_abs, jnp.int32),
         lambda: count_nonfinite(leaves),
     )
-    return GradSummary(jnp.full_like(max_abs, jnp.nan), max_abs, nonfinite)
+    nan = jnp.full_like(max_abs, jnp.nan)
+    return GradSummary(nan, max_abs, nonfinite, jnp.full((len(leaves),), jnp.nan, jnp.float32))
 
 
 def count_nonfinite(tree: Any) -> jax.Array:
@@ -91,19 +141,22 @@ def tree_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.square(_f32(x))) for x in leaves))
 
 
-def shard_norm_stats(local_grads: Any, axes: Sequence[str]) -> dict[str, jax.Array]:
+def shard_norm_stats(
+    local_grads: Any, axes: Sequence[str], norm: jax.Array | None = None
+) -> dict[str, jax.Array]:
     """Per-shard gradient norms across `axes`, to be called inside shard_map.
 
     Args:
       local_grads: this shard's gradient (varying over `axes`), before any reduction.
       axes: the manual data-parallel mesh axes.
+      norm: `tree_norm(local_grads)` if the caller already has it.
 
     Returns:
       ``shard_norm_{mean,max,min,std}`` and ``shard_sq_norm_mean`` (the mean of the squared
       per-shard norms, the small-batch term of the noise scale), identical on every shard.
     """
     axes = tuple(axes)
-    norm = tree_norm(local_grads)
+    norm = tree_norm(local_grads) if norm is None else norm
     # Two scalar collectives: sums for the moments, a max for max and -min.
     mean, sq_mean = jax.lax.pmean(jnp.stack([norm, jnp.square(norm)]), axes)
     hi, neg_lo = jax.lax.pmax(jnp.stack([norm, -norm]), axes)

@@ -6,11 +6,21 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.context import Bench
-from benchmarks.sections import collectives, compile_time, host, memory, overhead, scaling, stats
+from benchmarks.sections import (
+    collectives,
+    compile_time,
+    executables,
+    host,
+    memory,
+    overhead,
+    scaling,
+    stats,
+)
 
 SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "overhead": overhead.run,
     "stats": stats.run,
+    "executables": executables.run,
     "collectives": collectives.run,
     "memory": memory.run,
     "compile": compile_time.run,

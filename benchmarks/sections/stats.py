@@ -4,9 +4,10 @@
   none (``xshard_nostats``: `cross_shard(track_stats=False)` in shard_map, loss only), with
   ``xshard_guard`` (the non-finite guard, which needs the reduced gradient's summary) between
   them. Target: full <= 1.05x none.
-* Occasional diagnostics: a step preceded by `Trainer.diagnostics` (per-layer norms, and
-  optionally gradient histograms, fetched to the host as `Trainer.fit` does) against a plain
-  `Trainer.step`, and what that adds on average at the configured periods.
+* Occasional diagnostics: a step that also returns per-layer norms of its own gradient and
+  params (and optionally gradient histograms), fetched to the host as `Trainer.fit` does,
+  against a `Trainer.step` with statistics, and what that adds on average at the configured
+  periods.
 """
 
 from __future__ import annotations

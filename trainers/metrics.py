@@ -1,0 +1,191 @@
+"""A step's metrics: what the optimizer state records, named, and carried to the host.
+
+* `StepMetrics` — the scalars as one device vector (fetched once, on first read) and, on the
+  steps that log them, the per-layer statistics (`StepMetrics.diagnostics`).
+* `state_metrics` — the scalars `cross_shard` and the recorded global clip keep in the
+  optimizer state, named as the TensorBoard tags (README, "TensorBoard tags").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xshard.clipping import GlobalClipState
+from xshard.layer_stats import as_diagnostics
+from xshard.optimizer import CrossShardState
+from xshard.reduce import PerShardClipState
+from xshard.shard_stats import ShardStats
+from xshard.slots import find_states, get_hyperparams
+from xshard.stats import noise_scale
+
+
+@jax.tree_util.register_pytree_node_class
+class StepMetrics(Mapping[str, float]):
+    """A step's scalar metrics: one device vector, fetched to the host once, on first read.
+
+    Reading any key waits for the step to finish. Fetching one stacked vector instead of a
+    dict of ~20 scalars saves a device-to-host transfer per metric every step. It is a pytree
+    (of that vector and the per-layer arrays), so `jax.block_until_ready(metrics)` works.
+
+    Args:
+      keys: the names of `values`' entries.
+      values: float32 vector of the metrics.
+      host: host-side values merged in (e.g. the compile time).
+      hidden: names not computed on this step (statistics on a plain step).
+      diag: on steps that log per-layer statistics, their device arrays: ``grad_norms`` and
+        ``param_norms`` (per leaf) and, on histogram steps, ``grad_hist``
+        (`xshard.layer_stats.Histograms`); None on other steps.
+      diag_names: the leaf names of the rows of `diag`.
+      histograms: whether `diag` holds gradient histograms.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        values: jax.Array,
+        host: dict[str, float] | None = None,
+        hidden: frozenset[str] = frozenset(),
+        diag: dict[str, Any] | None = None,
+        diag_names: Sequence[str] = (),
+        histograms: bool = False,
+    ):
+        self.keys_ = tuple(keys)
+        self.values = values
+        self.hidden = hidden  # not computed on this step (statistics on a plain step)
+        self.diag = diag
+        self.diag_names = tuple(diag_names)
+        self.histograms = histograms
+        self._host = dict(host or {})
+        self._fetched = False
+        self._diagnostics: dict[str, Any] | None = None
+
+    def with_host_values(self, **values: float) -> StepMetrics:
+        """A copy with extra host-side values (e.g. the compile time) merged in."""
+        return StepMetrics(
+            self.keys_,
+            self.values,
+            {**self._host, **values},
+            self.hidden,
+            self.diag,
+            self.diag_names,
+            self.histograms,
+        )
+
+    @property
+    def diagnostics(self) -> dict[str, Any] | None:
+        """Per-layer statistics of this step, fetched on first read, as `Hook.on_diagnostics`
+        receives them: ``grad_norms`` and ``param_norms`` ({name: float}) and, on histogram
+        steps, ``grad_hist`` ({name: {min, max, num, sum, sum_squares, bucket_limits,
+        bucket_counts}}). The gradient is the one the optimizer applied (reduced, after
+        per-shard clipping), the params those after the update. None on other steps."""
+        if self.diag is None:
+            return None
+        if self._diagnostics is None:
+            host = jax.device_get(self.diag)
+            self._diagnostics = as_diagnostics(
+                list(self.diag_names),
+                host["grad_norms"],
+                host["param_norms"],
+                host["grad_hist"] if self.histograms else None,
+            )
+        return self._diagnostics
+
+    def _fetch(self) -> dict[str, float]:
+        if not self._fetched:
+            device = np.asarray(jax.device_get(self.values)).tolist()
+            shown = {k: v for k, v in zip(self.keys_, device, strict=True) if k not in self.hidden}
+            self._host = {**shown, **self._host}
+            self._fetched = True
+        return self._host
+
+    def tree_flatten(self):
+        aux = (
+            self.keys_,
+            tuple(self._host.items()),
+            self.hidden,
+            self.diag_names,
+            self.histograms,
+        )
+        return (self.values, self.diag), aux
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, host, hidden, names, histograms = aux
+        return cls(keys, children[0], dict(host), hidden, children[1], names, histograms)
+
+    def __getitem__(self, key: str) -> float:
+        return self._fetch()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fetch())
+
+    def __len__(self) -> int:
+        return len(self._fetch())
+
+
+def stack_metrics(metrics: dict[str, jax.Array]) -> tuple[tuple[str, ...], jax.Array]:
+    """(sorted keys, float32 vector of their values), for use inside the compiled step."""
+    keys = tuple(sorted(metrics))
+    return keys, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in keys])
+
+
+def state_metrics(
+    cs: CrossShardState,
+    opt_state: Any,
+    *,
+    own_optimizer: bool,
+    per_shard: bool,
+    batch_sizes: tuple[int, int],
+) -> tuple[dict[str, jax.Array], set[str]]:
+    """The scalars the optimizer state records, and which of them only statistics steps have.
+
+    Args:
+      cs: the `cross_shard` state of this step (the optimizer's, or the trainer's own
+        reduction's for a plain optax optimizer).
+      opt_state: the optimizer's whole state (for the learning rate and the recorded clip).
+      own_optimizer: whether `cs` belongs to the optimizer (else its skip counters mean
+        nothing: a plain optimizer skips nothing).
+      per_shard: whether per-shard gradients existed (``grad_impl=manual``).
+      batch_sizes: (examples per shard, examples per step), for the noise scale.
+
+    Returns:
+      (metrics, names of those computed on statistics steps only: NaN on the others).
+    """
+    metrics = {
+        "grad/global_norm": cs.reduced.norm,  # the reduced gradient, before the global clip
+        "grad/max_abs": cs.reduced.max_abs,
+        "grad/nonfinite": cs.reduced.nonfinite,
+    }
+    stats_only = {"grad/global_norm"}
+    if own_optimizer:
+        metrics["train/skipped_steps"] = cs.skipped_steps
+        metrics["train/consecutive_skipped"] = cs.consecutive_skipped
+    lr = get_hyperparams(opt_state).get("learning_rate")
+    if lr is not None:
+        metrics["optim/learning_rate"] = jnp.asarray(lr, jnp.float32)
+    clips = find_states(opt_state, GlobalClipState)
+    if clips:  # computed on every step by the clip itself
+        metrics["grad/clip_fired"] = clips[0].fired
+        metrics["grad/clipped_norm"] = clips[0].clipped_norm
+    if isinstance(cs.clip, PerShardClipState) and isinstance(cs.shards, ShardStats):
+        metrics["grad/shard_clip_fraction"] = cs.clip.clipped_fraction
+        stats_only.add("grad/shard_clip_fraction")
+    if per_shard and isinstance(cs.shards, ShardStats):
+        shard = {
+            "grad/shard_norm_mean": cs.shards.norm_mean,
+            "grad/shard_norm_max": cs.shards.norm_max,
+            "grad/shard_norm_min": cs.shards.norm_min,
+            "grad/shard_norm_std": cs.shards.norm_std,
+        }
+        b_small, b_big = batch_sizes
+        if b_big > b_small:
+            noise = noise_scale(cs.shards.sq_norm_mean, cs.shards.mean_sq_norm, b_small, b_big)
+            shard |= {f"grad/{k}": v for k, v in noise.items()}
+        metrics |= shard
+        stats_only |= set(shard)
+    return metrics, stats_only

@@ -1,0 +1,148 @@
+"""Per-leaf statistics of a gradient, stacked into a few arrays, and the transform that records
+its histograms in an optimizer state.
+
+The per-leaf *norms* of the reduced gradient cost nothing extra: `xshard.stats.summarize`
+takes them from the sums of squares it computes for the global norm (``GradSummary.leaf_norms``,
+on every statistics step). The *histograms* need a pass of their own, so `summarize_histograms`
+computes them only on the steps that ask (extra update argument ``histograms``). Either way a
+trainer logs per-layer statistics of the applied gradient without a second forward and
+backward pass. The arrays are stacked over the leaves, in `jax.tree.leaves` order, so the state
+holds a handful of small arrays whatever the model (and `optax.tree_map_params` never mistakes
+them for per-parameter state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from xshard.stats import histogram, nan_like, path_str, when
+
+#: Buckets of every gradient histogram.
+HISTOGRAM_BINS = 64
+
+
+_SCALARS = ("min", "max", "num", "sum", "sum_squares")
+
+
+class Histograms(NamedTuple):
+    """One histogram per leaf (row) in the fields of TensorBoard's raw histogram, packed into
+    one f32[L, 5 + 2 * bins] array (one buffer to write per step, not seven); NaN where the
+    last update did not compute them. Read it through the properties."""
+
+    table: jax.Array  # f32[L, 5 + 2 * bins]: min, max, num, sum, sum_squares, limits, counts
+
+    @property
+    def bins(self) -> int:
+        return (self.table.shape[-1] - len(_SCALARS)) // 2
+
+    def _column(self, name: str) -> jax.Array:
+        return self.table[..., _SCALARS.index(name)]
+
+    min = property(lambda self: self._column("min"))  # f32[L]
+    max = property(lambda self: self._column("max"))  # f32[L]
+    num = property(lambda self: self._column("num"))  # f32[L]: finite values counted
+    sum = property(lambda self: self._column("sum"))  # f32[L]
+    sum_squares = property(lambda self: self._column("sum_squares"))  # f32[L]
+
+    @property
+    def bucket_limits(self) -> jax.Array:
+        """f32[L, bins]: the buckets' upper edges."""
+        return self.table[..., len(_SCALARS) : len(_SCALARS) + self.bins]
+
+    @property
+    def bucket_counts(self) -> jax.Array:
+        """f32[L, bins]."""
+        return self.table[..., len(_SCALARS) + self.bins :]
+
+    def fields(self) -> dict[str, Any]:
+        """Every field by name: the five per-leaf scalars and the two per-leaf rows."""
+        out = {name: getattr(self, name) for name in _SCALARS}
+        return out | {"bucket_limits": self.bucket_limits, "bucket_counts": self.bucket_counts}
+
+
+def _shapes(num_leaves: int, bins: int) -> Histograms:
+    return Histograms(jax.ShapeDtypeStruct((num_leaves, len(_SCALARS) + 2 * bins), jnp.float32))
+
+
+def leaf_norms(tree: Any) -> jax.Array:
+    """f32[L]: the L2 norm of every leaf of `tree` (`None` leaves are not leaves)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.stack([jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves])
+
+
+def leaf_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
+    """`xshard.stats.histogram` of every leaf of `tree`, stacked into rows."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return nan_like(_shapes(0, bins))
+    rows = []
+    for x in leaves:
+        h = histogram(x, bins)
+        scalars = jnp.stack([h[name] for name in _SCALARS])
+        rows.append(jnp.concatenate([scalars, h["bucket_limits"], h["bucket_counts"]]))
+    return Histograms(jnp.stack(rows))
+
+
+def empty_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
+    """NaN `Histograms` for a gradient shaped like `tree`."""
+    return nan_like(_shapes(len(jax.tree.leaves(tree)), bins))
+
+
+def summarize_histograms(bins: int = HISTOGRAM_BINS) -> optax.GradientTransformationExtraArgs:
+    """Records the `Histograms` of the updates' leaves in its state; the updates pass unchanged.
+
+    The extra update argument ``histograms`` (None, a Python bool or a traced bool) says on
+    which updates to compute them (None or False: never; NaN then).
+    """
+
+    def init_fn(params):
+        return empty_histograms(params, bins)
+
+    def update_fn(updates, state, params=None, *, histograms=None, **extra):
+        del params, extra
+        flag = False if histograms is None else histograms
+        return updates, when(flag, lambda: leaf_histograms(updates, bins))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def leaf_names(tree: Any) -> list[str]:
+    """'a/0/b' names of the leaves of `tree`, in the order of the stacked rows."""
+    return [path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def as_diagnostics(
+    names: list[str],
+    grad_norms: np.ndarray,
+    param_norms: np.ndarray,
+    histograms: Histograms | None = None,
+) -> dict[str, Any]:
+    """The host-side dict `Hook.on_diagnostics` receives, from fetched (NumPy) arrays.
+
+    Args:
+      names: the leaf names (`leaf_names` of the params).
+      grad_norms: the gradient's per-leaf norms.
+      param_norms: the params' per-leaf norms.
+      histograms: the gradient's `Histograms`, or None.
+
+    Returns:
+      ``{"grad_norms": {name: float}, "param_norms": {name: float}}`` and, with histograms,
+      ``"grad_hist": {name: {min, max, num, sum, sum_squares, bucket_limits, bucket_counts}}``.
+    """
+    out: dict[str, Any] = {
+        "grad_norms": dict(zip(names, np.asarray(grad_norms).tolist(), strict=True)),
+        "param_norms": dict(zip(names, np.asarray(param_norms).tolist(), strict=True)),
+    }
+    if histograms is not None:
+        fields = Histograms(np.asarray(histograms.table)).fields()
+        out["grad_hist"] = {
+            name: {f: v[i] for f, v in fields.items()} for i, name in enumerate(names)
+        }
+    return out

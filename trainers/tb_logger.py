@@ -1,8 +1,10 @@
 """TensorBoard logging for a run: scalars, diagnostics, the resolved config and an hparams entry.
 
-One `tensorboardX.SummaryWriter` per run, at `<output dir>/tb`. The hparams summary is written
-into that same writer (tensorboardX's `add_hparams` would open a second one in a subfolder),
-so a multirun sweep shows one run per job in both the Scalars and the HParams dashboards.
+One `tensorboardX.SummaryWriter` per run, at ``paths.tb_dir`` (a folder named by the run's
+overrides). The hparams summary (`trainers.hparams`) is written into that same writer
+(tensorboardX's `add_hparams` would open a second one in a subfolder), so a multirun sweep
+shows one run per job in both the Scalars and the HParams dashboards; the custom-scalars
+layout puts loss, learning rate, gradient norms and throughput on one screen.
 
 Events are written through `SafeSummaryWriter`: when writing fails (disk full), the run never
 hangs. With ``logger.on_error=stop`` (the default) it stops cleanly after the current step,
@@ -16,11 +18,13 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import OmegaConf
-from tensorboardX.summary import hparams as hparams_summary
 
+from trainers import hparams as hp
+from trainers.noise_ema import NoiseScaleEMA
 from trainers.tb_writer import SafeSummaryWriter
 from trainers.trainer import Hook, TrainState
 from xshard.config_nodes import mapping, positive_number
@@ -28,7 +32,7 @@ from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FINAL_LOSS_TAG = "hparams/final_loss"
+FINAL_LOSS_TAG = hp.FINAL_LOSS_TAG
 ON_ERROR = ("stop", "continue")
 
 
@@ -44,10 +48,16 @@ class LoggerOptions:
       flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
       on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
         saved, exit 2) or "continue" training without events (one warning).
+      noise_ema_steps: time constant, in training steps, of ``grad/noise_scale_ema``'s moving
+        averages (`trainers.noise_ema`; > 0).
+      peak_flops_per_device: the accelerator's peak FLOP/s per device, for ``perf/mfu``;
+        null logs the achieved ``perf/flops_per_sec`` only (`trainers.perf`).
     """
 
     flush_secs: float = 10
     on_error: str = "stop"
+    noise_ema_steps: float = 50
+    peak_flops_per_device: float | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> LoggerOptions:
@@ -69,6 +79,15 @@ class LoggerOptions:
             raise ConfigError(
                 f"logger.on_error={opts.on_error!r}: expected one of {list(ON_ERROR)}."
             )
+        positive_number(
+            opts.noise_ema_steps, "logger.noise_ema_steps", "the averaging time in steps"
+        )
+        if opts.peak_flops_per_device is not None:
+            positive_number(
+                opts.peak_flops_per_device,
+                "logger.peak_flops_per_device",
+                "the peak FLOP/s of one device (or null)",
+            )
         return opts
 
 
@@ -79,11 +98,19 @@ class TensorBoardHook(Hook):
       logdir: the run's TensorBoard directory.
       log_every: scalar logging period in steps (the last step is always logged).
       global_batch_size: for `perf/examples_per_sec`.
-      hparams: flat dict of hyperparameters (Hydra choices and key values) for HParams.
+      hparams: ordered hyperparameters for HParams (`trainers.hparams.hparams`).
+      overridden: the hparams the command line overrode (listed first by TensorBoard).
       config_yaml: the resolved config, shown in the Text dashboard.
       num_steps: the run's total steps (to log the last one).
       flush_secs: how often the writer flushes to disk.
       on_error: "stop" or "continue" when events cannot be written (`LoggerOptions`).
+      noise_ema_steps: time constant of ``grad/noise_scale_ema`` in steps.
+      tokens_per_example: the task's tokens per example, for ``perf/tokens_per_sec``.
+      step_flops: returns the compiled step's FLOPs per device (`trainers.perf.step_flops`),
+        or None when unknown; for ``perf/flops_per_sec`` and ``perf/mfu``.
+      num_devices: devices running the step (FLOP/s are per device times this).
+      peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+      best_loss: returns the run's best loss and its step, for the HParams metrics.
 
     Raises:
       ValueError: for an `on_error` other than "stop" or "continue".
@@ -99,9 +126,16 @@ class TensorBoardHook(Hook):
         global_batch_size: int,
         num_steps: int,
         hparams: dict[str, Any] | None = None,
+        overridden: frozenset[str] = frozenset(),
         config_yaml: str | None = None,
         flush_secs: float = 10,
         on_error: str = "stop",
+        noise_ema_steps: float = 50,
+        tokens_per_example: int | None = None,
+        step_flops: Callable[[], float | None] | None = None,
+        num_devices: int = 1,
+        peak_flops_per_device: float | None = None,
+        best_loss: Callable[[], tuple[float | None, int | None]] | None = None,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {list(ON_ERROR)}.")
@@ -113,17 +147,24 @@ class TensorBoardHook(Hook):
         self.global_batch_size = global_batch_size
         self.num_steps = num_steps
         self.last_loss: float | None = None
+        self.last_step: int | None = None
         self._window_start: tuple[int, float] | None = None
-        self._noise_ema: list[float] | None = None  # [tr(Sigma), |G|^2], every step
+        self.noise_ema = NoiseScaleEMA(noise_ema_steps)
+        self.tokens_per_example = tokens_per_example
+        self._step_flops = step_flops
+        self._flops: float | None = None
+        self.num_devices = num_devices
+        self.peak_flops_per_device = peak_flops_per_device
+        self._best_loss = best_loss
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
             self.writer.add_text(
                 "config", "\n".join("    " + line for line in config_yaml.splitlines()), 0
             )
         if hparams:
-            exp, ssi, _ = hparams_summary(_hparam_values(hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.add_summary(exp)
-            self.writer.add_summary(ssi)
+            self.writer.add_summary(hp.experiment_summary(hparams, overridden))
+            self.writer.add_summary(hp.session_start_summary(hparams))
+        self.writer.add_custom_scalars(hp.custom_scalars_layout())
         self._hparams = hparams
         self._check()
         if self.writer.failure is not None and on_error == "stop":
@@ -167,10 +208,12 @@ class TensorBoardHook(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
+        self.last_step = step
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start = (step, now)  # the first step includes compilation
-        self._update_noise_ema(metrics)
+        if "grad/noise_trace" in metrics:  # every statistics step, logged or not
+            self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "perf/compile_time_s" in metrics:
             self.writer.add_scalar("perf/compile_time_s", metrics["perf/compile_time_s"], step)
         if step % self.log_every and step != self.num_steps:
@@ -179,29 +222,28 @@ class TensorBoardHook(Hook):
             if tag == "grad/noise_scale" and not math.isfinite(value):
                 continue  # undefined on steps where the |G|^2 estimate is <= 0
             self.writer.add_scalar(tag, value, step)
-        if self._noise_ema is not None and self._noise_ema[1] > 0:
-            self.writer.add_scalar(
-                "grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step
-            )
+        if self.noise_ema.value is not None:
+            self.writer.add_scalar("grad/noise_scale_ema", self.noise_ema.value, step)
         start_step, start_time = self._window_start
         if step > start_step and now > start_time:
-            rate = (step - start_step) / (now - start_time)
-            self.writer.add_scalar("perf/steps_per_sec", rate, step)
-            self.writer.add_scalar("perf/examples_per_sec", rate * self.global_batch_size, step)
+            self._log_speed((step - start_step) / (now - start_time), step)
         self._window_start = (step, now)
         self._check()
 
-    def _update_noise_ema(self, metrics: dict[str, float], decay: float = 0.95) -> None:
-        """B_simple from moving averages of its two noisy terms (McCandlish et al., App. A)."""
-        if "grad/noise_trace" not in metrics:
-            return
-        new = [metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"]]
-        if not all(map(math.isfinite, new)):
-            return
-        if self._noise_ema is None:
-            self._noise_ema = new
-        else:
-            self._noise_ema = [decay * e + (1 - decay) * x for e, x in zip(self._noise_ema, new)]
+    def _log_speed(self, steps_per_sec: float, step: int) -> None:
+        """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
+        examples = steps_per_sec * self.global_batch_size
+        self.writer.add_scalar("perf/steps_per_sec", steps_per_sec, step)
+        self.writer.add_scalar("perf/examples_per_sec", examples, step)
+        if self.tokens_per_example:
+            self.writer.add_scalar("perf/tokens_per_sec", examples * self.tokens_per_example, step)
+        if self._flops is None and self._step_flops is not None:
+            self._flops = self._step_flops()
+        if self._flops:
+            per_device = self._flops * steps_per_sec
+            self.writer.add_scalar("perf/flops_per_sec", per_device * self.num_devices, step)
+            if self.peak_flops_per_device:
+                self.writer.add_scalar("perf/mfu", per_device / self.peak_flops_per_device, step)
 
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
         for name, value in diag.get("grad_norms", {}).items():
@@ -224,11 +266,16 @@ class TensorBoardHook(Hook):
         self._check()
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
+        step = self.last_step if self.last_step is not None else step
         if self.last_loss is not None:
-            self.writer.add_scalar(FINAL_LOSS_TAG, self.last_loss, step)
+            self.writer.add_scalar(hp.FINAL_LOSS_TAG, self.last_loss, step)
+        best, _ = self._best_loss() if self._best_loss is not None else (None, None)
+        if best is not None:
+            self.writer.add_scalar(hp.BEST_LOSS_TAG, best, step)
+        self.writer.add_scalar(hp.LAST_STEP_TAG, step, step)
         if self._hparams:
-            _, _, sei = hparams_summary(_hparam_values(self._hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.add_summary(sei)
+            final_ok = self.last_loss is not None and math.isfinite(self.last_loss)
+            self.writer.add_summary(hp.session_end_summary(reason != "error" and final_ok))
         self.close()
         self._check()
         if self.writer.failure is not None and self.on_error == "stop" and reason != "error":
@@ -238,8 +285,3 @@ class TensorBoardHook(Hook):
         """Flushes and closes the writer (idempotent; never raises for a failed write)."""
         self.writer.flush()
         self.writer.close()
-
-
-def _hparam_values(hparams: dict[str, Any]) -> dict[str, bool | str | float | int]:
-    """HParams accepts bool/str/int/float only: everything else is shown as a string."""
-    return {k: v if isinstance(v, (bool, str, int, float)) else str(v) for k, v in hparams.items()}

@@ -62,6 +62,8 @@ class TrainerOptions:
     max_consecutive_nonfinite: int = MISSING
     resume_from: str | None = MISSING
     progress: bool = MISSING
+    failed_objective: float | None = MISSING
+    profile_steps: list[int] | None = MISSING
     hooks: list[Any] = MISSING
 
     def __post_init__(self) -> None:
@@ -84,6 +86,24 @@ class TrainerOptions:
         )
         if self.resume_from is not None and not self.resume_from.strip():
             raise ConfigError("trainer.resume_from='': expected a path or null.")
+        if self.failed_objective is not None:
+            finite_number(
+                self.failed_objective,
+                "trainer.failed_objective",
+                "a number, the objective a failed multirun job returns, or null",
+            )
+        if self.profile_steps is not None:
+            steps = self.profile_steps
+            if (
+                not isinstance(steps, list | tuple)
+                or len(steps) != 2
+                or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
+                or not 1 <= steps[0] <= steps[1]
+            ):
+                raise ConfigError(
+                    f"trainer.profile_steps={shown(steps)}: expected [first, last], integers "
+                    "with 1 <= first <= last (the steps to trace), or null."
+                )
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(
@@ -123,6 +143,17 @@ class DistributedOptions:
                 f"distributed.coordinator_address={shown(address)}: expected host:port of "
                 "process 0 (e.g. 10.0.0.1:1234), or null to detect it."
             )
+
+
+def finite_number(value: Any, key: str, what: str) -> float:
+    """Returns `value` if it is a finite number (not a bool).
+
+    Raises:
+      ConfigError: naming `key`, the value and `what` is expected.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key}={shown(value)}: expected {what} (finite).")
+    return value
 
 
 def finite_positive(value: Any, key: str, what: str) -> float:

@@ -31,6 +31,9 @@ from xshard.config_nodes import mapping, positive_number
 from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+# tensorboardX warns on every NaN/inf scalar (a diverging run logs dozens per step); TensorBoard
+# shows them, and the run summary reports the non-finite steps.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
 FINAL_LOSS_TAG = hp.FINAL_LOSS_TAG
 ON_ERROR = ("stop", "continue")

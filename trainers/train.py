@@ -12,7 +12,8 @@ summary (steps, skipped steps, final and best loss, the checkpoint) and writes i
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
     2   bad config or input (ConfigError), an unusable or unwritable checkpoint
         (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
-    3   training went non-finite and was stopped (NonFiniteError); earlier checkpoints intact
+    3   training went non-finite and was stopped (NonFiniteError); checkpoints written before
+        stay valid (the run summary names the latest one, or says there is none)
     75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during start-up before any
         step (nothing written): rerun the command to resume
 
@@ -28,6 +29,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.cli_help import register_help_resolver
 from trainers.console import log_to_files
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal
 from trainers.preflight import EXIT_CONFIG_ERROR
@@ -43,6 +45,7 @@ from trainers.summary import RunSummary
 from xshard.config.resolvers import register_resolvers
 
 register_resolvers()  # paths.tb_dir's; also in processes Hydra's plugin scan did not set up
+register_help_resolver()
 
 log = logging.getLogger("trainers.train")
 

@@ -43,7 +43,7 @@ def _groups() -> str:
 
 
 def _exit_codes() -> str:
-    import trainers.train as train
+    from trainers import train
 
     doc = (train.__doc__ or "").splitlines()
     start = next(i for i, line in enumerate(doc) if line.startswith("Returns the final"))

@@ -61,9 +61,19 @@ def _job() -> dict[str, Any]:
     if not HydraConfig.initialized():
         return {"num": 0, "overrides": [], "sweeper": None}
     hc = HydraConfig.get()
+    overrides = list(hc.overrides.task)
+    excluded = set(hc.job.config.override_dirname.exclude_keys)
+
+    def key(override: str) -> str:
+        return override.split("=", 1)[0].lstrip("+~")
+
     return {
         "num": int(hc.job.get("num", 0) or 0),
-        "overrides": list(hc.overrides.task),
+        "overrides": overrides,
+        # What the run's name shows: not Hydra's own keys nor those left out of dir names.
+        "shown_overrides": [
+            o for o in overrides if key(o) not in excluded and not key(o).startswith("hydra")
+        ],
         "sweeper": hc.sweeper.get("_target_"),
     }
 
@@ -103,6 +113,7 @@ def finish_job(
     record = {**_job(), **summary.record(status, message)}
     record["objective"] = summary.objective if status == COMPLETED else None
     record["written_at"] = time.time()
+    record["pid"] = os.getpid()
     if not _lead(summary):
         return record
     warn = status != COMPLETED or summary.skipped or record["objective"] is None
@@ -223,7 +234,7 @@ def sweep_table(records: list[dict[str, Any]], *, maximize: bool = False) -> str
         reason = "" if r.get("status") == COMPLETED else str(r.get("reason") or "")
         cells = [
             str(r.get("num", "")),
-            " ".join(r.get("overrides") or []) or "(none)",
+            " ".join(r.get("shown_overrides", r.get("overrides")) or []) or "(none)",
             str(r.get("status")),
             shown,
             f"{r.get('last_step')}/{r.get('num_steps')}",

@@ -1,6 +1,7 @@
 """Run summary lines, the sweep table and what a failed multirun job gives its sweeper."""
 
 import json
+import re
 
 import pytest
 
@@ -101,3 +102,34 @@ def test_sweep_table_marks_the_best_and_reads_only_this_sweeps_results(tmp_path)
     assert table[4] == "| 2 | x=c | completed | 0.25 (best) | 4/9 |  |"
     assert table[-1] == "3 jobs: 2 completed, 1 did not."
     assert "(best)" in sweep_table(records, maximize=True).splitlines()[3]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.profile_steps=[3,1]", "trainer.profile_steps=[3, 1]: expected [first, last]"),
+        ("trainer.profile_steps=[0,2]", "1 <= first <= last"),
+        ("trainer.failed_objective=nan", "trainer.failed_objective=nan: expected a number"),
+    ],
+)
+def test_new_trainer_keys_are_checked(compose_config, override, message):
+    from xshard.config import TrainerOptions, read_node
+    from xshard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        read_node(TrainerOptions, compose_config(override).trainer, "trainer")
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logger.noise_ema_steps=0", "logger.noise_ema_steps=0"),
+        ("logger.peak_flops_per_device=-1", "logger.peak_flops_per_device=-1"),
+    ],
+)
+def test_new_logger_keys_are_checked(compose_config, override, message):
+    from trainers.tb_logger import LoggerOptions
+    from xshard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LoggerOptions.from_config(compose_config(override).logger)

@@ -1,42 +1,43 @@
 """OmegaConf resolvers of xshard's configs (registered by the ``xshard_searchpath`` plugin).
 
-- ``${xshard.run_or_sweep:A,B}``: A in a single run, B in a job of a multirun (``-m``).
-- ``${xshard.run_name:}``: the run's overrides as Hydra writes them in directory names
-  (``hydra.job.override_dirname``), or the job name when there are none.
+``${xshard.tb_dir:<output dir>}``, the default of ``paths.tb_dir``: a folder named by the run,
+so that TensorBoard's run names read as the overrides.
 
-``paths.tb_dir`` uses both, so TensorBoard names every run by its overrides (see
-``xshard_train.yaml``).
+- a single run: ``<output dir>/tb/<overrides>`` (``hydra.job.override_dirname``, or the job's
+  name when there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name;
+- a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
+  job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
+  its overrides;
+- outside a Hydra app (the compose API): ``<output dir>/tb/run``.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 
-def run_or_sweep(run_value: str, sweep_value: str) -> str:
-    """`sweep_value` in a multirun job, `run_value` otherwise."""
+def tb_dir(output_dir: str) -> str:
+    """The run's TensorBoard folder (module docstring)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    return sweep_value if multirun else run_value
-
-
-def run_name() -> str:
-    """``hydra.job.override_dirname`` (path separators replaced), or the job's name."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
-        return "run"
-    job = HydraConfig.get().job
-    name = job.override_dirname or job.name or "run"
-    return name.replace(os.sep, "_")
+        return str(Path(output_dir) / "tb" / "run")
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
+    return str(Path(output_dir) / "tb" / _safe(hc.job.override_dirname or hc.job.name or "run"))
+
+
+def _safe(name: str) -> str:
+    """One path component: separators in override values (paths) become underscores."""
+    return str(name).replace(os.sep, "_")
 
 
 def register_resolvers() -> None:
     """Registers the resolvers above (idempotent)."""
-    for name, fn in (("xshard.run_or_sweep", run_or_sweep), ("xshard.run_name", run_name)):
-        if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+    if not OmegaConf.has_resolver("xshard.tb_dir"):
+        OmegaConf.register_new_resolver("xshard.tb_dir", tb_dir)

@@ -241,7 +241,9 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         ProgressHook(start_step=start_step, num_steps=num_steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
-        hooks.append(CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config))
+        checkpoints = CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config)
+        checkpoints.prepare(state)  # compiles its check now, not during the first save
+        hooks.append(checkpoints)
 
     hooks += user_hooks  # after the built-in ones
 

@@ -4,7 +4,10 @@
 so that TensorBoard's run names read as the overrides.
 
 - a single run: ``<output dir>/tb/<overrides>`` (``hydra.job.override_dirname``, or the job's
-  name when there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name;
+  name when there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
+  A rerun in the same output dir continues the same run (it resumes from its checkpoints),
+  so it writes to the folder already there (the latest, if several), whatever its own
+  overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
 - a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
   job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
   its overrides;
@@ -29,7 +32,11 @@ def tb_dir(output_dir: str) -> str:
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
         return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
-    return str(Path(output_dir) / "tb" / _safe(hc.job.override_dirname or hc.job.name or "run"))
+    root = Path(output_dir) / "tb"
+    existing = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    if existing:  # a rerun in the same dir: the run's own folder
+        return str(max(existing, key=lambda p: p.stat().st_mtime))
+    return str(root / _safe(hc.job.override_dirname or hc.job.name or "run"))
 
 
 def _safe(name: str) -> str:

@@ -94,3 +94,21 @@ def test_tensorboard_serves_the_overrides_first_and_the_session_status(composed,
     assert runs["bad"]["hparams"]["optimizer.learning_rate"] == 1e4
     assert runs["good"]["hparams"]["clip"] == "null"
     assert "xshard_schemas/optimizer@optimizer" not in runs["good"]["hparams"]
+
+
+def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    from tests.cli import load_events
+
+    hook = TensorBoardHook(str(tmp_path), log_every=1, global_batch_size=8, num_steps=1)
+    hook.close()
+    events = load_events(tmp_path)
+    (tensor,) = events.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    layout = layout_pb2.Layout.FromString(tensor.tensor_proto.string_val[0])
+    (category,) = layout.category
+    titles = [chart.title for chart in category.chart]
+    assert category.title == "xshard" and titles[:2] == ["loss", "learning rate"]
+    assert "throughput" in titles
+    loss = category.chart[0].multiline.tag
+    assert list(loss) == ["^train/loss$"]

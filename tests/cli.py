@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -40,9 +41,22 @@ def run_train(
     return proc
 
 
+def events_dir(tb_dir: Path) -> Path:
+    """The folder holding a run's event files: `tb_dir` itself, or its one subfolder that does
+    (a run writes to ``<output dir>/tb/<run name>``)."""
+    tb_dir = Path(tb_dir)
+    if any(tb_dir.glob("events.out.tfevents.*")):
+        return tb_dir
+    found = sorted({p.parent for p in tb_dir.glob("*/events.out.tfevents.*")})
+    assert len(found) == 1, f"expected one run's events under {tb_dir}, found {found}"
+    return found[0]
+
+
 def load_events(tb_dir: Path) -> EventAccumulator:
-    """Reads a run's event files with TensorBoard's own reader."""
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
+    """Reads a run's event files with TensorBoard's own reader (`events_dir` of `tb_dir`)."""
+    acc = EventAccumulator(
+        str(events_dir(tb_dir)), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0}
+    )
     acc.Reload()
     return acc
 
@@ -50,3 +64,48 @@ def load_events(tb_dir: Path) -> EventAccumulator:
 def scalars(tb_dir: Path, tag: str) -> dict[int, float]:
     """{step: value} of one scalar tag."""
     return {e.step: e.value for e in load_events(tb_dir).Scalars(tag)}
+
+
+def hparams_dashboard(logdir: Path, limit: int | None = None) -> dict[str, Any]:
+    """What TensorBoard's HParams plugin serves for `logdir` (its own backend, no server).
+
+    Returns:
+      ``{"hparams": [names, in the plugin's order, at most `limit`], "metrics": [tags],
+      "runs": {run: {"hparams": {name: value}, "status": "STATUS_..."}}}``.
+    """
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, metadata
+
+    mux = plugin_event_multiplexer.EventMultiplexer()
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    provider = data_provider.MultiplexerDataProvider(mux, str(logdir))
+    backend = backend_context.Context(
+        base_plugin.TBContext(logdir=str(logdir), data_provider=provider, multiplexer=mux)
+    )
+    rc = context.RequestContext()
+    content = backend.hparams_metadata(rc, "")
+    experiment = backend.experiment_from_metadata(
+        rc, "", True, content, backend.hparams_from_data_provider(rc, "", 1000), limit
+    )
+    runs = {}
+    for run, tags in content.items():
+        start = metadata.parse_session_start_info_plugin_data(tags[metadata.SESSION_START_INFO_TAG])
+        values = {
+            k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind"))
+            for k, v in start.hparams.items()
+        }
+        end = tags.get(metadata.SESSION_END_INFO_TAG)
+        status = (
+            api_pb2.Status.Name(metadata.parse_session_end_info_plugin_data(end).status)
+            if end is not None
+            else None
+        )
+        runs[run] = {"hparams": values, "status": status}
+    return {
+        "hparams": [h.name for h in experiment.hparam_infos],
+        "metrics": [m.name.tag for m in experiment.metric_infos],
+        "runs": runs,
+    }

@@ -72,6 +72,8 @@ def test_long_values_are_elided_in_messages():
         max_consecutive_nonfinite=0,
         resume_from=None,
         progress=False,
+        failed_objective=None,
+        profile_steps=None,
         hooks=[],
     )
     with pytest.raises(ConfigError) as err:

@@ -94,17 +94,18 @@ def test_multirun_sweep_gives_one_run_per_job_and_sum_is_8x_mean(tmp_path):
         cwd=tmp_path,
     )
     runs = {}
-    for tb in sweep.glob("*/tb"):  # each job's dir is named by its overrides
-        overrides = dict(item.split("=", 1) for item in tb.parent.name.split(","))
-        runs[overrides["optimizer"], overrides["reduction"]] = tb.parent
+    for tb in (sweep / "tb").iterdir():  # one TensorBoard run per job, named by its overrides
+        overrides = dict(item.split("=", 1) for item in tb.name.split(","))
+        runs[overrides["optimizer"], overrides["reduction"]] = tb
+        assert (sweep / tb.name / "result.json").is_file()  # the job's own dir, same name
     assert sorted(runs) == [(o, r) for o in ("adam", "sgd") for r in ("mean", "sum")]
     for run in runs.values():
-        events = load_events(run / "tb")
+        events = load_events(run)
         assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
         assert len(events.Scalars("train/loss")) == 3
     for opt in ("sgd", "adam"):
-        total = scalars(runs[opt, "sum"] / "tb", "grad/global_norm")[1]
-        mean = scalars(runs[opt, "mean"] / "tb", "grad/global_norm")[1]
+        total = scalars(runs[opt, "sum"], "grad/global_norm")[1]
+        mean = scalars(runs[opt, "mean"], "grad/global_norm")[1]
         np.testing.assert_allclose(total, 8 * mean, rtol=1e-6)
 
 

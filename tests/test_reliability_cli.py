@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.cli import events_dir
 from tests.reliability_helpers import (
     assert_bitwise_equal,
     load_state,
@@ -83,7 +84,7 @@ def check(result: subprocess.CompletedProcess, code: int) -> None:
 
 
 def scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc = EventAccumulator(str(events_dir(run_dir / "tb")), size_guidance={"scalars": 0})
     acc.Reload()
     return sorted((e.step, e.value) for e in acc.Scalars(tag))
 
@@ -328,4 +329,4 @@ def test_user_targets_work_once_allowed(tmp_path):
     )
     check(allowed, 0)
     assert "my_sgd called" in allowed.stdout
-    assert "Finished (done) at step 3" in allowed.stdout + allowed.stderr
+    assert "Run completed (done) at step 3" in allowed.stdout + allowed.stderr

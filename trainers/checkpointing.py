@@ -179,6 +179,15 @@ class CheckpointHook(Hook):
         self._trained = False  # whether this run trained a step (else "stopped" saves nothing)
         quiet_io_error_noise()
 
+    def prepare(self, state: TrainState) -> None:
+        """Compiles the integrity check for `state`'s shapes and shardings now, at start-up.
+
+        Otherwise its first call, inside the first save, compiles it while the step loop
+        waits (seconds for tiny_gpt on CPU; docs/benchmarks.md). It runs once on `state`
+        (sums over the arrays, no copy), which fills `jax.jit`'s cache for later saves.
+        """
+        jax.block_until_ready(_integrity(state))
+
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self._trained = True
 

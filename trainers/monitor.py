@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from trainers.summary import format_loss
 from trainers.trainer import Hook, TrainState
 from xshard.errors import ConfigError
 
@@ -71,14 +74,23 @@ class NonFiniteMonitor(Hook):
             raise NonFiniteError(
                 f"{run} consecutive steps with a non-finite gradient were skipped (up to step "
                 f"{step}), more than trainer.max_consecutive_nonfinite={self.max_consecutive}: "
-                "stopping. Check the data and the learning rate; the last checkpoint is intact."
+                "stopping. Check the data and the learning rate."
             )
 
 
 class ProgressHook(Hook):
-    """A tqdm progress bar on stderr: steps, loss, steps/s."""
+    """A tqdm progress bar on stderr: steps, loss, steps/s.
+
+    While the bar is shown, console log records are written through `tqdm.write`
+    (`tqdm.contrib.logging.logging_redirect_tqdm`), above the bar instead of onto it. When the
+    run ends the bar shows the last step's loss, as the run summary does (`format_loss`).
+    """
 
     def __init__(self, *, start_step: int, num_steps: int, enabled: bool = True):
+        self._redirect = logging_redirect_tqdm() if enabled else contextlib.nullcontext()
+        self._redirect.__enter__()
+        self._loss: float | None = None
+        self._postfix: dict[str, str] = {}
         self.bar = tqdm(
             total=num_steps,
             initial=start_step,
@@ -93,15 +105,21 @@ class ProgressHook(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.update(step - self.bar.n)
+        self._loss = metrics.get("train/loss", self._loss)
         last_step, last_time = self._last
         now = time.perf_counter()
         if now - last_time >= 1.0:
-            self.bar.set_postfix(
-                loss=f"{metrics.get('train/loss', float('nan')):.4f}",
-                steps_per_s=f"{(step - last_step) / (now - last_time):.1f}",
-                refresh=False,
-            )
+            self._postfix = {
+                "loss": format_loss(self._loss),
+                "steps_per_s": f"{(step - last_step) / (now - last_time):.1f}",
+            }
+            self.bar.set_postfix(self._postfix, refresh=False)
             self._last = (step, now)
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
-        self.bar.close()
+        try:
+            if self._loss is not None:  # the last step's loss, as the run summary says
+                self.bar.set_postfix({**self._postfix, "loss": format_loss(self._loss)})
+            self.bar.close()
+        finally:
+            self._redirect.__exit__(None, None, None)

@@ -1,5 +1,5 @@
 """What `trainers.train` builds from the config before training: the task, the user's hooks,
-the distributed runtime, the HParams entry, and the checks that join config nodes.
+the distributed runtime, and the checks that join config nodes (HParams: `trainers.hparams`).
 
 Each builder reads the composed config and raises `xshard.ConfigError` naming the key.
 """
@@ -12,26 +12,6 @@ from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     from xshard.config import DistributedOptions
-
-
-def hparams(cfg: DictConfig) -> dict[str, Any]:
-    """The HParams entry: Hydra's group choices plus the values people sweep most."""
-    from hydra.core.hydra_config import HydraConfig
-
-    choices = {}
-    if HydraConfig.initialized():
-        runtime = HydraConfig.get().runtime.choices
-        choices = {k: v for k, v in runtime.items() if not k.startswith("hydra/") and v is not None}
-    return {
-        **choices,
-        "seed": cfg.seed,
-        "optimizer.learning_rate": cfg.optimizer.learning_rate,
-        "reduction.mode": cfg.reduction.mode,
-        "trainer.batch_size": cfg.trainer.batch_size,
-        "trainer.microbatches": cfg.trainer.microbatches,
-        "trainer.grad_impl": cfg.trainer.grad_impl,
-        "clip": cfg.clip,
-    }
 
 
 def build_task(cfg: DictConfig) -> Any:

@@ -1,8 +1,10 @@
 """TensorBoard logging for a run: scalars, diagnostics, the resolved config and an hparams entry.
 
-One `tensorboardX.SummaryWriter` per run, at `<output dir>/tb`. The hparams summary is written
-into that same writer (tensorboardX's `add_hparams` would open a second one in a subfolder),
-so a multirun sweep shows one run per job in both the Scalars and the HParams dashboards.
+One `tensorboardX.SummaryWriter` per run, at ``paths.tb_dir`` (a folder named by the run's
+overrides). The hparams summary (`trainers.hparams`) is written into that same writer
+(tensorboardX's `add_hparams` would open a second one in a subfolder), so a multirun sweep
+shows one run per job in both the Scalars and the HParams dashboards; the custom-scalars
+layout puts loss, learning rate, gradient norms and throughput on one screen.
 
 Events are written through `SafeSummaryWriter`: when writing fails (disk full), the run never
 hangs. With ``logger.on_error=stop`` (the default) it stops cleanly after the current step,
@@ -15,17 +17,21 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
-from tensorboardX.summary import hparams as hparams_summary
-
+from trainers import hparams as hp
+from trainers.noise_ema import NoiseScaleEMA
 from trainers.tb_writer import SafeSummaryWriter
 from trainers.trainer import Hook, TrainState
 from xshard.config.outputs import ON_ERROR
 
 logger = logging.getLogger(__name__)
+# tensorboardX warns on every NaN/inf scalar (a diverging run logs dozens per step); TensorBoard
+# shows them, and the run summary reports the non-finite steps.
+logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
 
-FINAL_LOSS_TAG = "hparams/final_loss"
+FINAL_LOSS_TAG = hp.FINAL_LOSS_TAG
 
 
 class LoggerError(Exception):
@@ -39,11 +45,19 @@ class TensorBoardHook(Hook):
       logdir: the run's TensorBoard directory.
       log_every: scalar logging period in steps (the last step is always logged).
       global_batch_size: for `perf/examples_per_sec`.
-      hparams: flat dict of hyperparameters (Hydra choices and key values) for HParams.
+      hparams: ordered hyperparameters for HParams (`trainers.hparams.hparams`).
+      overridden: the hparams the command line overrode (listed first by TensorBoard).
       config_yaml: the resolved config, shown in the Text dashboard.
       num_steps: the run's total steps (to log the last one).
       flush_secs: how often the writer flushes to disk.
       on_error: "stop" or "continue" when events cannot be written (`LoggerOptions`).
+      noise_ema_steps: time constant of ``grad/noise_scale_ema`` in steps.
+      tokens_per_example: the task's tokens per example, for ``perf/tokens_per_sec``.
+      step_flops: returns the compiled step's FLOPs per device (`trainers.perf.step_flops`),
+        or None when unknown; for ``perf/flops_per_sec`` and ``perf/mfu``.
+      num_devices: devices running the step (FLOP/s are per device times this).
+      peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+      best_loss: returns the run's best loss and its step, for the HParams metrics.
 
     Raises:
       ValueError: for an `on_error` other than "stop" or "continue".
@@ -59,9 +73,16 @@ class TensorBoardHook(Hook):
         global_batch_size: int,
         num_steps: int,
         hparams: dict[str, Any] | None = None,
+        overridden: frozenset[str] = frozenset(),
         config_yaml: str | None = None,
         flush_secs: float = 10,
         on_error: str = "stop",
+        noise_ema_steps: float = 50,
+        tokens_per_example: int | None = None,
+        step_flops: Callable[[], float | None] | None = None,
+        num_devices: int = 1,
+        peak_flops_per_device: float | None = None,
+        best_loss: Callable[[], tuple[float | None, int | None]] | None = None,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {list(ON_ERROR)}.")
@@ -73,8 +94,15 @@ class TensorBoardHook(Hook):
         self.global_batch_size = global_batch_size
         self.num_steps = num_steps
         self.last_loss: float | None = None
+        self.last_step: int | None = None
         self._window_start: tuple[int, float] | None = None
-        self._noise_ema: list[float] | None = None  # [tr(Sigma), |G|^2], every step
+        self.noise_ema = NoiseScaleEMA(noise_ema_steps)
+        self.tokens_per_example = tokens_per_example
+        self._step_flops = step_flops
+        self._flops: float | None = None
+        self.num_devices = num_devices
+        self.peak_flops_per_device = peak_flops_per_device
+        self._best_loss = best_loss
         self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
@@ -82,9 +110,9 @@ class TensorBoardHook(Hook):
                 "config", "\n".join("    " + line for line in config_yaml.splitlines()), 0
             )
         if hparams:
-            exp, ssi, _ = hparams_summary(_hparam_values(hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.add_summary(exp)
-            self.writer.add_summary(ssi)
+            self.writer.add_summary(hp.experiment_summary(hparams, overridden))
+            self.writer.add_summary(hp.session_start_summary(hparams))
+        self.writer.add_custom_scalars(hp.custom_scalars_layout())
         self._hparams = hparams
         self._check()
         if self.writer.failure is not None and on_error == "stop":
@@ -128,10 +156,12 @@ class TensorBoardHook(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
+        self.last_step = step
         now = time.perf_counter()
         if self._window_start is None:
             self._window_start = (step, now)  # the first step includes compilation
-        self._update_noise_ema(metrics)
+        if "grad/noise_trace" in metrics:  # every statistics step, logged or not
+            self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "grad/clip_fired" in metrics:
             self._clip_fired.append(metrics["grad/clip_fired"])
         if "perf/compile_time_s" in metrics:
@@ -146,29 +176,28 @@ class TensorBoardHook(Hook):
             rate = sum(self._clip_fired) / len(self._clip_fired)
             self.writer.add_scalar("grad/clip_fired_rate", rate, step)
             self._clip_fired = []
-        if self._noise_ema is not None and self._noise_ema[1] > 0:
-            self.writer.add_scalar(
-                "grad/noise_scale_ema", self._noise_ema[0] / self._noise_ema[1], step
-            )
+        if self.noise_ema.value is not None:
+            self.writer.add_scalar("grad/noise_scale_ema", self.noise_ema.value, step)
         start_step, start_time = self._window_start
         if step > start_step and now > start_time:
-            rate = (step - start_step) / (now - start_time)
-            self.writer.add_scalar("perf/steps_per_sec", rate, step)
-            self.writer.add_scalar("perf/examples_per_sec", rate * self.global_batch_size, step)
+            self._log_speed((step - start_step) / (now - start_time), step)
         self._window_start = (step, now)
         self._check()
 
-    def _update_noise_ema(self, metrics: dict[str, float], decay: float = 0.95) -> None:
-        """B_simple from moving averages of its two noisy terms (McCandlish et al., App. A)."""
-        if "grad/noise_trace" not in metrics:
-            return
-        new = [metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"]]
-        if not all(map(math.isfinite, new)):
-            return
-        if self._noise_ema is None:
-            self._noise_ema = new
-        else:
-            self._noise_ema = [decay * e + (1 - decay) * x for e, x in zip(self._noise_ema, new)]
+    def _log_speed(self, steps_per_sec: float, step: int) -> None:
+        """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
+        examples = steps_per_sec * self.global_batch_size
+        self.writer.add_scalar("perf/steps_per_sec", steps_per_sec, step)
+        self.writer.add_scalar("perf/examples_per_sec", examples, step)
+        if self.tokens_per_example:
+            self.writer.add_scalar("perf/tokens_per_sec", examples * self.tokens_per_example, step)
+        if self._flops is None and self._step_flops is not None:
+            self._flops = self._step_flops()
+        if self._flops:
+            per_device = self._flops * steps_per_sec
+            self.writer.add_scalar("perf/flops_per_sec", per_device * self.num_devices, step)
+            if self.peak_flops_per_device:
+                self.writer.add_scalar("perf/mfu", per_device / self.peak_flops_per_device, step)
 
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
         for name, value in diag.get("grad_norms", {}).items():
@@ -191,11 +220,16 @@ class TensorBoardHook(Hook):
         self._check()
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
+        step = self.last_step if self.last_step is not None else step
         if self.last_loss is not None:
-            self.writer.add_scalar(FINAL_LOSS_TAG, self.last_loss, step)
+            self.writer.add_scalar(hp.FINAL_LOSS_TAG, self.last_loss, step)
+        best, _ = self._best_loss() if self._best_loss is not None else (None, None)
+        if best is not None:
+            self.writer.add_scalar(hp.BEST_LOSS_TAG, best, step)
+        self.writer.add_scalar(hp.LAST_STEP_TAG, step, step)
         if self._hparams:
-            _, _, sei = hparams_summary(_hparam_values(self._hparams), {FINAL_LOSS_TAG: 0.0})
-            self.writer.add_summary(sei)
+            final_ok = self.last_loss is not None and math.isfinite(self.last_loss)
+            self.writer.add_summary(hp.session_end_summary(reason != "error" and final_ok))
         self.close()
         self._check()
         if self.writer.failure is not None and self.on_error == "stop" and reason != "error":
@@ -205,8 +239,3 @@ class TensorBoardHook(Hook):
         """Flushes and closes the writer (idempotent; never raises for a failed write)."""
         self.writer.flush()
         self.writer.close()
-
-
-def _hparam_values(hparams: dict[str, Any]) -> dict[str, bool | str | float | int]:
-    """HParams accepts bool/str/int/float only: everything else is shown as a string."""
-    return {k: v if isinstance(v, (bool, str, int, float)) else str(v) for k, v in hparams.items()}

@@ -134,6 +134,10 @@ class SafeSummaryWriter:
         """`SummaryWriter.add_histogram_raw` (dropped after a failure)."""
         self._call("add_histogram_raw", tag, **kwargs)
 
+    def add_custom_scalars(self, layout: dict[str, dict[str, list]]) -> None:
+        """`SummaryWriter.add_custom_scalars`: the Custom Scalars dashboard's layout."""
+        self._call("add_custom_scalars", layout)
+
     def add_summary(self, summary: Any, step: int | None = None) -> None:
         """Writes a prebuilt `Summary` proto, e.g. an hparams summary (dropped after a failure)."""
         if not self._closed and self.ok():

@@ -4,16 +4,21 @@
     python -m trainers.train -m reduction=sum,mean optimizer=sgd,adam      # a sweep
     python -m trainers.train task=mlp hydra.run.dir=runs/a    # rerun it to resume from runs/a
 
-Returns the final training loss, so optimizing sweepers can use it. Exit status (see
-docs/reliability.md):
+Returns the final training loss, so optimizing sweepers can use it. Every run ends with a
+summary (steps, skipped steps, final and best loss, the checkpoint) and writes it to
+``<output dir>/result.json``. Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
     2   bad config or input (ConfigError), an unusable or unwritable checkpoint
         (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
-    3   training went non-finite and was stopped (NonFiniteError); earlier checkpoints intact
+    3   training went non-finite and was stopped (NonFiniteError); checkpoints written before
+        stay valid (the run summary names the latest one, or says there is none)
     75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during start-up before any
         step (nothing written): rerun the command to resume
+
+In a multirun (``-m``) a job that fails or diverges does not exit: it is recorded and the sweep
+goes on (`trainers.sweep`, docs/sweeps.md); a signal still stops the sweep (75).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.cli_help import register_help_resolver
+from trainers.console import log_to_files
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal
 from trainers.preflight import EXIT_CONFIG_ERROR
 from trainers.setup import (
@@ -31,9 +38,13 @@ from trainers.setup import (
     build_hooks,
     build_task,
     check_reduction_axes,
-    hparams,
     init_distributed,
 )
+from trainers.summary import RunSummary
+from xshard.config.resolvers import register_resolvers
+
+register_resolvers()  # paths.tb_dir's; also in processes Hydra's plugin scan did not set up
+register_help_resolver()
 
 log = logging.getLogger("trainers.train")
 
@@ -41,11 +52,15 @@ log = logging.getLogger("trainers.train")
 EXIT_NONFINITE = 3
 
 
-def train(cfg: DictConfig) -> float:
+def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
     """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
 
     SIGTERM/SIGINT are handled from the start (`StopOnSignal`): a signal during start-up
     stops the run before its first step.
+
+    Args:
+      cfg: the composed config.
+      summary: records what the run did (a new one if None), also when it fails.
 
     Returns:
       The final training loss.
@@ -59,10 +74,10 @@ def train(cfg: DictConfig) -> float:
       Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
     """
     with StopOnSignal() as stop:
-        return _train(cfg, stop)
+        return _train(cfg, stop, summary or RunSummary())
 
 
-def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
+def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s body; `stop` is the run's `StopOnSignal`."""
     from trainers.allowlist import log_active_prefixes
 
@@ -100,10 +115,13 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
     from trainers.checkpoint_io import check_checkpoint_space
     from trainers.checkpointing import CheckpointHook, run_config
     from trainers.ckpt_owner import claim_checkpoint_dir
+    from trainers.hparams import hparams
     from trainers.monitor import NonFiniteMonitor, ProgressHook
+    from trainers.perf import ProfileHook, step_flops
     from trainers.preemption import Preempted
     from trainers.preflight import check_batch_fits, check_writable_dir
     from trainers.resume import find_resume_source, restore_checkpoint
+    from trainers.tasks.base import tokens_per_example
     from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
     from xshard.errors import ConfigError
@@ -193,26 +211,45 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
         raise stop.stopped_during_start_up(start_step)
 
     # ------------------------------------------------------------------ hooks
+    summary.begin(
+        num_steps=num_steps,
+        start_step=start_step,
+        checkpoint_dir=cfg.paths.checkpoint_dir if ckpt.enabled else None,
+    )
     lead = jax.process_index() == 0  # logs and the progress bar come from one process
-    hooks = [monitor]  # first: a bad step raises before any other hook sees it
+    # The monitor comes before the hooks that act on a step: a bad step raises before they
+    # see it. The summary only records, so it sees the step that diverged too.
+    hooks = [summary, monitor]
     if lead:
+        values, overridden = hparams(cfg)
         hooks.append(
             TensorBoardHook(
                 cfg.paths.tb_dir,
                 log_every=opts.log_every,
                 global_batch_size=opts.batch_size,
                 num_steps=num_steps,
-                hparams=hparams(cfg),
+                hparams=values,
+                overridden=overridden,
                 config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
                 flush_secs=logger_opts.flush_secs,
                 on_error=logger_opts.on_error,
+                noise_ema_steps=logger_opts.noise_ema_steps,
+                tokens_per_example=tokens_per_example(task),
+                step_flops=lambda: step_flops(trainer.compiled),
+                num_devices=mesh.size,
+                peak_flops_per_device=logger_opts.peak_flops_per_device,
+                best_loss=lambda: (summary.best_loss, summary.best_step),
             )
         )
+        if opts.profile_steps is not None:
+            hooks.append(ProfileHook(cfg.paths.tb_dir, *opts.profile_steps, start_step=start_step))
     hooks.append(
         ProgressHook(start_step=start_step, num_steps=num_steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
-        hooks.append(CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config))
+        checkpoints = CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config)
+        checkpoints.prepare(state)  # compiles its check now, not during the first save
+        hooks.append(checkpoints)
 
     hooks += user_hooks  # after the built-in ones
 
@@ -239,10 +276,6 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
     if stop() and step == start_step < num_steps:  # the signal came before the first step
         raise stop.stopped_during_start_up(start_step)
     final = monitor.last_loss
-    log.info("Finished (%s) at step %d, final loss %.5f.", reason, step, final)
-    log.info(
-        "TensorBoard logs: %s  (view: tensorboard --logdir %s)", cfg.paths.tb_dir, cfg.paths.tb_dir
-    )
     saved = (
         f"checkpoint saved in {cfg.paths.checkpoint_dir}/{step}"
         if ckpt.enabled
@@ -264,34 +297,60 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
 
 
 def _exit(error: BaseException, code: int, label: str = "error") -> None:
-    """Reports `error` in one line (log file and stderr) and exits with `code`."""
+    """Reports `error` in one line (stderr, and the log file) and exits with `code`.
+
+    The line goes to the log file only, not to the console handler too: on a terminal the
+    error shows once.
+    """
     from xshard.config import one_line
 
     message = one_line(str(error))
-    log.log(logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, "%s", message)
+    log_to_files(log, logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, message)
     print(f"xshard: {label}: {message}", file=sys.stderr)
     sys.exit(code)
 
 
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
-def main(cfg: DictConfig) -> float:
-    """Hydra main: trains and returns the final loss, or exits with a documented status."""
+def main(cfg: DictConfig) -> float | None:
+    """Hydra main: trains and returns the final loss, or exits with a documented status.
+
+    In a multirun a failed or diverged job returns to the sweeper instead of exiting
+    (`trainers.sweep.failed_job_value`).
+    """
+    from trainers import summary as status
     from trainers.allowlist import check_allowlist_sources
     from trainers.checkpointing import CheckpointError
     from trainers.monitor import NonFiniteError
     from trainers.preemption import Preempted
+    from trainers.sweep import failed_job_value, finish_job, is_multirun
     from trainers.tb_logger import LoggerError
     from xshard.errors import ConfigError
 
+    summary = RunSummary()
+
+    def failed(error: BaseException, kind: str, code: int) -> float | None:
+        record = finish_job(cfg, summary, kind, error)
+        if not is_multirun():
+            _exit(error, code)
+        return failed_job_value(record, cfg.trainer.get("failed_objective"))
+
     try:
         check_allowlist_sources(cfg)  # only the primary config or the CLI widen the allowlist
-        return train(cfg)
-    except Preempted as e:
+        train(cfg, summary)
+    except Preempted as e:  # stops a multirun too: the machine is going away
+        finish_job(cfg, summary, status.PREEMPTED, e)
         _exit(e, EXIT_PREEMPTED, label="preempted")
     except NonFiniteError as e:
-        _exit(e, EXIT_NONFINITE)
+        return failed(e, status.DIVERGED, EXIT_NONFINITE)
     except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
-        _exit(e, EXIT_CONFIG_ERROR)
+        return failed(e, status.FAILED, EXIT_CONFIG_ERROR)
+    except Exception as e:
+        finish_job(cfg, summary, status.CRASHED, e)
+        raise
+    record = finish_job(cfg, summary, status.COMPLETED)
+    if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper
+        return failed_job_value(record, cfg.trainer.get("failed_objective"))
+    return record["objective"] if record["objective"] is not None else summary.final_loss
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ class Task(Protocol):
     #: unmatched parameters are replicated. Paths look like "blocks/0/attn/wq".
     sharding_rules: Sequence[tuple[str, PartitionSpec]]
 
+    # Optional: tokens per example (a sequence task's length), for ``perf/tokens_per_sec``.
+    # Tasks without it log examples per second only (`tokens_per_example` reads it).
+
     def init(self, rng: jax.Array, batch: Batch) -> Params:
         """Returns freshly initialised params for an example batch."""
         ...
@@ -48,3 +51,11 @@ class Task(Protocol):
         A finite dataset ends the iterator; the trainer then stops cleanly.
         """
         ...
+
+
+def tokens_per_example(task: Any) -> int | None:
+    """The task's ``tokens_per_example`` attribute if it has a positive one, else None."""
+    value = getattr(task, "tokens_per_example", None)
+    return (
+        int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    )

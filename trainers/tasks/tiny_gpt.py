@@ -127,6 +127,9 @@ class TinyGPTTask(StepIndexedData):
         self.n_layers = int(n_layers)
         self.d_ff = int(d_ff)
         self.seq_len = int(seq_len)
+        self.tokens_per_example = (
+            self.seq_len
+        )  # predicted tokens per sequence (perf/tokens_per_sec)
         self.tie_embeddings = bool(tie_embeddings)
         self.init_std = float(init_std)
         self.corpus_max_chars = int(corpus_max_chars)

@@ -63,10 +63,16 @@ class LoggerOptions:
       flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
       on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
         saved, exit 2) or "continue" training without events (one warning).
+      noise_ema_steps: time constant, in training steps, of ``grad/noise_scale_ema``'s moving
+        averages (`trainers.noise_ema`; > 0).
+      peak_flops_per_device: the accelerator's peak FLOP/s per device, for ``perf/mfu``;
+        null logs the achieved ``perf/flops_per_sec`` only (`trainers.perf`).
     """
 
     flush_secs: float = 10
     on_error: str = "stop"
+    noise_ema_steps: float = 50
+    peak_flops_per_device: float | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> LoggerOptions:
@@ -78,4 +84,13 @@ class LoggerOptions:
         if self.on_error not in ON_ERROR:
             raise ConfigError(
                 f"logger.on_error={self.on_error!r}: expected one of {list(ON_ERROR)}."
+            )
+        finite_positive(
+            self.noise_ema_steps, "logger.noise_ema_steps", "the averaging time in steps"
+        )
+        if self.peak_flops_per_device is not None:
+            finite_positive(
+                self.peak_flops_per_device,
+                "logger.peak_flops_per_device",
+                "the peak FLOP/s of one device (or null)",
             )

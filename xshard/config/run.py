@@ -66,6 +66,11 @@ class TrainerOptions:
       resume_from: a checkpoints dir, step dir or run dir; used when this run's own
         checkpoints are empty (a rerun in the same dir resumes from those).
       progress: a progress bar on stderr.
+      failed_objective: in a multirun, what a failed or diverged job returns to the sweeper;
+        null: a failed trial (Optuna counts it against max_failure_rate; the basic sweeper
+        goes on); a number: that penalty (e.g. 1e9 when minimising).
+      profile_steps: ``[first, last]``: a `jax.profiler` trace of these steps in the run's
+        TensorBoard dir; null: none.
       hooks: the user's `trainers.Hook`s, ``[{_target_: mypkg.MyHook, arg: 1}]`` (with
         ``allowed_targets: [mypkg.]``), run after the built-in ones.
     """
@@ -81,6 +86,8 @@ class TrainerOptions:
     max_consecutive_nonfinite: int = 10
     resume_from: str | None = None
     progress: bool = True
+    failed_objective: float | None = None
+    profile_steps: list[int] | None = None
     hooks: list[Any] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -105,6 +112,24 @@ class TrainerOptions:
         )
         if self.resume_from is not None and not self.resume_from.strip():
             raise ConfigError("trainer.resume_from='': expected a path or null.")
+        if self.failed_objective is not None:
+            finite_number(
+                self.failed_objective,
+                "trainer.failed_objective",
+                "a number, the objective a failed multirun job returns, or null",
+            )
+        if self.profile_steps is not None:
+            steps = self.profile_steps
+            if (
+                not isinstance(steps, list | tuple)
+                or len(steps) != 2
+                or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
+                or not 1 <= steps[0] <= steps[1]
+            ):
+                raise ConfigError(
+                    f"trainer.profile_steps={shown(steps)}: expected [first, last], integers "
+                    "with 1 <= first <= last (the steps to trace), or null."
+                )
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(
@@ -151,6 +176,17 @@ class DistributedOptions:
                 f"distributed.coordinator_address={shown(address)}: expected host:port of "
                 "process 0 (e.g. 10.0.0.1:1234), or null to detect it."
             )
+
+
+def finite_number(value: Any, key: str, what: str) -> float:
+    """Returns `value` if it is a finite number (not a bool).
+
+    Raises:
+      ConfigError: naming `key`, the value and `what` is expected.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{key}={shown(value)}: expected {what} (finite).")
+    return value
 
 
 def finite_positive(value: Any, key: str, what: str) -> float:

@@ -1,0 +1,114 @@
+"""The HParams entry: overrides first, then group choices, no schemas, null as "null"; read back
+with TensorBoard's own HParams backend (what its dashboard is served)."""
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+
+from tests.cli import hparams_dashboard
+from trainers.hparams import NULL, hparams, shown
+from trainers.tb_logger import TensorBoardHook
+
+OVERRIDES = [
+    "trainer.steps=7",
+    "optimizer.learning_rate=0.5",
+    "reduction=sum",
+    "clip=null",
+    "task=mlp",
+    "task.hidden=[32,32]",
+    "trainer.progress=false",  # excluded from run names: not a hyperparameter
+    "hydra.job.name=xs",  # Hydra's own keys are not hyperparameters either
+]
+
+
+@pytest.fixture()
+def composed(tmp_path):
+    """The composed config with Hydra's runtime config set up, as in a CLI run."""
+    with initialize_config_module("xshard.conf", version_base="1.3"):
+        cfg = compose(
+            "xshard_train",
+            overrides=[*OVERRIDES, f"hydra.runtime.output_dir={tmp_path}"],
+            return_hydra_config=True,
+        )
+    HydraConfig.instance().set_config(cfg)
+    try:
+        yield cfg
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+def test_overrides_first_in_order_then_choices_then_key_values(composed):
+    values, overridden = hparams(composed)
+    names = list(values)
+    assert names[:5] == [
+        "trainer.steps",
+        "optimizer.learning_rate",
+        "reduction",
+        "clip",
+        "task",
+    ]
+    assert names[5] == "task.hidden"
+    assert set(overridden) == set(names[:6])
+    # Then the other groups, in the order of the config, then the compared values.
+    assert names[6:12] == ["optimizer", "schedule", "mesh", "checkpoint", "logger", "experiment"]
+    assert names[12:] == ["seed", "reduction.mode", "trainer.batch_size"]
+    assert not any(n.startswith(("xshard_schemas", "hydra")) or "progress" in n for n in names)
+    assert values["trainer.steps"] == 7.0 and values["optimizer.learning_rate"] == 0.5
+    assert values["reduction"] == "sum" and values["reduction.mode"] == "sum"
+    assert values["clip"] == NULL and values["experiment"] == NULL
+    assert values["task.hidden"] == "[32,32]"
+
+
+def test_shown_values():
+    assert shown(None) == "null" and shown(True) is True and shown(3) == 3.0
+    assert shown({"a": [1, None]}) == '{"a":[1,null]}'
+
+
+def test_tensorboard_serves_the_overrides_first_and_the_session_status(composed, tmp_path):
+    values, overridden = hparams(composed)
+    for run, ok in (("good", True), ("bad", False)):
+        hook = TensorBoardHook(
+            str(tmp_path / "tb" / run),
+            log_every=1,
+            global_batch_size=8,
+            num_steps=2,
+            hparams={**values, "optimizer.learning_rate": 0.5 if ok else 1e4},
+            overridden=overridden,
+            best_loss=lambda: (0.25, 1),
+        )
+        hook.on_step(1, {"train/loss": 0.25})
+        hook.on_step(2, {"train/loss": 0.5 if ok else float("inf")})
+        hook.on_end(2, None, "done" if ok else "error")
+
+    shown_first = hparams_dashboard(tmp_path / "tb", limit=6)
+    # TensorBoard lists the `differs` hparams first (by name): exactly the overrides.
+    assert set(shown_first["hparams"]) == set(overridden)
+    assert shown_first["metrics"] == [
+        "hparams/final_loss",
+        "hparams/best_loss",
+        "hparams/last_step",
+    ]
+    runs = shown_first["runs"]
+    assert runs["good"]["status"] == "STATUS_SUCCESS"
+    assert runs["bad"]["status"] == "STATUS_FAILURE"
+    assert runs["bad"]["hparams"]["optimizer.learning_rate"] == 1e4
+    assert runs["good"]["hparams"]["clip"] == "null"
+    assert "xshard_schemas/optimizer@optimizer" not in runs["good"]["hparams"]
+
+
+def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    from tests.cli import load_events
+
+    hook = TensorBoardHook(str(tmp_path), log_every=1, global_batch_size=8, num_steps=1)
+    hook.close()
+    events = load_events(tmp_path)
+    (tensor,) = events.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    layout = layout_pb2.Layout.FromString(tensor.tensor_proto.string_val[0])
+    (category,) = layout.category
+    titles = [chart.title for chart in category.chart]
+    assert category.title == "xshard" and titles[:2] == ["loss", "learning rate"]
+    assert "throughput" in titles
+    loss = category.chart[0].multiline.tag
+    assert list(loss) == ["^train/loss$"]

@@ -1,0 +1,50 @@
+"""OmegaConf resolvers of xshard's configs (registered by the ``xshard_searchpath`` plugin).
+
+``${xshard.tb_dir:<output dir>}``, the default of ``paths.tb_dir``: a folder named by the run,
+so that TensorBoard's run names read as the overrides.
+
+- a single run: ``<output dir>/tb/<overrides>`` (``hydra.job.override_dirname``, or the job's
+  name when there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
+  A rerun in the same output dir continues the same run (it resumes from its checkpoints),
+  so it writes to the folder already there (the latest, if several), whatever its own
+  overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
+- a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
+  job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
+  its overrides;
+- outside a Hydra app (the compose API): ``<output dir>/tb/run``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+
+def tb_dir(output_dir: str) -> str:
+    """The run's TensorBoard folder (module docstring)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return str(Path(output_dir) / "tb" / "run")
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
+    root = Path(output_dir) / "tb"
+    existing = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    if existing:  # a rerun in the same dir: the run's own folder
+        return str(max(existing, key=lambda p: p.stat().st_mtime))
+    return str(root / _safe(hc.job.override_dirname or hc.job.name or "run"))
+
+
+def _safe(name: str) -> str:
+    """One path component: separators in override values (paths) become underscores."""
+    return str(name).replace(os.sep, "_")
+
+
+def register_resolvers() -> None:
+    """Registers the resolvers above (idempotent)."""
+    if not OmegaConf.has_resolver("xshard.tb_dir"):
+        OmegaConf.register_new_resolver("xshard.tb_dir", tb_dir)

@@ -48,7 +48,7 @@ def _run(prepare: bool, saves: int = 3) -> list[dict[str, float]]:
             hook.prepare(state)
         prepare_s = time.perf_counter() - start
         for i in range(saves):
-            state, metrics = trainer.step(state, wl.host_batches[i % 2])
+            state, _ = trainer.step(state, wl.host_batches[i % 2])
             jax.block_until_ready(state)
             t0 = time.perf_counter()
             checkpointing.integrity(state)
@@ -76,7 +76,10 @@ def main() -> None:
     for prepare in (False, True):
         print(f"prepare={prepare}")
         for row in _run(prepare):
-            print("  " + ", ".join(f"{k}={v:.3f}" if k != "save" else f"{k}={v}" for k, v in row.items()))
+            print(
+                "  "
+                + ", ".join(f"{k}={v:.3f}" if k != "save" else f"{k}={v}" for k, v in row.items())
+            )
         sys.stdout.flush()
 
 

@@ -112,3 +112,18 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
     assert "throughput" in titles
     loss = category.chart[0].multiline.tag
     assert list(loss) == ["^train/loss$"]
+
+
+def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_path):
+    from xshard.config.resolvers import _safe, run_name, tb_dir
+
+    name = run_name(HydraConfig.get())
+    assert name == (
+        "clip=null,optimizer.learning_rate=0.5,reduction=sum,task.hidden=[32,32],task=mlp,"
+        "trainer.steps=7"
+    )
+    assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / name)
+    (tmp_path / "tb" / "first").mkdir(parents=True)  # a rerun continues the run's folder
+    assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / "first")
+    long = _safe("x=" + "a/" * 300)
+    assert len(long.encode()) <= 200 and "/" not in long and long != _safe("x=" + "b/" * 300)

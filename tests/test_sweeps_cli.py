@@ -52,9 +52,7 @@ def test_basic_launcher_sweep_goes_on_after_a_diverging_job(tmp_path):
     assert "Traceback" not in out
     results = _results(sweep)
     assert results[1e4]["status"] == "diverged" and results[1e4]["objective"] is None
-    assert (
-        results[1e4]["last_step"] < 12 and "max_consecutive_nonfinite" in results[1e4]["reason"]
-    )
+    assert results[1e4]["last_step"] < 12 and "max_consecutive_nonfinite" in results[1e4]["reason"]
     assert results[0.05]["status"] == "completed" and results[0.05]["last_step"] == 12
     assert results[0.05]["objective"] == pytest.approx(results[0.05]["final_loss"])
     # The table: printed at the end and written to the sweep dir.

@@ -119,13 +119,13 @@ def finish_job(
     warn = status != COMPLETED or summary.skipped or record["objective"] is None
     for line in summary.lines(status):
         log.log(logging.WARNING if warn and summary.started else logging.INFO, "%s", line)
-    if summary.started:
-        tb = cfg.paths.tb_dir
-        log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", tb, Path(tb).parent)
     try:
+        if summary.started:
+            tb = cfg.paths.tb_dir
+            log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", tb, Path(tb).parent)
         write_result(cfg.paths.output_dir, record)
-    except OSError as e:  # a full disk must not hide the run's own outcome
-        log.warning("Could not write %s: %s", Path(cfg.paths.output_dir) / RESULT_FILE, e)
+    except Exception as e:  # noqa: BLE001 - a full disk or a bad path must not hide the outcome
+        log.warning("Could not write the run's %s: %s", RESULT_FILE, one_line(str(e)))
     return record
 
 

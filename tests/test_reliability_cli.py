@@ -234,7 +234,9 @@ def test_nan_step_is_skipped_and_counted_and_running_out_of_data_ends_cleanly(tm
 
     assert_bitwise_equal(kept(5), kept(4))
     assert any(not np.array_equal(kept(6)[k], kept(5)[k]) for k in kept(5))
-    assert all(np.isfinite(v).all() for v in load_state(run / "checkpoints" / "12").values())
+    # Params and optimizer slots are finite (the statistics in the optimizer state are NaN on
+    # steps that do not compute them, by design).
+    assert all(np.isfinite(v).all() for v in kept(12).values())
 
 
 @pytest.mark.slow

@@ -70,6 +70,7 @@ class StepMetrics(Mapping[str, float]):
         self.values = values
         self.hidden = hidden  # not computed on this step (statistics on a plain step)
         self._host = dict(host or {})
+        self._device: dict[str, float] = {}
         self._fetched = False
 
     def with_host_values(self, **values: float) -> StepMetrics:
@@ -79,10 +80,16 @@ class StepMetrics(Mapping[str, float]):
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
             device = np.asarray(jax.device_get(self.values)).tolist()
-            shown = {k: v for k, v in zip(self.keys_, device, strict=True) if k not in self.hidden}
+            self._device = dict(zip(self.keys_, device, strict=True))
+            shown = {k: v for k, v in self._device.items() if k not in self.hidden}
             self._host = {**shown, **self._host}
             self._fetched = True
         return self._host
+
+    def device_value(self, key: str) -> float:
+        """The step's value of `key`, hidden or not (fetches the step's metrics)."""
+        self._fetch()
+        return self._device[key]
 
     def tree_flatten(self):
         return (self.values,), (self.keys_, tuple(self._host.items()), self.hidden)

@@ -5,10 +5,17 @@ loop. The loop keeps at most two steps in flight: it dispatches step k, then wai
 metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
 with dozens of steps in flight, see docs/development.md), gives lag-one logging without stalls, and
 lets every step's loss be checked on the host.
+
+A stop request (a signal, a hook's `wants_stop`) is local to one process. With several
+processes each one casts a vote into the step it dispatches; the step reduces the votes over
+all devices and returns the result with its metrics (`STOP_VOTE_KEY`), which the loop fetches
+anyway. Every process so learns of a stop voted at step k from the same metrics and ends after
+step k + 1: no host synchronisation beyond the existing metrics fetch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -39,6 +46,39 @@ logger = logging.getLogger(__name__)
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
+
+#: The hidden metric holding the step's agreed stop vote (`StopVote.decode`).
+STOP_VOTE_KEY = "_stop_vote"
+
+
+@dataclasses.dataclass(frozen=True)
+class StopVote:
+    """The stop request the processes agreed on: the highest vote over all devices.
+
+    Attributes:
+      step: the step whose dispatch carried the vote (the run ends after the next one).
+      process: the process whose vote won (the highest index among those that voted).
+      signal: whether that process was asked to stop by a signal (`should_stop`).
+      hook: whether one of that process's hooks asked to stop (`Hook.wants_stop`).
+    """
+
+    step: int
+    process: int
+    signal: bool
+    hook: bool
+
+    @staticmethod
+    def encode(process: int, signal: bool, hook: bool) -> int:
+        """One process's vote: 0 for none, else its index and the reasons in an integer."""
+        return 0 if not (signal or hook) else (process << 2) | int(signal) | int(hook) << 1
+
+    @classmethod
+    def decode(cls, step: int, vote: float) -> StopVote | None:
+        """The agreed vote of `step` (a metric value), or None if nobody voted to stop."""
+        code = int(vote)
+        if code == 0:
+            return None
+        return cls(step, code >> 2, bool(code & 1), bool(code & 2))
 
 
 class Hook:
@@ -132,9 +172,14 @@ class Trainer:
         self._stats_keys: frozenset[str] = frozenset()
         self._replicated = NamedSharding(mesh, P())
         self._stats_flag = {b: jax.device_put(np.bool_(b), self._replicated) for b in (True, False)}
+        # One vote per device, each process filling its own devices (`_votes`).
+        self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        self._vote_arrays: dict[int, jax.Array] = {}
         self._diag: dict[bool, Any] = {}
         self.compile_seconds: float | None = None
         self._report_compile = False
+        #: After `fit` with agreed stops: the vote that stopped it, or None.
+        self.agreed_stop: StopVote | None = None
 
     # ------------------------------------------------------------------ placement
 
@@ -192,22 +237,23 @@ class Trainer:
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
 
-        def train_step(state, batch, with_stats):
+        def train_step(state, batch, with_stats, votes):
             state, metrics = self._step_fn(state, batch, with_stats)
-            names, values = stack_metrics(metrics)
+            names, values = stack_metrics({**metrics, STOP_VOTE_KEY: jnp.max(votes)})
             keys.append(names)  # at trace time
             return state, values
 
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding, self._replicated),
+            in_shardings=(shardings, self.batch_sharding, self._replicated, self._vote_sharding),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                self._compiled = jitted.lower(state, batch, self._stats_flag[True]).compile()
+                lowered = jitted.lower(state, batch, self._stats_flag[True], self._votes(0))
+                self._compiled = lowered.compile()
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
@@ -225,8 +271,21 @@ class Trainer:
         """The compiled step (for HLO, cost and memory analysis); None before the first step."""
         return self._compiled
 
+    def _votes(self, vote: int) -> jax.Array:
+        """The step's vote input: this process's `vote` on each of its devices (cached)."""
+        if vote not in self._vote_arrays:
+            self._vote_arrays[vote] = jax.make_array_from_callback(
+                (self.mesh.size,), self._vote_sharding, lambda _: np.full((1,), vote, np.int32)
+            )
+        return self._vote_arrays[vote]
+
     def step(
-        self, state: TrainState, batch: dict[str, Any], *, with_stats: bool = True
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        *,
+        with_stats: bool = True,
+        stop_vote: int = 0,
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
@@ -235,13 +294,16 @@ class Trainer:
         The metrics are a mapping of floats, fetched from the device on first read. With
         `with_stats=False` the same executable skips the update/param norms and per-shard
         statistics (about one kernel per parameter each), and the metrics leave them out.
+        `stop_vote` (`StopVote.encode`) is reduced over all processes into the hidden metric
+        `STOP_VOTE_KEY`.
         """
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
         if self._compiled is None:
             self._compile(state, batch)
-        state, values = self._compiled(state, batch, self._stats_flag[bool(with_stats)])
-        hidden = frozenset() if with_stats else self._stats_keys
+        flag = self._stats_flag[bool(with_stats)]
+        state, values = self._compiled(state, batch, flag, self._votes(stop_vote))
+        hidden = (frozenset() if with_stats else self._stats_keys) | {STOP_VOTE_KEY}
         return state, StepMetrics(self._metric_keys, values, hidden=hidden)
 
     def diagnostics(self, state: TrainState, batch: dict[str, Any], *, histograms: bool) -> dict:
@@ -268,6 +330,7 @@ class Trainer:
         histogram_every: int = 0,
         stats_every: int = 1,
         should_stop=lambda: False,
+        agree_stop: bool | None = None,
     ) -> tuple[TrainState, str]:
         """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
 
@@ -284,6 +347,11 @@ class Trainer:
             `wants_stop`; True ends the run cleanly ("stopped"): the current step's state
             goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
             is trained.
+          agree_stop: whether the processes agree on stopping (default: with more than one
+            process). Then `should_stop` and `wants_stop` are this process's vote, cast into
+            each step; a vote at step k ends the run after step k + 1 on every process
+            (`agreed_stop` says whose vote it was), and nothing is checked before the first
+            step (the caller agrees on that).
 
         Returns:
           (final state, reason the loop ended).
@@ -296,12 +364,25 @@ class Trainer:
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
+        agree = jax.process_count() > 1 if agree_stop is None else agree_stop
+        self.agreed_stop = None
+        me = jax.process_index()
 
         def stop_requested() -> bool:
             return bool(should_stop()) or any(h.wants_stop() for h in hooks)
 
+        def vote() -> int:
+            hook = any(h.wants_stop() for h in hooks)
+            return StopVote.encode(me, bool(should_stop()), hook)
+
+        def emit(pending: tuple[int, Any]) -> None:
+            self._emit(pending, hooks)
+            done, metrics = pending
+            if agree and self.agreed_stop is None:
+                self.agreed_stop = StopVote.decode(done, metrics.device_value(STOP_VOTE_KEY))
+
         try:
-            if stop_requested():  # e.g. a signal during start-up: train nothing
+            if not agree and stop_requested():  # e.g. a signal during start-up: train nothing
                 reason = "stopped"
             while reason == "done" and step < num_steps:
                 try:
@@ -316,18 +397,23 @@ class Trainer:
                     for h in hooks:
                         h.on_diagnostics(step, diag)
                 with_stats = step == num_steps or (stats_every > 0 and step % stats_every == 0)
-                state, metrics = self.step(state, local, with_stats=with_stats)
+                state, metrics = self.step(
+                    state, local, with_stats=with_stats, stop_vote=vote() if agree else 0
+                )
                 if self._report_compile:
                     metrics = metrics.with_host_values(
                         **{"perf/compile_time_s": self.compile_seconds}
                     )
                     self._report_compile = False
                 if pending is not None:  # waits for step - 1 only: two steps in flight at most
-                    self._emit(pending, hooks)
+                    emit(pending)
                 pending = (step, metrics)
-                stop = stop_requested()
+                if agree:  # a vote cast at step k - 1 is known now on every process
+                    stop = self.agreed_stop is not None and step > self.agreed_stop.step
+                else:
+                    stop = stop_requested()
                 if stop or any(h.wants_state(step) for h in hooks):
-                    self._emit(pending, hooks)  # the state's own metrics come first
+                    emit(pending)  # the state's own metrics come first
                     pending = None
                     for h in hooks:
                         h.on_state(step, state)
@@ -335,7 +421,7 @@ class Trainer:
                     reason = "stopped"
                     break
             if pending is not None:
-                self._emit(pending, hooks)
+                emit(pending)
         except StopTraining as stop_request:
             reason = str(stop_request) or "stopped"
         except BaseException:

@@ -38,6 +38,24 @@ def check_int(value: Any, key: str, minimum: int, allowed: str, maximum: int | N
     return value
 
 
+#: Signals `trainer.stop_signals` may name: they stop training cleanly (checkpoint, exit 75).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+def check_stop_signals(value: Any, key: str = "trainer.stop_signals") -> tuple[str, ...]:
+    """Returns the signal names of ``trainer.stop_signals`` if they are allowed.
+
+    Raises:
+      ConfigError: naming `key`, the value and the allowed names.
+    """
+    if not isinstance(value, list | tuple) or not all(v in STOP_SIGNALS for v in value):
+        raise ConfigError(
+            f"{key}={shown(value)}: expected a list of signal names among {list(STOP_SIGNALS)} "
+            "(e.g. [SIGTERM, SIGINT, SIGUSR2])."
+        )
+    return tuple(value)
+
+
 def check_seed(value: Any, key: str = "seed") -> int:
     """Returns the run's seed if it is an integer in [0, 2**32 - 1].
 
@@ -63,6 +81,7 @@ class TrainerOptions:
     resume_from: str | None = MISSING
     progress: bool = MISSING
     hooks: list[Any] = MISSING
+    stop_signals: list[str] = MISSING
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -84,6 +103,7 @@ class TrainerOptions:
         )
         if self.resume_from is not None and not self.resume_from.strip():
             raise ConfigError("trainer.resume_from='': expected a path or null.")
+        check_stop_signals(self.stop_signals)
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(
@@ -104,8 +124,20 @@ class DistributedOptions:
     num_processes: int | None = MISSING
     process_id: int | None = MISSING
     cpu_collectives: str | None = MISSING
+    heartbeat_timeout_s: float = MISSING
+    initialization_timeout_s: float = MISSING
 
     def __post_init__(self) -> None:
+        finite_positive(
+            self.heartbeat_timeout_s,
+            "distributed.heartbeat_timeout_s",
+            "seconds without a heartbeat after which a process is lost",
+        )
+        finite_positive(
+            self.initialization_timeout_s,
+            "distributed.initialization_timeout_s",
+            "seconds to wait for every process to join (and at each start-up agreement)",
+        )
         if self.num_processes is not None:
             check_int(self.num_processes, "distributed.num_processes", 1, ">= 1, or null")
         if self.process_id is not None:

@@ -229,6 +229,16 @@ def join_cluster(opts: DistributedOptions) -> Cluster:
     return cluster
 
 
+def detected_cluster() -> str:
+    """The cluster JAX's auto-detection would use here ("slurm", "gcetpu", ...), or "none"."""
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.name or env.__name__
+    return "none (set distributed.coordinator_address, num_processes and process_id)"
+
+
 def jax_heartbeat_timeout_s(heartbeat_timeout_s: float) -> int:
     """JAX's own heartbeat timeout: a backstop well after xshard's watchdog has reported."""
     return int(2 * heartbeat_timeout_s + 5)

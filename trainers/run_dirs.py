@@ -55,7 +55,8 @@ class RunDirs:
     tb_dir: str
 
 
-def _absolute(path: Any) -> str:
+def absolute_path(path: Any) -> str:
+    """`path` (a config value) as an absolute path, without resolving symlinks."""
     return str(Path(str(path)).expanduser().absolute())
 
 
@@ -69,13 +70,13 @@ def share_run_dirs(cfg: DictConfig, cluster: Cluster) -> RunDirs:
     Returns:
       The directories this process uses.
     """
-    own = _absolute(cfg.paths.output_dir)
+    own = absolute_path(cfg.paths.output_dir)
     lead = cluster.broadcast(
         "paths",
         {
             "output_dir": own,
-            "checkpoint_dir": _absolute(cfg.paths.checkpoint_dir),
-            "tb_dir": _absolute(cfg.paths.tb_dir),
+            "checkpoint_dir": absolute_path(cfg.paths.checkpoint_dir),
+            "tb_dir": absolute_path(cfg.paths.tb_dir),
         },
     )
     outputs = cluster.all_gather("output_dirs", own)

@@ -267,7 +267,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal) -> float:
             saved,
         )
     agreed = trainer.agreed_stop  # multi-process: whose vote stopped the run
-    if reason == "stopped" and step < num_steps and (stop() or (agreed and agreed.signal)):
+    by_peer = reason == "stopped" and agreed is not None and agreed.signal
+    if step < num_steps and (stop() or by_peer):
         by = stop.signal_name if stop() else f"a stop signal to {cluster.name(agreed.process)}"
         raise Preempted(
             f"Stopped by {by} at step {step} of {num_steps}; {saved}. Rerun the same command "

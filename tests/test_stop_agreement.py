@@ -144,3 +144,18 @@ def test_stop_signals_come_from_the_config():
     assert stop_signals(cfg) == (signal.SIGTERM, signal.SIGUSR2)
     with pytest.raises(ConfigError, match=r"trainer.stop_signals=\['SIGKILL'\]: expected a list"):
         stop_signals(OmegaConf.create({"trainer": {"stop_signals": ["SIGKILL"]}}))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("heartbeat_timeout_s", 0, "distributed.heartbeat_timeout_s=0.0: expected seconds"),
+        ("initialization_timeout_s", "soon", "distributed.initialization_timeout_s"),
+    ],
+)
+def test_bad_distributed_timeouts_name_the_key(key, value, message):
+    from trainers.setup import NOT_DISTRIBUTED
+    from xshard.config import DistributedOptions, read_node
+
+    with pytest.raises(ConfigError, match=message):
+        read_node(DistributedOptions, {**NOT_DISTRIBUTED, key: value}, "distributed")

@@ -24,6 +24,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -322,9 +323,10 @@ def flush_and_exit(code: int) -> NoReturn:
 def report_unexpected(error: BaseException) -> None:
     """In a multi-process run, logs `error`'s traceback and exits 1 (see `exit_process`).
 
-    A failed collective (gloo: "Connection closed by peer") usually means a peer is gone:
-    the watchdog is given the time to find it and end the process with its one-line report
-    and `EXIT_PEER_LOST` first. With one process this returns, and the caller re-raises
+    A collective that failed on its connection (gloo: "Connection closed by peer") means a
+    peer is gone:
+    the watchdog is given the time to find it and end the process with its one-line report and
+    `EXIT_PEER_LOST` first. With one process this returns, and the caller re-raises
     (Hydra prints the traceback).
     """
     cluster = _ACTIVE
@@ -332,7 +334,8 @@ def report_unexpected(error: BaseException) -> None:
         return
     import jax
 
-    if isinstance(error, jax.errors.JaxRuntimeError) and cluster.watchdog is not None:
+    lost_peer = re.search(r"gloo|connection|socket|peer|unavailable", str(error), re.IGNORECASE)
+    if isinstance(error, jax.errors.JaxRuntimeError) and lost_peer and cluster.watchdog:
         wait = cluster.watchdog.timeout_s + EXIT_GRACE_S + 2 * cluster.watchdog.poll_s
         logger.error(
             "A collective failed (%s): waiting up to %.0f s for the peer watchdog to find the "

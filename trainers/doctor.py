@@ -77,12 +77,14 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
     problems += _devices_and_mesh(cfg, cluster, opts, lines)
     problems += _directories(cfg, cluster, lines)
     everyone = cluster.all_gather("doctor/problems", problems)
-    merged = []
+    seen: dict[str, list[int]] = {}
     for i, theirs in enumerate(everyone):
         for p in theirs:
-            line = p if cluster.count == 1 else f"{cluster.name(i)}: {p}"
-            if line not in merged:
-                merged.append(line)
+            seen.setdefault(p, []).append(i)
+    merged = [  # a problem every process has is listed once, others with who has them
+        p if len(who) == cluster.count else f"{', '.join(map(cluster.name, who))}: {p}"
+        for p, who in seen.items()
+    ]
     return lines, merged, cluster
 
 

@@ -52,9 +52,8 @@ class Recorder(Hook):
 def fit(agree: bool, *, stop_from: int | None, via_hook: bool = False, steps: int = 10):
     task = MLPTask()
     mesh = build_mesh({"name": "cpu8", "num_devices": 8})
-    trainer = Trainer(
-        task, xshard.cross_shard(optax.sgd(1e-2), "mean"), mesh, global_batch_size=BATCH
-    )
+    tx = xshard.cross_shard(optax.sgd(1e-2), "mean")
+    trainer = Trainer(task, tx, mesh, global_batch_size=BATCH, agree_stop=agree)
     state = trainer.init(trainer.init_params(next(iter(task.batches(BATCH, seed=0)))))
     rec = Recorder(stop_from, via_hook)
     should_stop = (lambda: False) if via_hook else rec._due
@@ -64,7 +63,6 @@ def fit(agree: bool, *, stop_from: int | None, via_hook: bool = False, steps: in
         num_steps=steps,
         hooks=[rec],
         should_stop=should_stop,
-        agree_stop=agree,
     )
     return trainer, rec, reason
 

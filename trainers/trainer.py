@@ -129,6 +129,8 @@ class Trainer:
       grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd".
       reduction: the optimizer's reduction (for the noise-scale statistics).
       seed: the run's seed (step RNGs are derived from it and the step).
+      agree_stop: whether the processes agree on stops within the steps (default: with more
+        than one process); see `fit`. One process needs no vote: its step takes none.
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class Trainer:
         grad_impl: str = "manual",
         reduction: Reduction | str = Reduction.MEAN,
         seed: int = 0,
+        agree_stop: bool | None = None,
     ):
         # The step passes `with_stats` to the optimizer; plain transforms just ignore it.
         tx = optax.with_extra_args_support(tx)
@@ -172,6 +175,7 @@ class Trainer:
         self._stats_keys: frozenset[str] = frozenset()
         self._replicated = NamedSharding(mesh, P())
         self._stats_flag = {b: jax.device_put(np.bool_(b), self._replicated) for b in (True, False)}
+        self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
         # One vote per device, each process filling its own devices (`_votes`).
         self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
         self._vote_arrays: dict[int, jax.Array] = {}
@@ -237,22 +241,25 @@ class Trainer:
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
 
-        def train_step(state, batch, with_stats, votes):
+        def train_step(state, batch, with_stats, *votes):
             state, metrics = self._step_fn(state, batch, with_stats)
-            names, values = stack_metrics({**metrics, STOP_VOTE_KEY: jnp.max(votes)})
+            if votes:  # agree_stop: the highest vote of all devices
+                metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
+            names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
             return state, values
 
+        in_shardings = (shardings, self.batch_sharding, self._replicated)
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding, self._replicated, self._vote_sharding),
+            in_shardings=in_shardings + ((self._vote_sharding,) if self.agree_stop else ()),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(state, batch, self._stats_flag[True], self._votes(0))
+                lowered = jitted.lower(state, batch, self._stats_flag[True], *self._votes(0))
                 self._compiled = lowered.compile()
         except PerShardGradientsRequired as e:
             raise ConfigError(
@@ -271,13 +278,16 @@ class Trainer:
         """The compiled step (for HLO, cost and memory analysis); None before the first step."""
         return self._compiled
 
-    def _votes(self, vote: int) -> jax.Array:
-        """The step's vote input: this process's `vote` on each of its devices (cached)."""
+    def _votes(self, vote: int) -> tuple[jax.Array, ...]:
+        """The step's vote input: this process's `vote` on each of its devices (cached); none
+        without `agree_stop`."""
+        if not self.agree_stop:
+            return ()
         if vote not in self._vote_arrays:
             self._vote_arrays[vote] = jax.make_array_from_callback(
                 (self.mesh.size,), self._vote_sharding, lambda _: np.full((1,), vote, np.int32)
             )
-        return self._vote_arrays[vote]
+        return (self._vote_arrays[vote],)
 
     def step(
         self,
@@ -294,15 +304,15 @@ class Trainer:
         The metrics are a mapping of floats, fetched from the device on first read. With
         `with_stats=False` the same executable skips the update/param norms and per-shard
         statistics (about one kernel per parameter each), and the metrics leave them out.
-        `stop_vote` (`StopVote.encode`) is reduced over all processes into the hidden metric
-        `STOP_VOTE_KEY`.
+        With `agree_stop`, `stop_vote` (`StopVote.encode`) is reduced over all processes into
+        the hidden metric `STOP_VOTE_KEY`.
         """
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
         if self._compiled is None:
             self._compile(state, batch)
         flag = self._stats_flag[bool(with_stats)]
-        state, values = self._compiled(state, batch, flag, self._votes(stop_vote))
+        state, values = self._compiled(state, batch, flag, *self._votes(stop_vote))
         hidden = (frozenset() if with_stats else self._stats_keys) | {STOP_VOTE_KEY}
         return state, StepMetrics(self._metric_keys, values, hidden=hidden)
 
@@ -330,7 +340,6 @@ class Trainer:
         histogram_every: int = 0,
         stats_every: int = 1,
         should_stop=lambda: False,
-        agree_stop: bool | None = None,
     ) -> tuple[TrainState, str]:
         """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
 
@@ -346,12 +355,10 @@ class Trainer:
           should_stop: polled before the first step and after every step, with the hooks'
             `wants_stop`; True ends the run cleanly ("stopped"): the current step's state
             goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
-            is trained.
-          agree_stop: whether the processes agree on stopping (default: with more than one
-            process). Then `should_stop` and `wants_stop` are this process's vote, cast into
-            each step; a vote at step k ends the run after step k + 1 on every process
-            (`agreed_stop` says whose vote it was), and nothing is checked before the first
-            step (the caller agrees on that).
+            is trained. With `agree_stop` (several processes), `should_stop` and `wants_stop`
+            are this process's vote, cast into each step; a vote at step k ends the run after
+            step k + 1 on every process (`agreed_stop` says whose vote it was), and nothing is
+            checked before the first step (the caller agrees on that).
 
         Returns:
           (final state, reason the loop ended).
@@ -364,7 +371,7 @@ class Trainer:
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
-        agree = jax.process_count() > 1 if agree_stop is None else agree_stop
+        agree = self.agree_stop
         self.agreed_stop = None
         me = jax.process_index()
 

@@ -14,8 +14,9 @@ import xshard
 from trainers.multihost import Cluster, PeerError
 from trainers.preemption import stop_signals
 from trainers.run_dirs import separate_log
+from trainers.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import STOP_VOTE_KEY, Hook, StopVote, Trainer
+from trainers.trainer import Hook, Trainer
 from xshard.errors import ConfigError
 from xshard.mesh import build_mesh, configure_devices
 from xshard.mesh_config import MeshConfigError

@@ -15,7 +15,6 @@ step k + 1: no host synchronisation beyond the existing metrics fetch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -28,6 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainers.hook import Hook, StopTraining, end_hooks
 from trainers.step import (
     StepMetrics,
     StepSpec,
@@ -36,83 +36,19 @@ from trainers.step import (
     make_train_step,
     stack_metrics,
 )
+from trainers.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
 from xshard.reduce import PerShardGradientsRequired
 
+__all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
+
 logger = logging.getLogger(__name__)
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
-
-#: The hidden metric holding the step's agreed stop vote (`StopVote.decode`).
-STOP_VOTE_KEY = "_stop_vote"
-
-
-@dataclasses.dataclass(frozen=True)
-class StopVote:
-    """The stop request the processes agreed on: the highest vote over all devices.
-
-    Attributes:
-      step: the step whose dispatch carried the vote (the run ends after the next one).
-      process: the process whose vote won (the highest index among those that voted).
-      signal: whether that process was asked to stop by a signal (`should_stop`).
-      hook: whether one of that process's hooks asked to stop (`Hook.wants_stop`).
-    """
-
-    step: int
-    process: int
-    signal: bool
-    hook: bool
-
-    @staticmethod
-    def encode(process: int, signal: bool, hook: bool) -> int:
-        """One process's vote: 0 for none, else its index and the reasons in an integer."""
-        return 0 if not (signal or hook) else (process << 2) | int(signal) | int(hook) << 1
-
-    @classmethod
-    def decode(cls, step: int, vote: float) -> StopVote | None:
-        """The agreed vote of `step` (a metric value), or None if nobody voted to stop."""
-        code = int(vote)
-        if code == 0:
-            return None
-        return cls(step, code >> 2, bool(code & 1), bool(code & 2))
-
-
-class Hook:
-    """Receives host-side values from `Trainer.fit`; override what you need.
-
-    Any hook may raise `StopTraining` to end the run cleanly, or another exception to abort it
-    (then every hook's `on_end` sees reason "error"). A hook that can no longer do its job but
-    should let the run save its state first (a dead TensorBoard writer) returns True from
-    `wants_stop`: the run then ends like on a stop signal, with reason "stopped".
-    """
-
-    def on_step(self, step: int, metrics: dict[str, float]) -> None:
-        """Metrics of step `step` (1-based count of updates), delivered one step late."""
-
-    def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
-        """Per-parameter norms / gradient histograms computed at step `step`."""
-
-    def wants_state(self, step: int) -> bool:
-        """Whether `on_state` should see the state right after step `step`."""
-        return False
-
-    def on_state(self, step: int, state: TrainState) -> None:
-        """The state after step `step`, whose metrics every hook has already seen."""
-
-    def wants_stop(self) -> bool:
-        """Whether the run should end cleanly after the current step (polled like a signal)."""
-        return False
-
-    def on_end(self, step: int, state: TrainState, reason: str) -> None:
-        """Once, when the loop ends: "done", "data_exhausted", "stopped" or "error"."""
-
-
-class StopTraining(Exception):
-    """Raised by a hook or the stop flag to end `fit` cleanly after the current step."""
 
 
 class Trainer:
@@ -432,9 +368,9 @@ class Trainer:
         except StopTraining as stop_request:
             reason = str(stop_request) or "stopped"
         except BaseException:
-            _end_hooks(hooks, step, state, "error")
+            end_hooks(hooks, step, state, "error")
             raise
-        _end_hooks(hooks, int(jax.device_get(state.step)), state, reason)
+        end_hooks(hooks, int(jax.device_get(state.step)), state, reason)
         return state, reason
 
     @staticmethod
@@ -443,24 +379,3 @@ class Trainer:
         host = dict(metrics)  # waits for this step only
         for h in hooks:
             h.on_step(step, host)
-
-
-def _end_hooks(hooks: Sequence[Hook], step: int, state: TrainState, reason: str) -> None:
-    """Every hook's `on_end`, even when one of them raises (a later hook may save a checkpoint).
-
-    Raises:
-      The first error of an `on_end`, after all ran; later ones are logged in one line each.
-      On reason "error" (the run is failing already) they are only logged, so that the run's
-      own error is the one raised.
-    """
-    first: Exception | None = None
-    for h in hooks:
-        try:
-            h.on_end(step, state, reason)
-        except Exception as e:  # noqa: BLE001 - each hook must get its on_end
-            if first is None and reason != "error":
-                first = e
-            else:
-                logger.error("%s.on_end(%r) failed too: %s", type(h).__name__, reason, e)
-    if first is not None:
-        raise first

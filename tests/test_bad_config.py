@@ -14,8 +14,6 @@ from xshard.errors import ConfigError
 # --------------------------------------------------------------------------------------------
 
 
-
-
 @pytest.mark.parametrize(
     "overrides, message",
     [

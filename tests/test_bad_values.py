@@ -17,8 +17,6 @@ from xshard.errors import ConfigError
 LONG = "x" * 5000
 
 
-
-
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -142,4 +142,3 @@ def test_a_new_optimizer_option_is_one_yaml_file(tmp_path):
         )
     assert cfg.optimizer._target_ == "optax.nadamw" and cfg.optimizer.weight_decay == 1e-4
     assert xshard.build_optimizer(cfg).init({"w": jnp.ones((2, 2))}) is not None
-

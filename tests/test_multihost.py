@@ -12,6 +12,7 @@ import pytest
 from tests.cli import run_train, scalars
 from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
+from trainers.checkpoint_io import complete_steps
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,10 +52,14 @@ def test_two_processes_train_like_one_process_with_the_same_devices(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_on_two_processes_logs_once_and_matches_one_process(tmp_path):
-    common = ["task=mlp", "mesh=auto", "trainer.steps=6", "trainer.log_every=1", "checkpoint=none"]
+def test_cli_on_two_processes_with_their_own_run_dirs_checkpoints_once_and_matches_one_process(
+    tmp_path,
+):
+    # Each process its own hydra.run.dir (what Hydra's timestamped default gives hosts started
+    # a second apart): they save into process 0's checkpoint dir, and only it writes events.
+    common = ["task=mlp", "mesh=auto", "trainer.steps=6", "trainer.log_every=1"]
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4"}  # mesh=auto: 4 devices per process
     procs = [
         subprocess.Popen(
             [
@@ -82,8 +87,11 @@ def test_cli_on_two_processes_logs_once_and_matches_one_process(tmp_path):
         log, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, log[-4000:]
     assert not (tmp_path / "p1" / "tb").exists()  # only process 0 writes TensorBoard events
+    assert complete_steps(tmp_path / "p0" / "checkpoints") == [6]
+    assert not (tmp_path / "p1" / "checkpoints").exists()
 
-    run_train(*common, f"hydra.run.dir={tmp_path / 'single'}", cwd=tmp_path)  # 8 devices
+    single = f"hydra.run.dir={tmp_path / 'single'}"
+    run_train(*common, "checkpoint=none", single, cwd=tmp_path)  # 8 devices
     two = scalars(tmp_path / "p0" / "tb", "train/loss")
     one = scalars(tmp_path / "single" / "tb", "train/loss")
     assert sorted(two) == sorted(one) == list(range(1, 7))

@@ -61,6 +61,7 @@ class StepMetrics(Mapping[str, float]):
         self.diag_names = tuple(diag_names)
         self.histograms = histograms
         self._host = dict(host or {})
+        self._device: dict[str, float] = {}
         self._fetched = False
         self._diagnostics: dict[str, Any] | None = None
 
@@ -98,10 +99,16 @@ class StepMetrics(Mapping[str, float]):
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
             device = np.asarray(jax.device_get(self.values)).tolist()
-            shown = {k: v for k, v in zip(self.keys_, device, strict=True) if k not in self.hidden}
+            self._device = dict(zip(self.keys_, device, strict=True))
+            shown = {k: v for k, v in self._device.items() if k not in self.hidden}
             self._host = {**shown, **self._host}
             self._fetched = True
         return self._host
+
+    def device_value(self, key: str) -> float:
+        """The step's value of `key`, hidden or not (fetches the step's metrics)."""
+        self._fetch()
+        return self._device[key]
 
     def tree_flatten(self):
         aux = (

@@ -1,7 +1,9 @@
-"""SIGTERM / SIGINT as a request to stop cleanly: finish the step, checkpoint, exit 75.
+"""SIGTERM / SIGINT / SIGUSR2 as a request to stop cleanly: finish the step, checkpoint, exit 75.
 
 Preemptible machines (TPU spot VMs, Kubernetes, Slurm) send SIGTERM some seconds before they
-kill a job; Ctrl-C sends SIGINT. `train.py` installs `StopOnSignal` when `train()` starts, so
+kill a job; Ctrl-C sends SIGINT; SLURM jobs submitted through submitit get SIGUSR2 some
+time before their time limit. ``trainer.stop_signals`` lists the signals handled (default
+all three). `train.py` installs `StopOnSignal` when `train()` starts, so
 the first such signal at any time after that, start-up included, only sets a flag:
 `Trainer.fit(should_stop=...)` polls it before the first step and after every step, so the run
 ends with reason "stopped", its checkpoint hook saves that step, and `train.py` exits with
@@ -14,6 +16,9 @@ Python runs signal handlers in the main thread between bytecodes: a signal that 
 the main thread waits on the device (compilation, a long step) is seen when that wait ends.
 The handler never raises, so it cannot be lost the way an exception raised inside a callback
 (e.g. a garbage-collection callback) is.
+
+With several processes the flag is one process's vote: `Trainer.fit` folds it into the steps
+so that every process stops after the same step (`trainers.trainer.StopVote`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any, Self
 
+from omegaconf import DictConfig, OmegaConf
+
 logger = logging.getLogger(__name__)
 
 #: Exit status of a run stopped by a signal after saving a checkpoint (BSD EX_TEMPFAIL:
@@ -32,6 +39,22 @@ logger = logging.getLogger(__name__)
 EXIT_PREEMPTED = 75
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_signals(cfg: DictConfig) -> tuple[signal.Signals, ...]:
+    """The signals of ``trainer.stop_signals`` (`DEFAULT_SIGNALS` if the key is absent).
+
+    Raises:
+      ConfigError: naming the key, if it is not a list of allowed signal names.
+    """
+    from xshard.config.run import check_stop_signals
+
+    names = OmegaConf.select(cfg, "trainer.stop_signals", default=None)
+    if names is None:
+        return DEFAULT_SIGNALS
+    if OmegaConf.is_config(names):
+        names = OmegaConf.to_container(names, resolve=True)
+    return tuple(signal.Signals[name] for name in check_stop_signals(names))
 
 
 class Preempted(Exception):
@@ -64,18 +87,25 @@ class StopOnSignal:
         """Name of the received signal ("SIGTERM"), or None."""
         return None if self.received is None else self.received.name
 
-    def stopped_during_start_up(self, start_step: int) -> Preempted:
+    def stopped_during_start_up(
+        self, start_step: int, *, by: str | None = None, signal_name: str | None = None
+    ) -> Preempted:
         """The error for a run stopped before it trained any step (nothing was written).
 
         Args:
           start_step: the step the run would have started from.
+          by: the process that received the signal, if another one ("process 1 (host:pid)").
+          signal_name: the signal's name, if `by` received it (default: this process's).
 
         Returns:
           A `Preempted` whose message names the signal and what a rerun does.
         """
         then = "start afresh" if start_step == 0 else f"resume from step {start_step}"
+        what = signal_name or self.signal_name
+        if by is not None:
+            what = f"{what} to {by}"
         return Preempted(
-            f"Stopped by {self.signal_name} during start-up, before training any step; no "
+            f"Stopped by {what} during start-up, before training any step; no "
             f"checkpoint was written. Rerun the same command to {then}."
         )
 
@@ -96,7 +126,8 @@ class StopOnSignal:
 
     def __enter__(self) -> Self:
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("Not in the main thread: SIGTERM/SIGINT will not stop training cleanly.")
+            names = "/".join(s.name for s in self.signals)
+            logger.warning("Not in the main thread: %s will not stop training cleanly.", names)
             return self
         for sig in self.signals:
             previous = signal.getsignal(sig)

@@ -48,7 +48,13 @@ logger = logging.getLogger(__name__)
 #: Config keys that must be equal to resume: the state means something else otherwise.
 MUST_MATCH_KEYS = ("task._target_", "optimizer._target_")
 #: Config keys whose change on resume is expected and not worth a warning.
-QUIET_KEYS = ("checkpoint.", "logger.", "trainer.resume_from", "trainer.progress")
+QUIET_KEYS = (
+    "checkpoint.",
+    "logger.",
+    "trainer.resume_from",
+    "trainer.progress",
+    "distributed.",  # the processes that run it: 2x4 devices resume on 1x8 and back
+)
 _ABSENT = object()
 
 

@@ -1,17 +1,14 @@
 """What `trainers.train` builds from the config before training: the task, the user's hooks,
-the distributed runtime, and the checks that join config nodes (HParams: `trainers.hparams`).
+and the checks that join config nodes (HParams: `trainers.hparams`).
 
 Each builder reads the composed config and raises `xshard.ConfigError` naming the key.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from omegaconf import DictConfig
-
-if TYPE_CHECKING:
-    from xshard.config import DistributedOptions
 
 
 def build_task(cfg: DictConfig) -> Any:
@@ -89,35 +86,3 @@ def check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
             f"mesh.data_axes={list(data_axes)}: the batch is split over those, so gradients "
             f"are reduced over them. Set reduction.axis_name={list(data_axes)}."
         )
-
-
-def init_distributed(opts: DistributedOptions) -> None:
-    """``jax.distributed.initialize`` for multi-process runs (``distributed.enabled=true``).
-
-    One process per host; on TPU pods and SLURM the arguments can stay null (JAX detects
-    them). ``distributed.cpu_collectives=gloo`` joins CPU-only processes, as the tests do.
-
-    Raises:
-      ConfigError: if JAX cannot form the cluster from these settings (e.g. nothing to
-        detect it from).
-    """
-    if not opts.enabled:
-        return
-    import jax
-
-    from xshard.errors import ConfigError
-
-    if opts.cpu_collectives:
-        jax.config.update("jax_cpu_collectives_implementation", opts.cpu_collectives)
-    try:
-        jax.distributed.initialize(
-            coordinator_address=opts.coordinator_address,
-            num_processes=opts.num_processes,
-            process_id=opts.process_id,
-        )
-    except ValueError as e:  # JAX's "coordinator_address should be defined." and the like
-        raise ConfigError(
-            f"distributed.enabled=true: JAX could not set up the cluster ({e}). Outside a "
-            "cluster JAX detects (TPU pod, SLURM), set distributed.coordinator_address, "
-            "distributed.num_processes and distributed.process_id."
-        ) from e

@@ -44,6 +44,7 @@ __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_me
 PLAIN, STATS, LAYERS, HISTOGRAMS = 0, 1, 2, 3
 LEVELS = (PLAIN, STATS, LAYERS, HISTOGRAMS)
 
+
 class TrainState(NamedTuple):
     """Everything that changes during training. The RNG is a pure function of (seed, step)."""
 

@@ -14,8 +14,11 @@ summary (steps, skipped steps, final and best loss, the checkpoint) and writes i
         (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
     3   training went non-finite and was stopped (NonFiniteError); checkpoints written before
         stay valid (the run summary names the latest one, or says there is none)
-    75  stopped by SIGTERM/SIGINT after saving a checkpoint, or during start-up before any
-        step (nothing written): rerun the command to resume
+    4   multi-process runs: another process was lost (killed, crashed, unreachable, or failed
+        on its own); the last complete checkpoint is valid: restart every process to resume
+    75  stopped by a signal of trainer.stop_signals (SIGTERM, SIGINT, SIGUSR2) after saving a
+        checkpoint, or during start-up before any step (nothing written): rerun the command
+        to resume. With several processes, a signal to any one stops all after the same step.
 
 In a multirun (``-m``) a job that fails or diverges does not exit: it is recorded and the sweep
 goes on (`trainers.sweep`, docs/sweeps.md); a signal still stops the sweep (75).
@@ -31,14 +34,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainers.cli_help import register_help_resolver
 from trainers.console import log_to_files
-from trainers.preemption import EXIT_PREEMPTED, StopOnSignal
+from trainers.multihost import current, exit_process, join_cluster, report_unexpected
+from trainers.preemption import EXIT_PREEMPTED, StopOnSignal, stop_signals
 from trainers.preflight import EXIT_CONFIG_ERROR
 from trainers.setup import (
     allowed_targets,
     build_hooks,
     build_task,
     check_reduction_axes,
-    init_distributed,
 )
 from trainers.summary import RunSummary
 from xshard.config.resolvers import register_resolvers
@@ -55,8 +58,10 @@ EXIT_NONFINITE = 3
 def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
     """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
 
-    SIGTERM/SIGINT are handled from the start (`StopOnSignal`): a signal during start-up
-    stops the run before its first step.
+    The signals of ``trainer.stop_signals`` are handled from the start (`StopOnSignal`): a
+    signal during start-up stops the run before its first step. With several processes
+    (``distributed.enabled=true``) they agree on every stop and start-up failure, and a lost
+    process ends the others (`trainers.multihost`, docs/multihost.md).
 
     Args:
       cfg: the composed config.
@@ -72,16 +77,17 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
       LoggerError: if TensorBoard events cannot be written and ``logger.on_error=stop``.
       NonFiniteError: if training went non-finite beyond what the config tolerates.
       Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
+      PeerError: if another process failed at a step every process must pass.
     """
-    with StopOnSignal() as stop:
-        return _train(cfg, stop, summary or RunSummary())
+    with StopOnSignal(stop_signals(cfg)) as stop:
+        loss = _train(cfg, stop, summary or RunSummary())
+    current().announce_exit(0)  # the other processes stop watching this one
+    return loss
 
 
 def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s body; `stop` is the run's `StopOnSignal`."""
     from trainers.allowlist import log_active_prefixes
-
-    log_active_prefixes(cfg)
 
     # ------------------------------------------------------------------ the run's own keys
     from xshard.config import (
@@ -97,8 +103,9 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
 
-    # ------------------------------------------------------------------ devices and mesh
+    # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
+    from trainers.run_dirs import check_same_checkpoints, check_shared_dir, share_run_dirs
     from xshard.mesh import (
         build_mesh,
         check_batch_divisible,
@@ -107,8 +114,10 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     )
     from xshard.mesh_config import data_axes as mesh_data_axes
 
-    configure_devices(cfg.mesh)
-    init_distributed(dist)
+    cluster = join_cluster(dist)
+    dirs = share_run_dirs(cfg, cluster)  # process 0's dirs; only it keeps train.log
+    log_active_prefixes(cfg)
+    configure_devices(cfg.mesh, num_processes=cluster.count)
 
     import jax
 
@@ -117,6 +126,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.ckpt_owner import claim_checkpoint_dir
     from trainers.hparams import hparams
     from trainers.monitor import NonFiniteMonitor, ProgressHook
+    from trainers.multihost import PeerError
     from trainers.perf import ProfileHook, step_flops
     from trainers.preemption import Preempted
     from trainers.preflight import check_batch_fits, check_writable_dir
@@ -138,20 +148,23 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         logging.getLogger("absl").setLevel(logging.WARNING)
     ckpt = CheckpointOptions.from_config(cfg.checkpoint)
     logger_opts = LoggerOptions.from_config(cfg.logger)
-    if jax.process_index() == 0:  # the only process that writes TensorBoard events
-        check_writable_dir(cfg.paths.tb_dir, "paths.tb_dir")
-    # One run per checkpoint dir: process 0 refuses another run's dir or one in use, then
-    # holds its lock until the process ends (so only this run's checkpoints are ever pruned).
-    claim_checkpoint_dir(
-        cfg.paths.checkpoint_dir,
-        cfg.paths.output_dir,
-        lead=jax.process_index() == 0,
-        create=ckpt.enabled,
-    )
-    if ckpt.enabled:
-        check_writable_dir(cfg.paths.checkpoint_dir, "paths.checkpoint_dir")
+    # An error on one process is raised on all (`agreed`): none waits for a failed one.
+    with cluster.agreed("checking the output dirs"):
+        if cluster.lead:  # the only process that writes TensorBoard events
+            check_writable_dir(dirs.tb_dir, "paths.tb_dir")
+        # One run per checkpoint dir: process 0 refuses another run's dir or one in use, then
+        # holds its lock until the process ends (so only this run's checkpoints are pruned).
+        claim_checkpoint_dir(
+            dirs.checkpoint_dir, dirs.lead_output_dir, lead=cluster.lead, create=ckpt.enabled
+        )
+        if ckpt.enabled and cluster.lead:
+            check_writable_dir(dirs.checkpoint_dir, "paths.checkpoint_dir")
+    if ckpt.enabled:  # every process writes its shards there: the same dir for all
+        check_shared_dir(cluster, dirs.checkpoint_dir, "paths.checkpoint_dir", dirs.output_dir)
     # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
-    source = find_resume_source(cfg.paths.checkpoint_dir, opts.resume_from)
+    with cluster.agreed("finding the checkpoint to resume from"):
+        source = find_resume_source(dirs.checkpoint_dir, opts.resume_from)
+    check_same_checkpoints(cluster, source)
 
     # ------------------------------------------------------------------ task and optimizer
     task = build_task(cfg)
@@ -199,7 +212,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         )
     state = trainer.init(trainer.init_params(first))
     if ckpt.enabled:  # a full disk fails here, not at the first save
-        check_checkpoint_space(cfg.paths.checkpoint_dir, state)
+        with cluster.agreed("checking the free space for checkpoints"):
+            check_checkpoint_space(dirs.checkpoint_dir, state)
     config = run_config(cfg)
     # The step restores the RNG and the data position too: both are pure functions of it.
     if source is not None:
@@ -207,16 +221,20 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             source, state, config, fallback_to_previous=ckpt.fallback_to_previous
         )
     start_step = int(jax.device_get(state.step))
-    if stop():  # a signal during start-up: stop before writing anything
-        raise stop.stopped_during_start_up(start_step)
+    signals = cluster.all_gather("start_up_stop", stop.signal_name)
+    if any(signals):  # a signal during start-up, to any process: stop before writing anything
+        by = next(i for i, name in enumerate(signals) if name)
+        raise stop.stopped_during_start_up(
+            start_step, by=None if cluster.count == 1 else cluster.name(by), signal_name=signals[by]
+        )
 
     # ------------------------------------------------------------------ hooks
     summary.begin(
         num_steps=num_steps,
         start_step=start_step,
-        checkpoint_dir=cfg.paths.checkpoint_dir if ckpt.enabled else None,
+        checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
     )
-    lead = jax.process_index() == 0  # logs and the progress bar come from one process
+    lead = cluster.lead  # logs and the progress bar come from one process
     # The monitor comes before the hooks that act on a step: a bad step raises before they
     # see it. The summary only records, so it sees the step that diverged too.
     hooks = [summary, monitor]
@@ -224,7 +242,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         values, overridden = hparams(cfg)
         hooks.append(
             TensorBoardHook(
-                cfg.paths.tb_dir,
+                dirs.tb_dir,
                 log_every=opts.log_every,
                 global_batch_size=opts.batch_size,
                 num_steps=num_steps,
@@ -242,12 +260,12 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             )
         )
         if opts.profile_steps is not None:
-            hooks.append(ProfileHook(cfg.paths.tb_dir, *opts.profile_steps, start_step=start_step))
+            hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
     hooks.append(
         ProgressHook(start_step=start_step, num_steps=num_steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
-        checkpoints = CheckpointHook(cfg.paths.checkpoint_dir, ckpt, config)
+        checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, config)
         checkpoints.prepare(state)  # compiles its check now, not during the first save
         hooks.append(checkpoints)
 
@@ -277,7 +295,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         raise stop.stopped_during_start_up(start_step)
     final = monitor.last_loss
     saved = (
-        f"checkpoint saved in {cfg.paths.checkpoint_dir}/{step}"
+        f"checkpoint saved in {dirs.checkpoint_dir}/{step}"
         if ckpt.enabled
         else ("no checkpoint written (checkpoint.enabled=false)")
     )
@@ -288,16 +306,25 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             num_steps,
             saved,
         )
-    if stop() and step < num_steps:
+    agreed = trainer.agreed_stop  # multi-process: whose vote stopped the run
+    by_peer = reason == "stopped" and agreed is not None and agreed.signal
+    if step < num_steps and (stop() or by_peer):
+        by = stop.signal_name if stop() else f"a stop signal to {cluster.name(agreed.process)}"
         raise Preempted(
-            f"Stopped by {stop.signal_name} at step {step} of {num_steps}; {saved}. Rerun the "
-            "same command (same hydra.run.dir) to resume from the latest checkpoint."
+            f"Stopped by {by} at step {step} of {num_steps}; {saved}. Rerun the same command "
+            "(same hydra.run.dir, every process) to resume from the latest checkpoint."
+        )
+    if reason == "stopped" and step < num_steps and agreed and agreed.process != cluster.index:
+        raise PeerError(
+            f"Stopped at step {step} of {num_steps} because a hook of "
+            f"{cluster.name(agreed.process)} asked to (see its log); {saved}."
         )
     return final
 
 
 def _exit(error: BaseException, code: int, label: str = "error") -> None:
-    """Reports `error` in one line (stderr, and the log file) and exits with `code`.
+    """Reports `error` in one line (stderr, and the log file) and exits with `code`: with
+    several processes, after telling the others (`trainers.multihost.exit_process`).
 
     The line goes to the log file only, not to the console handler too: on a terminal the
     error shows once.
@@ -307,7 +334,7 @@ def _exit(error: BaseException, code: int, label: str = "error") -> None:
     message = one_line(str(error))
     log_to_files(log, logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, message)
     print(f"xshard: {label}: {message}", file=sys.stderr)
-    sys.exit(code)
+    exit_process(code)
 
 
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
@@ -346,6 +373,7 @@ def main(cfg: DictConfig) -> float | None:
         return failed(e, status.FAILED, EXIT_CONFIG_ERROR)
     except Exception as e:
         finish_job(cfg, summary, status.CRASHED, e)
+        report_unexpected(e)  # several processes: traceback in the log, exit 1 without waiting
         raise
     record = finish_job(cfg, summary, status.COMPLETED)
     if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper

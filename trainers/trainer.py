@@ -5,6 +5,12 @@ loop. The loop keeps at most two steps in flight: it dispatches step k, then wai
 metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
 with dozens of steps in flight, see docs/development.md), gives lag-one logging without stalls, and
 lets every step's loss be checked on the host.
+
+A stop request (a signal, a hook's `wants_stop`) is local to one process. With several
+processes each one casts a vote into the step it dispatches; the step reduces the votes over
+all devices and returns the result with its metrics (`STOP_VOTE_KEY`), which the loop fetches
+anyway. Every process so learns of a stop voted at step k from the same metrics and ends after
+step k + 1: no host synchronisation beyond the existing metrics fetch.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.hook import Hook, StopTraining, end_hooks  # noqa: F401 (re-exported)
+from trainers.hook import Hook, StopTraining, end_hooks
 from trainers.metrics import StepMetrics, stack_metrics
 from trainers.step import (
     HISTOGRAMS,
@@ -33,12 +39,15 @@ from trainers.step import (
     TrainState,
     make_train_step,
 )
+from trainers.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.tasks.sharding import param_specs
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
 from xshard.mesh import check_batch_divisible
 from xshard.reduce import PerShardGradientsRequired
+
+__all__ = ["STEP_EXECUTABLES", "Hook", "StopTraining", "StopVote", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +86,8 @@ class Trainer:
         key of `STEP_EXECUTABLES`: "one" (the default; every kind of step in one executable,
         the differences under `lax.cond`), "two" (plain and statistics steps / per-layer
         logging steps) or "per_level" (four). See docs/benchmarks.md for the measurement.
+      agree_stop: whether the processes agree on stops within the steps (default: with more
+        than one process); see `fit`. One process needs no vote: its step takes none.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
@@ -96,6 +107,7 @@ class Trainer:
         reduction: Reduction | str = Reduction.MEAN,
         seed: int = 0,
         step_executables: str = "one",
+        agree_stop: bool | None = None,
     ):
         # The step passes the statistics flags to the optimizer; plain transforms ignore them.
         tx = optax.with_extra_args_support(tx)
@@ -133,8 +145,14 @@ class Trainer:
         self._leaf_names: tuple[str, ...] = ()
         self._replicated = NamedSharding(mesh, P())
         self._levels = {lv: jax.device_put(np.int32(lv), self._replicated) for lv in LEVELS}
+        self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
+        # One vote per device, each process filling its own devices (`_votes`).
+        self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        self._vote_arrays: dict[int, jax.Array] = {}
         self.compile_seconds: float | None = None
         self._report_compile = False
+        #: After `fit` with agreed stops: the vote that stopped it, or None.
+        self.agreed_stop: StopVote | None = None
 
     # ------------------------------------------------------------------ placement
 
@@ -196,22 +214,27 @@ class Trainer:
         keys: list[tuple[str, ...]] = []
         step_fn = self._step_fns[group]
 
-        def train_step(state, batch, level):
+        def train_step(state, batch, level, *votes):
             state, metrics, diag = step_fn(state, batch, level)
+            if votes:  # agree_stop: the highest vote of all devices
+                metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
             names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
             return state, values, diag
 
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding, self._replicated),
+            in_shardings=(shardings, self.batch_sharding, self._replicated)
+            + ((self._vote_sharding,) if self.agree_stop else ()),
             out_shardings=(shardings, None, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                compiled = jitted.lower(state, batch, self._levels[group[0]]).compile()
+                compiled = jitted.lower(
+                    state, batch, self._levels[group[0]], *self._votes(0)
+                ).compile()
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
@@ -247,6 +270,7 @@ class Trainer:
         with_stats: bool = True,
         layer_stats: bool = False,
         histograms: bool = False,
+        stop_vote: int = 0,
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
@@ -264,6 +288,8 @@ class Trainer:
           layer_stats: also the per-layer norms of the applied gradient and of the new params
             (`StepMetrics.diagnostics`); implies `with_stats`.
           histograms: also gradient histograms per layer; implies `layer_stats`.
+          stop_vote: with `agree_stop`, this process's `StopVote.encode`, reduced over all
+            processes into the hidden metric `STOP_VOTE_KEY`.
 
         Returns:
           (the new state, its `StepMetrics`).
@@ -276,15 +302,28 @@ class Trainer:
         group = self._group(level)
         if group not in self._executables:
             self._compile(group, state, batch)
-        state, values, diag = self._executables[group](state, batch, self._levels[level])
+        executable = self._executables[group]
+        state, values, diag = executable(state, batch, self._levels[level], *self._votes(stop_vote))
+        hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
         return state, StepMetrics(
             self._metric_keys,
             values,
-            hidden=self._stats_keys if level == PLAIN else frozenset(),
+            hidden=hidden,
             diag=diag if level >= LAYERS else None,
             diag_names=self._leaf_names,
             histograms=level == HISTOGRAMS,
         )
+
+    def _votes(self, vote: int) -> tuple[jax.Array, ...]:
+        """The step's vote input: this process's `vote` on each of its devices (cached); none
+        without `agree_stop`."""
+        if not self.agree_stop:
+            return ()
+        if vote not in self._vote_arrays:
+            self._vote_arrays[vote] = jax.make_array_from_callback(
+                (self.mesh.size,), self._vote_sharding, lambda _: np.full((1,), vote, np.int32)
+            )
+        return (self._vote_arrays[vote],)
 
     # --------------------------------------------------------------------- loop
 
@@ -316,7 +355,10 @@ class Trainer:
           should_stop: polled before the first step and after every step, with the hooks'
             `wants_stop`; True ends the run cleanly ("stopped"): the current step's state
             goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
-            is trained.
+            is trained. With `agree_stop` (several processes), `should_stop` and `wants_stop`
+            are this process's vote, cast into each step; a vote at step k ends the run after
+            step k + 1 on every process (`agreed_stop` says whose vote it was), and nothing is
+            checked before the first step (the caller agrees on that).
 
         Returns:
           (final state, reason the loop ended).
@@ -329,12 +371,25 @@ class Trainer:
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
+        agree = self.agree_stop
+        self.agreed_stop = None
+        me = jax.process_index()
 
         def stop_requested() -> bool:
             return bool(should_stop()) or any(h.wants_stop() for h in hooks)
 
+        def vote() -> int:
+            hook = any(h.wants_stop() for h in hooks)
+            return StopVote.encode(me, bool(should_stop()), hook)
+
+        def emit(pending: tuple[int, Any]) -> None:
+            self._emit(pending, hooks)
+            done, metrics = pending
+            if agree and self.agreed_stop is None:
+                self.agreed_stop = StopVote.decode(done, metrics.device_value(STOP_VOTE_KEY))
+
         try:
-            if stop_requested():  # e.g. a signal during start-up: train nothing
+            if not agree and stop_requested():  # e.g. a signal during start-up: train nothing
                 reason = "stopped"
             while reason == "done" and step < num_steps:
                 try:
@@ -347,7 +402,12 @@ class Trainer:
                 layers = hist or (layer_stats_every > 0 and step % layer_stats_every == 0)
                 with_stats = step == num_steps or (stats_every > 0 and step % stats_every == 0)
                 state, metrics = self.step(
-                    state, local, with_stats=with_stats, layer_stats=layers, histograms=hist
+                    state,
+                    local,
+                    with_stats=with_stats,
+                    layer_stats=layers,
+                    histograms=hist,
+                    stop_vote=vote() if agree else 0,
                 )
                 if self._report_compile:
                     metrics = metrics.with_host_values(
@@ -355,11 +415,14 @@ class Trainer:
                     )
                     self._report_compile = False
                 if pending is not None:  # waits for step - 1 only: two steps in flight at most
-                    self._emit(pending, hooks)
+                    emit(pending)
                 pending = (step, metrics)
-                stop = stop_requested()
+                if agree:  # a vote cast at step k - 1 is known now on every process
+                    stop = self.agreed_stop is not None and step > self.agreed_stop.step
+                else:
+                    stop = stop_requested()
                 if stop or any(h.wants_state(step) for h in hooks):
-                    self._emit(pending, hooks)  # the state's own metrics come first
+                    emit(pending)  # the state's own metrics come first
                     pending = None
                     for h in hooks:
                         h.on_state(step, state)
@@ -367,7 +430,7 @@ class Trainer:
                     reason = "stopped"
                     break
             if pending is not None:
-                self._emit(pending, hooks)
+                emit(pending)
         except StopTraining as stop_request:
             reason = str(stop_request) or "stopped"
         except BaseException:

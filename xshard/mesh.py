@@ -94,46 +94,57 @@ def backends_initialized() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))  # pragma: no cover
 
 
-def configure_devices(cfg_mesh: Any) -> int | None:
+def configure_devices(cfg_mesh: Any, num_processes: int = 1) -> int | None:
     """Sets up simulated CPU devices for ``simulate_on_cpu``; call before any JAX computation.
 
     With ``simulate_on_cpu=true`` this selects the CPU platform with ``num_devices`` devices
-    (``jax_platforms=cpu``, ``jax_num_cpu_devices=n``; the latter takes precedence over
-    ``XLA_FLAGS=--xla_force_host_platform_device_count``). Otherwise it does nothing.
+    in all (``jax_platforms=cpu``, ``jax_num_cpu_devices=n``; the latter takes precedence
+    over ``XLA_FLAGS=--xla_force_host_platform_device_count``), split evenly over the
+    processes of a multi-process run: ``mesh=cpu8`` on 2 processes gives each 4 devices.
+    Otherwise it does nothing.
 
     Args:
       cfg_mesh: the ``mesh`` config node.
+      num_processes: the processes of the run (``jax.distributed.initialize`` done before).
 
     Returns:
-      The number of simulated CPU devices, or None when not simulating.
+      The number of simulated CPU devices of this process, or None when not simulating.
 
     Raises:
-      MeshConfigError: if the config is invalid, or JAX is already initialised with another
-        device count or platform (e.g. Hydra's basic multirun launcher running several jobs in
-        one process); the message points to ``hydra/launcher=submitit_local``.
+      MeshConfigError: if the config is invalid, ``num_devices`` does not split evenly over
+        the processes, or JAX is already initialised with another device count or platform
+        (e.g. Hydra's basic multirun launcher running several jobs in one process); the
+        message points to ``hydra/launcher=submitit_local``.
     """
     spec = mesh_spec(cfg_mesh)
     if not spec.simulate_on_cpu:
         return None
-    n = spec.num_devices
-    assert n is not None  # checked by mesh_spec
+    total = spec.num_devices
+    assert total is not None  # checked by mesh_spec
+    if total % num_processes:
+        raise MeshConfigError(
+            f"{KEY}={spec.name or '<custom>'} simulates {KEY}.num_devices={total} CPU devices, "
+            f"which do not split evenly over {num_processes} processes: choose a mesh whose "
+            f"num_devices is a multiple of {num_processes}."
+        )
+    n = total // num_processes
     if backends_initialized():
-        devices = jax.devices()
+        devices = jax.local_devices()
         if devices[0].platform == "cpu" and len(devices) == n:
             return n
-        raise MeshConfigError(_already_initialized_message(spec, devices))
+        raise MeshConfigError(_already_initialized_message(spec, devices, n))
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:  # backends initialised concurrently or the check above missed it
-        raise MeshConfigError(_already_initialized_message(spec, jax.devices())) from e
+        raise MeshConfigError(_already_initialized_message(spec, jax.local_devices(), n)) from e
     return n
 
 
-def _already_initialized_message(spec: MeshSpec, devices: Sequence[Any]) -> str:
+def _already_initialized_message(spec: MeshSpec, devices: Sequence[Any], n: int) -> str:
     return (
         f"{KEY}={spec.name or '<custom>'} with {KEY}.simulate_on_cpu=true needs "
-        f"{spec.num_devices} simulated CPU devices, but JAX is already initialised in this "
+        f"{n} simulated CPU devices in this process, but JAX is already initialised in this "
         f"process with {len(devices)} {devices[0].platform} devices. {_LAUNCHER_HINT}"
     )
 
@@ -191,11 +202,15 @@ def create_device_array(
             "the dcn product must equal one of them (only CPU devices of one process are split "
             "into simulated slices)"
         )
-    logger.info("%s: single process, simulating %d DCN granules of %d devices each",
-                KEY, granules, len(devices) // granules)
+    logger.info(
+        "%s: single process, simulating %d DCN granules of %d devices each",
+        KEY,
+        granules,
+        len(devices) // granules,
+    )
     size = len(devices) // granules
     per_granule = [
-        mesh_utils.create_device_mesh(tuple(ici), devices[g * size:(g + 1) * size])
+        mesh_utils.create_device_mesh(tuple(ici), devices[g * size : (g + 1) * size])
         for g in range(granules)
     ]
     layout = np.arange(granules).reshape(tuple(dcn))
@@ -214,10 +229,23 @@ def _check_device_count(spec: MeshSpec, devices: Sequence[Any]) -> None:
     present = f"{len(devices)} {platform} device{'s' * (len(devices) != 1)}"
     name = spec.name or "<custom>"
     if spec.simulate_on_cpu and (platform != "cpu" or len(devices) != spec.num_devices):
+        processes = jax.process_count()
+        if processes > 1:
+            hint = (
+                f"with {processes} processes, call xshard.configure_devices(cfg.mesh, "
+                f"num_processes={processes}) after jax.distributed.initialize and before any "
+                "JAX computation: each process then simulates its share of the devices."
+            )
+        else:
+            hint = (
+                "call xshard.configure_devices(cfg.mesh) before any JAX computation. "
+                + _LAUNCHER_HINT
+            )
         raise MeshConfigError(
             f"{KEY}={name} has {KEY}.simulate_on_cpu=true with {KEY}.num_devices="
-            f"{spec.num_devices}, but JAX has {present}: call "
-            "xshard.configure_devices(cfg.mesh) before any JAX computation. " + _LAUNCHER_HINT
+            f"{spec.num_devices}, but JAX has {present}"
+            + (f" over {processes} processes" if processes > 1 else "")
+            + f": {hint}"
         )
     if spec.num_devices is not None and spec.num_devices != len(devices):
         raise MeshConfigError(
@@ -251,9 +279,16 @@ def build_mesh(cfg_mesh: Any, devices: Sequence[Any] | None = None) -> Mesh:
     ici, dcn = resolve_axis_sizes(spec, len(devices), _num_granules(devices, "slice_index"))
     array = create_device_array(ici, dcn, devices)
     mesh = Mesh(array, spec.axes, axis_types=spec.axis_types)
-    logger.info("%s=%s: axes %s, shape %s (ici %s, dcn %s), %s",
-                KEY, spec.name, spec.axes, array.shape, ici, dcn,
-                [t.name for t in spec.axis_types])
+    logger.info(
+        "%s=%s: axes %s, shape %s (ici %s, dcn %s), %s",
+        KEY,
+        spec.name,
+        spec.axes,
+        array.shape,
+        ici,
+        dcn,
+        [t.name for t in spec.axis_types],
+    )
     return mesh
 
 

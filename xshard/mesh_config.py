@@ -20,8 +20,15 @@ from xshard.errors import ConfigError
 KEY = "mesh"  # where the node lives in the primary config; used in error messages
 _AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 _KNOWN_KEYS = (
-    "name", "topology", "num_devices", "axes", "ici", "dcn", "axis_types",
-    "simulate_on_cpu", "data_axes",
+    "name",
+    "topology",
+    "num_devices",
+    "axes",
+    "ici",
+    "dcn",
+    "axis_types",
+    "simulate_on_cpu",
+    "data_axes",
 )
 
 
@@ -77,8 +84,7 @@ def _names(value: Any, key: str) -> tuple[str, ...]:
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
         raise MeshConfigError(
-            f"{KEY}.{key}={list(names)}: duplicate axis names {dups}; each axis needs its own "
-            "name"
+            f"{KEY}.{key}={list(names)}: duplicate axis names {dups}; each axis needs its own name"
         )
     return names
 
@@ -149,9 +155,7 @@ def mesh_spec(cfg_mesh: Any) -> MeshSpec:
     cfg = _to_dict(cfg_mesh)
     unknown = sorted(set(cfg) - set(_KNOWN_KEYS))
     if unknown:
-        raise MeshConfigError(
-            f"{KEY}: unknown keys {unknown}. Allowed: {', '.join(_KNOWN_KEYS)}"
-        )
+        raise MeshConfigError(f"{KEY}: unknown keys {unknown}. Allowed: {', '.join(_KNOWN_KEYS)}")
     axes = _names(cfg.get("axes") or ("data",), "axes")
     ici_default = (-1,) + (1,) * (len(axes) - 1)
     ici = _sizes(cfg["ici"] if cfg.get("ici") is not None else ici_default, "ici", axes)

@@ -324,5 +324,7 @@ def reduce_gradients(
     if clip_per_shard is not None:
         clip = per_shard_clip(clip_per_shard, axis_name)
         grads, _ = clip.update(grads, clip.init(grads), with_stats=False)
-    reduce = all_reduce(reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards)
+    reduce = all_reduce(
+        reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards
+    )
     return reduce.update(grads, optax.EmptyState(), shard_weight=shard_weight)[0]

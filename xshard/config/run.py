@@ -38,6 +38,24 @@ def check_int(value: Any, key: str, minimum: int, allowed: str, maximum: int | N
     return value
 
 
+#: Signals `trainer.stop_signals` may name: they stop training cleanly (checkpoint, exit 75).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+def check_stop_signals(value: Any, key: str = "trainer.stop_signals") -> tuple[str, ...]:
+    """Returns the signal names of ``trainer.stop_signals`` if they are allowed.
+
+    Raises:
+      ConfigError: naming `key`, the value and the allowed names.
+    """
+    if not isinstance(value, list | tuple) or not all(v in STOP_SIGNALS for v in value):
+        raise ConfigError(
+            f"{key}={shown(value)}: expected a list of signal names among {list(STOP_SIGNALS)} "
+            "(e.g. [SIGTERM, SIGINT, SIGUSR2])."
+        )
+    return tuple(value)
+
+
 def check_seed(value: Any, key: str = "seed") -> int:
     """Returns the run's seed if it is an integer in [0, 2**32 - 1].
 
@@ -73,6 +91,8 @@ class TrainerOptions:
         TensorBoard dir; null: none.
       hooks: the user's `trainers.Hook`s, ``[{_target_: mypkg.MyHook, arg: 1}]`` (with
         ``allowed_targets: [mypkg.]``), run after the built-in ones.
+      stop_signals: signals that stop training cleanly (checkpoint, exit 75); SIGUSR2 is the
+        warning SLURM sends through submitit before the time limit.
     """
 
     steps: int = 300
@@ -89,6 +109,9 @@ class TrainerOptions:
     failed_objective: float | None = None
     profile_steps: list[int] | None = None
     hooks: list[Any] = dataclasses.field(default_factory=list)
+    stop_signals: list[str] = dataclasses.field(
+        default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR2"]
+    )
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -130,6 +153,7 @@ class TrainerOptions:
                     f"trainer.profile_steps={shown(steps)}: expected [first, last], integers "
                     "with 1 <= first <= last (the steps to trace), or null."
                 )
+        check_stop_signals(self.stop_signals)
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(
@@ -150,6 +174,8 @@ class DistributedOptions:
       num_processes: the number of processes.
       process_id: this process's index.
       cpu_collectives: "gloo" joins CPU-only processes (how the tests run two hosts).
+      heartbeat_timeout_s: a process silent this long is lost: the others exit 4.
+      initialization_timeout_s: for every process to join, and at each start-up agreement.
     """
 
     enabled: bool = False
@@ -157,8 +183,20 @@ class DistributedOptions:
     num_processes: int | None = None
     process_id: int | None = None
     cpu_collectives: str | None = None
+    heartbeat_timeout_s: float = 60.0
+    initialization_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
+        finite_positive(
+            self.heartbeat_timeout_s,
+            "distributed.heartbeat_timeout_s",
+            "seconds without a heartbeat after which a process is lost",
+        )
+        finite_positive(
+            self.initialization_timeout_s,
+            "distributed.initialization_timeout_s",
+            "seconds to wait for every process to join (and at each start-up agreement)",
+        )
         if self.num_processes is not None:
             check_int(self.num_processes, "distributed.num_processes", 1, ">= 1, or null")
         if self.process_id is not None:

@@ -38,6 +38,7 @@ LONG = "x" * 5000
         (["task.hidden=[-4]"], "task.hidden=[-4]: expected a list of integers >= 1"),
         (["task.hidden=4"], "task.hidden=4: expected a list of integers >= 1"),
         (["task.in_dim=-3"], "task.in_dim=-3: expected an integer >= 1"),
+        (["checkpoint.replica_parallel=maybe"], "checkpoint.replica_parallel='maybe': expected"),
         (["paths.checkpoint_dir=''"], "paths.checkpoint_dir='': expected a directory path"),
         (["paths.tb_dir=[a]"], "paths.tb_dir=['a']: expected a string"),
         (["distributed.enabled=maybe"], "distributed.enabled='maybe': expected true or false"),

@@ -33,6 +33,7 @@ LONG = "x" * 5000
         (["trainer.log_every=-1"], "trainer.log_every=-1: expected an integer"),
         (["trainer.stats_every=-1"], "trainer.stats_every=-1: expected an integer"),
         (["trainer.histogram_every=-5"], "trainer.histogram_every=-5: expected an integer"),
+        (["trainer.max_consecutive_nonfinite=-1"], "trainer.max_consecutive_nonfinite=-1: exp"),
         (["trainer.progress=maybe"], "trainer.progress='maybe': expected true or false"),
         (["+trainer.bogus=1"], "trainer.bogus: unknown key. Allowed keys: ['steps'"),
         (["task.hidden=[-4]"], "task.hidden=[-4]: expected a list of integers >= 1"),

@@ -101,7 +101,7 @@ class LinenTask(FlaxTask):
         keys = jax.random.split(rng, max(len(self.rng_collections), 1))
         rngs = dict(zip(self.rng_collections, keys))
         variables = {"params": params, **model_state}
-        mutable = list(model_state) if train else False
+        mutable = list(model_state) if train and model_state else False
         axes = manual_axes() if self.sync_batch_norm else ()
 
         def sync(next_fun, args, kwargs, context):

@@ -139,7 +139,7 @@ class NNXTask(FlaxTask):
         module.train() if train else module.eval()
         axes = manual_axes()
         if self.sync_batch_norm and axes:
-            for _, sub in module.iter_modules():
+            for _, sub in nnx.iter_modules(module):
                 if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
                     sub.axis_name = axes
         keys = _use_step_keys(module, rng)

@@ -290,3 +290,53 @@ def test_importing_the_trainer_does_not_import_flax():
         [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120
     )
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------
+# The CLI, end to end, with resume
+# --------------------------------------------------------------------------------------------
+
+
+def _checkpoint_arrays(step_dir):
+    """Every array of a checkpoint's state, by path (Orbax's own reader, no target)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as reader:
+        tree = reader.restore(step_dir / "state")
+    return {
+        jax.tree_util.keystr(p): np.asarray(x)
+        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["flax_nnx", "flax_linen"])
+def test_cli_trains_a_flax_task_and_resumes_bitwise(tmp_path, task):
+    from cli import run_train, scalars
+
+    common = (
+        f"task={task}",
+        "mesh=cpu4x2",
+        "schedule=constant",
+        "trainer.batch_size=16",
+        "checkpoint.every_steps=3",
+        "checkpoint.async_save=false",
+        "trainer.log_every=1",
+        "task.model.batch_norm=true",
+        "task.model.dropout=0.1",
+    )
+    run_train(*common, "trainer.steps=6", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=3", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=6", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+
+    whole = _checkpoint_arrays(tmp_path / "whole" / "checkpoints" / "6")
+    parts = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "6")
+    assert whole.keys() == parts.keys()
+    stats = [k for k in whole if "model_state" in k]
+    assert any("mean" in k for k in stats) and any("var" in k for k in stats)
+    for k in whole:
+        np.testing.assert_array_equal(parts[k], whole[k], err_msg=k)
+    losses = {}  # the two runs of `parts` log under two names (their overrides differ)
+    for run in (tmp_path / "parts" / "tb").iterdir():
+        losses |= scalars(run, "train/loss")
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and losses[6] < losses[1]

@@ -26,9 +26,9 @@ from xshard.errors import ConfigError
 
 pytest.importorskip("flax")
 
-from trainers.tasks import linen_models, nnx_models  # noqa: E402
-from trainers.tasks.flax_linen import LinenTask  # noqa: E402
-from trainers.tasks.flax_nnx import NNXTask  # noqa: E402
+from trainers.tasks import linen_models, nnx_models
+from trainers.tasks.flax_linen import LinenTask
+from trainers.tasks.flax_nnx import NNXTask
 
 BATCH = 32
 RULES = {"embed": None, "mlp": "model"}
@@ -86,7 +86,9 @@ class FromParams(MLPTask):
 def as_mlp_params(params, kind):
     """The Flax MLP's params in task=mlp's layout ({"layers": [{"w", "b"}, ...]})."""
     n = len(params["layers"]) if kind == "nnx" else len(params)
-    layers = [params["layers"][str(i)] if kind == "nnx" else params[f"layers_{i}"] for i in range(n)]
+    layers = [
+        params["layers"][str(i)] if kind == "nnx" else params[f"layers_{i}"] for i in range(n)
+    ]
     return {"layers": [{"w": p["kernel"], "b": p["bias"]} for p in layers]}
 
 
@@ -304,8 +306,7 @@ def _checkpoint_arrays(step_dir):
     with ocp.StandardCheckpointer() as reader:
         tree = reader.restore(step_dir / "state")
     return {
-        jax.tree_util.keystr(p): np.asarray(x)
-        for p, x in jax.tree_util.tree_leaves_with_path(tree)
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
     }
 
 

@@ -20,7 +20,7 @@ the others are decided when tracing (see `Trainer`, ``step_executables``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax

@@ -247,7 +247,9 @@ def check_nested_targets(value: Any, key: str, allowed: Sequence[str]) -> None:
             target = value["_target_"]
             where = f"{key}._target_"
             if not isinstance(target, str) or not _is_dotted_name(target):
-                raise ConfigError(f"{where}={target!r}: expected a dotted path such as 'optax.adamw'.")
+                raise ConfigError(
+                    f"{where}={target!r}: expected a dotted path such as 'optax.adamw'."
+                )
             if any(p.startswith("_") for p in target.split(".")) or not is_allowed(target, allowed):
                 resolve_target(target, allowed, key=where)  # raises, with the usual message
         for k, v in value.items():

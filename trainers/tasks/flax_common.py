@@ -70,7 +70,9 @@ def resolve_loss(loss: str | Callable) -> Callable[[jax.Array, jax.Array], tuple
     """
     if isinstance(loss, str):
         if loss not in LOSSES:
-            raise ValueError(f"task.loss={loss!r} is not a known loss; choose one of {list(LOSSES)}")
+            raise ValueError(
+                f"task.loss={loss!r} is not a known loss; choose one of {list(LOSSES)}"
+            )
         return LOSSES[loss]
     if not callable(loss):
         raise ValueError(

@@ -178,9 +178,9 @@ def _at(tree: Mapping, path: tuple) -> Any:
 def _encode(tree: Any) -> Any:
     """RNG keys as their raw uint32 data (what a checkpoint can hold)."""
     return jax.tree.map(
-        lambda x: jax.random.key_data(x)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        else x,
+        lambda x: (
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ),
         tree,
     )
 

@@ -61,12 +61,16 @@ def test_the_documented_flax_models_train(tmp_path, option):
         f"--config-dir={repo / 'conf'}",
         "--config-name=my_exp",
         "mesh=cpu4x2",
-        "trainer.steps=20",
+        "trainer.steps=40",
         "trainer.batch_size=16",
+        "trainer.log_every=1",
+        "schedule=constant",
+        "optimizer.learning_rate=1e-2",
         "checkpoint=none",
         f"hydra.run.dir={run}",
         cwd=tmp_path,
         env={"PYTHONPATH": str(repo)},
     )
     mse = scalars(run / "tb", "train/mse")
-    assert mse[20] < mse[min(mse)]  # it learns
+    first, last = [mse[s] for s in range(1, 6)], [mse[s] for s in range(36, 41)]
+    assert sum(last) < 0.5 * sum(first)  # it learns

@@ -28,6 +28,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from xshard.config.data import DataOptions
 from xshard.config.nodes import permissive, shown
 from xshard.config.outputs import CheckpointOptions, LoggerOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
@@ -326,6 +327,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "distributed": {"base": permissive(DistributedOptions)},
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
+    # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
+    "data": {"base": permissive(DataOptions)},
 }
 
 

@@ -18,8 +18,8 @@ position and a resumed run reads exactly the batches an uninterrupted one would
 (``pip install 'xshard[grain]'``).
 
 Give the dataset before any ``.shuffle``, ``.repeat`` or ``.batch``: `GrainData` adds them.
-Element-wise ``.map`` and ``.random_map`` are fine; ``.filter`` is not (a filtered-out
-element leaves a hole in the batch, reported as an error).
+Element-wise ``.map`` and ``.random_map`` are fine; ``.filter`` is not (Grain cannot batch
+a filtered `MapDataset` by position; `GrainData` reports it when made).
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ class GrainData(EpochData):
             )
         super().__init__(length, shuffle=shuffle, num_epochs=num_epochs, name=name)
         first = dataset[0]
+        if first is None:
+            raise ValueError(f"{name}: element 0 is missing (a .filter? filter before GrainData).")
         if not isinstance(first, Mapping):
             raise TypeError(
                 f"{name}: elements must be dicts of arrays (batch key -> value), element 0 "
@@ -94,6 +96,10 @@ class GrainData(EpochData):
             )
         self.dataset = dataset
         self._pipelines: dict[int, Any] = {}
+        try:  # Grain refuses some pipelines only when batched (e.g. a batch after a filter)
+            self.read(0, 0, 0, 1)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
 
     def pipeline(self, seed: int) -> Any:
         """``dataset.shuffle(seed).repeat(num_epochs)`` (without the shuffle if not shuffling).

@@ -148,7 +148,8 @@ class EpochData(abc.ABC):
           ValueError: for a bad split (see `trainers.tasks.data.process_rows`).
         """
         lo, hi = process_rows(global_batch_size, start_step, process_index, process_count)
-        end = self.num_data_steps(global_batch_size)  # also checks one batch fits
+        self.steps_per_epoch(global_batch_size)  # one batch fits, or a ConfigError now
+        end = self.num_data_steps(global_batch_size)
 
         def generate() -> Iterator[Batch]:
             step = start_step

@@ -75,7 +75,9 @@ def test_shuffle_false_reads_in_order(kind):
 def test_processes_split_the_global_batch_without_overlap(kind, processes):
     data = make(kind)
     whole = data.batches(B, seed=3)
-    parts = [data.batches(B, seed=3, process_index=p, process_count=processes) for p in range(processes)]
+    parts = [
+        data.batches(B, seed=3, process_index=p, process_count=processes) for p in range(processes)
+    ]
     for _ in range(14):  # past two epoch boundaries
         batch = next(whole)
         shares = [next(it) for it in parts]

@@ -38,6 +38,8 @@ LONG = "x" * 5000
         (["task.hidden=[-4]"], "task.hidden=[-4]: expected a list of integers >= 1"),
         (["task.hidden=4"], "task.hidden=4: expected a list of integers >= 1"),
         (["task.in_dim=-3"], "task.in_dim=-3: expected an integer >= 1"),
+        (["paths.checkpoint_dir=''"], "paths.checkpoint_dir='': expected a directory path"),
+        (["paths.tb_dir=[a]"], "paths.tb_dir=['a']: expected a string"),
         (["distributed.enabled=maybe"], "distributed.enabled='maybe': expected true or false"),
         (["distributed.num_processes=0"], "distributed.num_processes=0: expected an integer"),
         (["distributed.cpu_collectives=tcp"], "distributed.cpu_collectives='tcp': choose one"),
@@ -92,6 +94,7 @@ def test_typed_node_reads_valid_values(compose_config):
     [
         (["seed=abc"], "seed='abc'"),
         (["trainer.microbatches=abc"], "trainer.microbatches='abc'"),
+        (["paths.checkpoint_dir=' '"], "paths.checkpoint_dir=' ': expected a directory path"),
         ([f"trainer.grad_impl={LONG}"], "(5002 characters) is not allowed"),
         (["distributed.enabled=true"], "distributed.enabled=true: JAX could not set up"),
         (["trainer.grad_impl=gspmd", "reduction=mean_clipped"], "trainer.grad_impl='gspmd'"),

@@ -1,4 +1,4 @@
-"""The run's output nodes: ``checkpoint`` and ``logger`` (TensorBoard).
+"""The run's output nodes: ``paths``, ``checkpoint`` and ``logger`` (TensorBoard).
 
 Defaults live here; the YAML options state only what differs (``checkpoint=none``).
 """
@@ -14,6 +14,36 @@ from xshard.errors import ConfigError
 
 #: What the TensorBoard hook does when events cannot be written (disk full).
 ON_ERROR = ("stop", "continue")
+
+
+@dataclasses.dataclass(frozen=True)
+class PathsOptions:
+    """The ``paths`` config node: every directory the run writes (interpolations resolved).
+
+    Attributes:
+      output_dir: the run's own dir (Hydra's ``hydra.run.dir``, or the job's dir in a
+        multirun): log file, config dump, the checkpoint dir's owner record.
+      tb_dir: TensorBoard events, in a folder named by the run's overrides so that
+        TensorBoard's run names read as them: ``<output dir>/tb/<overrides>`` for a run (view
+        with ``--logdir <output dir>/tb``), ``<sweep dir>/tb/<job subdir>`` for a multirun job
+        (``xshard.tb_dir`` in `xshard.config.resolvers`).
+      checkpoint_dir: Orbax checkpoints, one folder per step.
+    """
+
+    output_dir: str = "${hydra:runtime.output_dir}"
+    tb_dir: str = "${xshard.tb_dir:${paths.output_dir}}"
+    checkpoint_dir: str = "${paths.output_dir}/checkpoints"
+
+    @classmethod
+    def from_config(cls, node: Any) -> PathsOptions:
+        """Reads the ``paths`` node (`read_node`: one-line errors naming the key)."""
+        return read_node(cls, node, "paths")
+
+    def __post_init__(self) -> None:
+        for key in ("output_dir", "tb_dir", "checkpoint_dir"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"paths.{key}={value!r}: expected a directory path.")
 
 
 @dataclasses.dataclass(frozen=True)

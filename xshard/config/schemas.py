@@ -30,7 +30,7 @@ from omegaconf import MISSING
 
 from xshard.config.data import DataOptions
 from xshard.config.nodes import permissive, shown
-from xshard.config.outputs import CheckpointOptions, LoggerOptions
+from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
 from xshard.errors import ConfigError
 
@@ -327,6 +327,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "distributed": {"base": permissive(DistributedOptions)},
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
+    "paths": {"base": permissive(PathsOptions)},
     # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
     "data": {"base": permissive(DataOptions)},
 }

@@ -289,7 +289,7 @@ def test_sweep_over_mesh_sizes_runs_each_job_in_its_own_process(tmp_path):
     shapes = {}
     for log in (tmp_path / "sweep").glob("*/train.log"):
         found = re.search(r"mesh=(\w+): axes .* shape (\([0-9, ]+\))", log.read_text())
-        assert found and "Run completed at step 2 of 2" in log.read_text(), log.read_text()
+        assert found and "Run completed (done) at step 2 of 2" in log.read_text(), log.read_text()
         shapes[found.group(1)] = found.group(2)
     assert shapes == {"cpu8": "(8,)", "cpu4x2": "(4, 2)", "cpu4": "(4,)"}, proc.stdout
 

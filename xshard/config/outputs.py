@@ -57,6 +57,10 @@ class CheckpointOptions:
       keep_period: also keep every M-th step forever (null: none).
       async_save: write in a background thread; the step loop does not wait.
       fallback_to_previous: restore the previous step when the latest is corrupted.
+      replica_parallel: split the device-to-host copy of replicated arrays over their
+        replicas (Orbax's replica-parallel save); null: only with more than one process,
+        where it spreads the writing over the hosts (on one process its first use compiles
+        for seconds inside the first save).
     """
 
     enabled: bool = True
@@ -65,6 +69,7 @@ class CheckpointOptions:
     keep_period: int | None = None
     async_save: bool = True
     fallback_to_previous: bool = False
+    replica_parallel: bool | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> CheckpointOptions:
@@ -72,6 +77,11 @@ class CheckpointOptions:
         return read_node(cls, node, "checkpoint")
 
     def __post_init__(self) -> None:
+        if self.replica_parallel is not None and not isinstance(self.replica_parallel, bool):
+            raise ConfigError(
+                f"checkpoint.replica_parallel={self.replica_parallel!r}: expected true, false "
+                "or null (only with more than one process)."
+            )
         for key in ("enabled", "async_save", "fallback_to_previous"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(

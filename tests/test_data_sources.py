@@ -10,7 +10,7 @@ import pytest
 
 from trainers.data import ArrayData, DataSource
 from trainers.data.arrays import TokenWindows
-from trainers.data.grain_source import GrainData
+from trainers.data.grain_source import GrainData, shuffle_seed
 from xshard.errors import ConfigError
 
 N, B = 50, 8  # 6 steps per epoch, 2 examples of each epoch's order left out
@@ -110,12 +110,20 @@ def test_bad_splits_raise_at_the_call():
 
 
 def test_grain_uses_the_datasets_own_shuffle_per_epoch():
-    """Epoch e's order is Grain's: ``dataset.shuffle(seed)`` read at ``e * n + i``."""
+    """Epoch e's order is Grain's: ``dataset.shuffle(shuffle_seed(seed))`` at ``e * n + i``."""
     dataset = grain.MapDataset.source(Source())
-    expected = dataset.shuffle(seed=5).repeat()
+    expected = dataset.shuffle(seed=shuffle_seed(5)).repeat()
     got = ids(GrainData(dataset), 8, seed=5)
     assert got[0] == [int(expected[i]["id"]) for i in range(B)]
     assert got[7] == [int(expected[N + B + i]["id"]) for i in range(B)]  # epoch 1, batch 1
+
+
+def test_grain_orders_of_neighbouring_seeds_are_unrelated():
+    """Run seed 0's second epoch is not run seed 1's first (Grain shuffles from seed + epoch)."""
+    dataset = grain.MapDataset.source(Source())
+    assert (
+        ids(GrainData(dataset), N // B + 1, seed=0)[N // B] != ids(GrainData(dataset), 1, seed=1)[0]
+    )
 
 
 def test_grain_maps_run_per_element():

@@ -7,7 +7,7 @@
     data = GrainData(source, shuffle=True, num_epochs=None)
     # in the task: def batches(self, global_batch_size, **kw): return data.batches(...)
 
-The pipeline is Grain's own: ``dataset.shuffle(seed).repeat(num_epochs)`` (Grain reshuffles
+The pipeline is Grain's own: ``dataset.shuffle(shuffle_seed(seed)).repeat(num_epochs)`` (Grain reshuffles
 each epoch, from ``seed + epoch``, and random maps see a new index each epoch), read by
 index: the global batch of step ``k`` is elements ``[e * n + j * B, e * n + (j + 1) * B)``
 of it, with ``e, j = divmod(k, n // B)``, and each process reads only its slice of that
@@ -107,7 +107,7 @@ class GrainData(EpochData):
         Element ``e * num_examples + i`` is position ``i`` of epoch ``e``.
         """
         if seed not in self._pipelines:
-            ds = self.dataset.shuffle(seed=seed) if self.shuffle else self.dataset
+            ds = self.dataset.shuffle(seed=shuffle_seed(seed)) if self.shuffle else self.dataset
             self._pipelines[seed] = ds.repeat(self.num_epochs)
         return self._pipelines[seed]
 
@@ -123,3 +123,13 @@ class GrainData(EpochData):
                 f"{sizes} rows, not {rows} (a .filter in the dataset? filter before GrainData)."
             )
         return {k: np.asarray(v) for k, v in batch.items()}
+
+
+def shuffle_seed(seed: int) -> int:
+    """Grain's shuffle seed for the run's `seed`: a hash of it, not the seed itself.
+
+    Grain shuffles epoch e from ``seed + e``, so with the run's seed as is, run seed 0's
+    second epoch would be run seed 1's first. A hashed seed keeps the runs of a seed sweep
+    on unrelated orders.
+    """
+    return int(np.random.SeedSequence([seed, 0x67726169]).generate_state(1, np.uint32)[0] >> 1)

@@ -7,8 +7,8 @@
     data = GrainData(source, shuffle=True, num_epochs=None)
     # in the task: def batches(self, global_batch_size, **kw): return data.batches(...)
 
-The pipeline is Grain's own: ``dataset.shuffle(shuffle_seed(seed)).repeat(num_epochs)`` (Grain reshuffles
-each epoch, from ``seed + epoch``, and random maps see a new index each epoch), read by
+The pipeline is Grain's own: ``dataset.shuffle(shuffle_seed(seed)).repeat(num_epochs)``
+(Grain reshuffles each epoch, and random maps see a new index each epoch), read by
 index: the global batch of step ``k`` is elements ``[e * n + j * B, e * n + (j + 1) * B)``
 of it, with ``e, j = divmod(k, n // B)``, and each process reads only its slice of that
 range, batched with Grain's ``.batch``. A `MapDataset`'s iterator state is just such an

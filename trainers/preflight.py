@@ -145,7 +145,10 @@ def check_batch_fits(
       ConfigError: naming `key` and the value, if one batch needs more than half of the
         host's physical memory.
     """
-    probe = next(iter(make_batches(probe_batch)), None)
+    try:
+        probe = next(iter(make_batches(probe_batch)), None)
+    except ConfigError:  # data refusing the probe's size refuses the real one too, by name
+        return
     if probe is None:  # finite data smaller than the probe: the caller reports it
         return
     per_example = sum(np.asarray(x).nbytes for x in probe.values()) / (probe_batch // process_count)

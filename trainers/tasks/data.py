@@ -16,6 +16,41 @@ import numpy as np
 from trainers.tasks.base import Batch
 
 
+def process_rows(
+    global_batch_size: int, start_step: int, process_index: int, process_count: int
+) -> tuple[int, int]:
+    """This process's rows ``[lo, hi)`` of each global batch: ``[p * n / P, (p + 1) * n / P)``.
+
+    Args:
+      global_batch_size: rows of the global batch, `n`.
+      start_step: the first step; checked to be >= 0.
+      process_index: this process, `p`, in ``[0, process_count)``.
+      process_count: processes sharing the global batch, `P`.
+
+    Returns:
+      ``(lo, hi)``.
+
+    Raises:
+      ValueError: the batch size is not positive or not divisible by `process_count`,
+        `process_index` is out of range, or `start_step` is negative.
+    """
+    if global_batch_size <= 0:
+        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+    if process_count <= 0 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"process_index {process_index} must be in [0, process_count={process_count})"
+        )
+    if global_batch_size % process_count:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by the number of "
+            f"processes {process_count}"
+        )
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0, got {start_step}")
+    rows = global_batch_size // process_count
+    return process_index * rows, (process_index + 1) * rows
+
+
 def process_batches(
     make_global_batch: Callable[[int], dict[str, np.ndarray]],
     global_batch_size: int,
@@ -45,21 +80,7 @@ def process_batches(
       ValueError: the batch size is not positive or not divisible by `process_count`, or
         `process_index` is out of range.
     """
-    if global_batch_size <= 0:
-        raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
-    if process_count <= 0 or not 0 <= process_index < process_count:
-        raise ValueError(
-            f"process_index {process_index} must be in [0, process_count={process_count})"
-        )
-    if global_batch_size % process_count:
-        raise ValueError(
-            f"global_batch_size {global_batch_size} is not divisible by the number of "
-            f"processes {process_count}"
-        )
-    if start_step < 0:
-        raise ValueError(f"start_step must be >= 0, got {start_step}")
-    rows = global_batch_size // process_count
-    lo, hi = process_index * rows, (process_index + 1) * rows
+    lo, hi = process_rows(global_batch_size, start_step, process_index, process_count)
 
     def generate() -> Iterator[dict[str, np.ndarray]]:
         step = start_step

@@ -10,12 +10,17 @@ and the output layer row-parallel; on a mesh without `model` everything is repli
 Reliability-test hooks: `nan_at_step` (a step or a list of steps) puts a NaN in row 0 of the
 global batch at those data steps (so exactly one data shard sees a non-finite gradient; the
 batch of data step s makes update s + 1); `num_examples` makes the data finite.
+
+Your own data instead of the teacher's: ``task.data.path=my.npz`` with arrays ``x``
+(n, in_dim) and ``y`` (n, out_dim) (or ``task.data.keys={x: features, y: labels}``), read in
+shuffled epochs (`trainers.data.files`, docs/tasks.md "Data options").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +86,8 @@ class MLPTask(StepIndexedData):
       nan_at_step: a data step, or a list of them, at which x has a NaN in row 0 of the global
         batch (the batch of data step s is used by update s + 1); null: never.
       num_examples: if set, the dataset is finite: `num_examples // global_batch_size` steps.
+      data: the ``task.data`` node (`xshard.config.data.DataOptions`): with a ``path``, train
+        on that file's ``x`` and ``y`` instead of the teacher's synthetic data.
       name: the task's name (for logging; not used otherwise).
     """
 
@@ -95,6 +102,7 @@ class MLPTask(StepIndexedData):
         noise_std: float = 0.0,
         nan_at_step: int | Sequence[int] | None = None,
         num_examples: int | None = None,
+        data: Any = None,
         name: str = "mlp",
     ):
         if activation not in ACTIVATIONS:
@@ -116,6 +124,7 @@ class MLPTask(StepIndexedData):
         self._teacher_layers = _teacher(
             self.teacher_seed, self.in_dim, self.teacher_hidden, self.out_dim
         )
+        self.data = self._file_data(data)
         # Megatron-style over `model`: hidden layers column-parallel, output layer row-parallel.
         n = len(self.hidden)
         self.sharding_rules: list[tuple[str, P]] = [
@@ -185,8 +194,38 @@ class MLPTask(StepIndexedData):
     # Data.
     # ---------------------------------------------------------------------------------------
 
+    def _file_data(self, node: Any) -> Any:
+        """`ArrayData` of the ``task.data`` file, or None for the teacher's data."""
+        from trainers.data.files import Field, file_examples
+
+        data = file_examples(
+            node,
+            {
+                "x": Field((self.in_dim,), "float32", f"task.in_dim={self.in_dim}"),
+                "y": Field((self.out_dim,), "float32", f"task.out_dim={self.out_dim}"),
+            },
+            task=f"task={self.name}",
+        )
+        if data is not None and (self.num_examples is not None or self.nan_steps):
+            raise ValueError(
+                "task.num_examples and task.nan_at_step shape the synthetic data; with "
+                "task.data.path set them to null (task.data.num_epochs makes file data finite)."
+            )
+        return data
+
+    def batches(self, global_batch_size: int, **kwargs: Any) -> Iterator[Batch]:
+        """This process's batches: from the ``task.data`` file if set, else synthetic.
+
+        Args and Returns as `StepIndexedData.batches` (keyword arguments passed on).
+        """
+        if self.data is not None:
+            return self.data.batches(global_batch_size, **kwargs)
+        return super().batches(global_batch_size, **kwargs)
+
     def num_data_steps(self, global_batch_size: int) -> int | None:
         """`num_examples // global_batch_size` steps when `num_examples` is set, else None."""
+        if self.data is not None:
+            return self.data.num_data_steps(global_batch_size)
         return None if self.num_examples is None else self.num_examples // global_batch_size
 
     def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:

@@ -14,11 +14,17 @@ Param paths (LayerNorm params are named "scale"/"bias" so weight-decay masks can
 Sharding over a `model` axis is Megatron-style: q/k/v and w1 split by columns (heads / hidden
 units), wo and w2 by rows, so each block needs one reduction after attention and one after the
 MLP; embeddings are split along d_model.
+
+Your own text instead of the corpus: ``task.data.path=my.txt`` (bytes as tokens) or a 1-D
+``.npy`` of token ids, cut into windows of ``seq_len + 1`` tokens read in shuffled epochs
+(`trainers.data.files`, docs/tasks.md "Data options").
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +103,8 @@ class TinyGPTTask(StepIndexedData):
       init_std: standard deviation of the normal weight init (GPT-2: 0.02); the residual
         output projections (wo, w2) are further scaled by 1 / sqrt(2 * n_layers).
       corpus_max_chars: cap on the corpus size in characters.
+      data: the ``task.data`` node (`xshard.config.data.DataOptions`): with a ``path``, train
+        on that file's tokens instead of the corpus.
       name: the task's name (for logging; not used otherwise).
     """
 
@@ -111,13 +119,17 @@ class TinyGPTTask(StepIndexedData):
         tie_embeddings: bool = True,
         init_std: float = 0.02,
         corpus_max_chars: int = corpus.DEFAULT_MAX_CHARS,
+        data: Any = None,
         name: str = "tiny_gpt",
     ):
         sizes = dict(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
         sizes.update(d_ff=d_ff, seq_len=seq_len, corpus_max_chars=corpus_max_chars)
         for key, value in sizes.items():
             positive_int(value, f"task.{key}")
-        if vocab_size < 128:
+        from trainers.data.files import file_tokens
+
+        self.data = file_tokens(data, seq_len=seq_len, vocab_size=vocab_size, task=f"task={name}")
+        if self.data is None and vocab_size < 128:
             raise ValueError(f"task.vocab_size={vocab_size} must be >= 128 (ASCII byte tokens)")
         if d_model % n_heads:
             raise ValueError(f"task.d_model={d_model} is not divisible by task.n_heads={n_heads}")
@@ -135,7 +147,7 @@ class TinyGPTTask(StepIndexedData):
         self.corpus_max_chars = int(corpus_max_chars)
         self.name = name
         self.sharding_rules: list[tuple[str, P]] = list(SHARDING_RULES)
-        if len(self.tokens) < self.seq_len + 2:
+        if self.data is None and len(self.tokens) < self.seq_len + 2:
             raise ValueError(
                 f"corpus has {len(self.tokens)} tokens, too few for task.seq_len={seq_len}"
             )
@@ -241,6 +253,19 @@ class TinyGPTTask(StepIndexedData):
     # ---------------------------------------------------------------------------------------
     # Data.
     # ---------------------------------------------------------------------------------------
+
+    def batches(self, global_batch_size: int, **kwargs: Any) -> Iterator[Batch]:
+        """This process's batches: from the ``task.data`` file if set, else the corpus.
+
+        Args and Returns as `StepIndexedData.batches` (keyword arguments passed on).
+        """
+        if self.data is not None:
+            return self.data.batches(global_batch_size, **kwargs)
+        return super().batches(global_batch_size, **kwargs)
+
+    def num_data_steps(self, global_batch_size: int) -> int | None:
+        """Steps of the ``task.data`` file's epochs, if set; the corpus is endless."""
+        return None if self.data is None else self.data.num_data_steps(global_batch_size)
 
     def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
         """The whole global batch at `step`: random corpus windows, a pure function of (seed, step).

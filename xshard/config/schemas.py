@@ -28,6 +28,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from xshard.config.data import DataOptions
 from xshard.config.nodes import permissive, shown
 from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
@@ -327,6 +328,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
     "paths": {"base": permissive(PathsOptions)},
+    # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
+    "data": {"base": permissive(DataOptions)},
 }
 
 

@@ -4,9 +4,10 @@
     python -m trainers.train -m reduction=sum,mean optimizer=sgd,adam      # a sweep
     python -m trainers.train task=mlp hydra.run.dir=runs/a    # rerun it to resume from runs/a
 
-Returns the final training loss, so optimizing sweepers can use it. Every run ends with a
-summary (steps, skipped steps, final and best loss, the checkpoint) and writes it to
-``<output dir>/result.json``. Exit status of a single run (see docs/reliability.md):
+Returns ``trainer.objective`` (the final training loss, or e.g. ``eval/loss`` of the final
+evaluation), so optimizing sweepers can use it. Every run ends with a summary (steps, skipped
+steps, final and best loss, evaluation, the checkpoint) and writes it to
+``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling `run`. Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
@@ -124,6 +125,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.checkpoint_io import check_checkpoint_space
     from trainers.checkpointing import CheckpointHook, run_config
     from trainers.ckpt_owner import claim_checkpoint_dir
+    from trainers.evaluation import EvalHook, build_evaluator
     from trainers.hparams import hparams
     from trainers.monitor import NonFiniteMonitor, ProgressHook
     from trainers.multihost import PeerError
@@ -228,37 +230,50 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             start_step, by=None if cluster.count == 1 else cluster.name(by), signal_name=signals[by]
         )
 
+    # Compiled now: a bad eval split or trainer.objective fails before training.
+    evaluator = build_evaluator(task, mesh, state.params, data_axes=data_axes, opts=opts, seed=seed)
+
     # ------------------------------------------------------------------ hooks
     summary.begin(
         num_steps=num_steps,
         start_step=start_step,
         checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
+        objective=opts.objective,
     )
     lead = cluster.lead  # logs and the progress bar come from one process
     # The monitor comes before the hooks that act on a step: a bad step raises before they
     # see it. The summary only records, so it sees the step that diverged too.
     hooks = [summary, monitor]
+    eval_sinks = [summary.on_eval]
+    tb_hook = None
     if lead:
         values, overridden = hparams(cfg)
-        hooks.append(
-            TensorBoardHook(
-                dirs.tb_dir,
-                log_every=opts.log_every,
-                global_batch_size=opts.batch_size,
-                num_steps=num_steps,
-                hparams=values,
-                overridden=overridden,
-                config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                flush_secs=logger_opts.flush_secs,
-                on_error=logger_opts.on_error,
-                noise_ema_steps=logger_opts.noise_ema_steps,
-                tokens_per_example=tokens_per_example(task),
-                step_flops=lambda: step_flops(trainer.compiled),
-                num_devices=mesh.size,
-                peak_flops_per_device=logger_opts.peak_flops_per_device,
-                best_loss=lambda: (summary.best_loss, summary.best_step),
-            )
+        tb_hook = TensorBoardHook(
+            dirs.tb_dir,
+            log_every=opts.log_every,
+            global_batch_size=opts.batch_size,
+            num_steps=num_steps,
+            hparams=values,
+            overridden=overridden,
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+            flush_secs=logger_opts.flush_secs,
+            on_error=logger_opts.on_error,
+            noise_ema_steps=logger_opts.noise_ema_steps,
+            tokens_per_example=tokens_per_example(task),
+            step_flops=lambda: step_flops(trainer.compiled),
+            num_devices=mesh.size,
+            peak_flops_per_device=logger_opts.peak_flops_per_device,
+            best_loss=lambda: (summary.best_loss, summary.best_step),
+            eval_metrics=evaluator.metric_names if evaluator else (),
+            eval_results=summary.eval_results,
         )
+        eval_sinks.append(tb_hook.on_eval)
+    if evaluator is not None:  # before TensorBoard's hook: its on_end may evaluate
+        hooks.append(
+            EvalHook(evaluator, every=opts.eval_every, num_steps=num_steps, sinks=eval_sinks)
+        )
+    if lead:
+        hooks.append(tb_hook)
         if opts.profile_steps is not None:
             hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
     hooks.append(
@@ -337,12 +352,30 @@ def _exit(error: BaseException, code: int, label: str = "error") -> None:
     exit_process(code)
 
 
-@hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
-def main(cfg: DictConfig) -> float | None:
-    """Hydra main: trains and returns the final loss, or exits with a documented status.
+def run(cfg: DictConfig) -> float | None:
+    """Trains `cfg` as ``python -m trainers.train`` does: the body of a Hydra main.
 
-    In a multirun a failed or diverged job returns to the sweeper instead of exiting
-    (`trainers.sweep.failed_job_value`).
+    Call it from your own ``@hydra.main`` (whose primary config composes ``xshard_train``) to
+    keep the documented exit statuses (module docstring) and one-line errors; `train` raises
+    instead. It must run inside a Hydra app: it reads the job's Hydra config.
+
+        @hydra.main(config_path="conf", config_name="my_exp", version_base="1.3")
+        def main(cfg):
+            return trainers.run(cfg)
+
+    Args:
+      cfg: the composed config of the job.
+
+    Returns:
+      The run's objective (``trainer.objective``: the final training loss by default, or a
+      metric of the final evaluation), for optimizing sweepers. In a multirun a failed or
+      diverged job returns `trainers.sweep.failed_job_value` instead of exiting.
+
+    Raises:
+      SystemExit: with the documented status, after one line on stderr (single runs; a
+        signal in a multirun too).
+      TrialFailed: a failed job of an optimizing sweeper's multirun (`trainers.sweep`).
+      Exception: an unexpected error (a bug), with its traceback: exit status 1.
     """
     from trainers import summary as status
     from trainers.allowlist import check_allowlist_sources
@@ -379,6 +412,12 @@ def main(cfg: DictConfig) -> float | None:
     if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper
         return failed_job_value(record, cfg.trainer.get("failed_objective"))
     return record["objective"] if record["objective"] is not None else summary.final_loss
+
+
+@hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra main of ``python -m trainers.train``: `run` on the composed config."""
+    return run(cfg)
 
 
 if __name__ == "__main__":

@@ -209,8 +209,8 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
     return {
         "xshard": {
             "loss": ["Multiline", ["^train/loss$"]],
-            "eval": ["Multiline", ["^eval/"]],
             "learning rate": ["Multiline", ["^optim/learning_rate$"]],
+            "eval": ["Multiline", ["^eval/"]],
             "gradient norms (reduced, per shard)": [
                 "Multiline",
                 ["^grad/global_norm$", "^grad/shard_norm_(mean|max|min)$"],

@@ -148,7 +148,8 @@ class RunSummary(Hook):
         return f"checkpoint: none written in {self.checkpoint_dir}"
 
     def lines(self, status: str, message: str | None = None) -> list[str]:
-        """The run's closing lines: how it ended, losses, skipped steps, the checkpoint.
+        """The run's closing lines: how it ended, losses, skipped steps, the checkpoint, the
+        evaluation.
 
         Args:
           status: one of `COMPLETED`, `DIVERGED`, `FAILED`, `PREEMPTED`, `CRASHED`.
@@ -188,8 +189,8 @@ class RunSummary(Hook):
             )
         else:
             out.append("  skipped steps: none")
-        out.extend(self.eval_lines())
         out.append("  " + self.checkpoint_line())
+        out.extend(self.eval_lines())
         return out
 
     def eval_lines(self) -> list[str]:

@@ -7,7 +7,8 @@
 Returns ``trainer.objective`` (the final training loss, or e.g. ``eval/loss`` of the final
 evaluation), so optimizing sweepers can use it. Every run ends with a summary (steps, skipped
 steps, final and best loss, evaluation, the checkpoint) and writes it to
-``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling `run`. Exit status of a single run (see docs/reliability.md):
+``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling `run`.
+Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)

@@ -96,6 +96,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        PathsOptions,
         TrainerOptions,
         check_seed,
         read_node,
@@ -104,6 +105,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     seed = check_seed(cfg.get("seed"))
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+    PathsOptions.from_config(cfg.get("paths"))  # trainers.run_dirs reads them from cfg
 
     # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.

@@ -57,7 +57,6 @@ from xshard.stats import (
     count_nonfinite,
     guard_summary,
     summarize,
-    tree_norm,
     when,
 )
 
@@ -182,7 +181,6 @@ def cross_shard(
         **extra_args,
     ):
         per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
-        local_norm = tree_norm(updates) if clip is not None and per_shard else None
         raw = updates
         clip_state = state.clip
         if clip is not None:
@@ -191,7 +189,6 @@ def cross_shard(
                 state.clip,
                 params,
                 with_stats=with_stats if track_stats else False,
-                local_norm=local_norm,
             )
         updates, _ = reduce.update(updates, empty, params, shard_weight=shard_weight)
         shards, histogram_state = state.shards, state.histograms
@@ -205,7 +202,6 @@ def cross_shard(
                 local, use_reduced = local_shard_stats(
                     raw,
                     axes,
-                    norm=local_norm,
                     clip_norm=clip_per_shard,
                     weighted=shard_weight is not None,
                 )

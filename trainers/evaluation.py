@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.hook import Hook
 from trainers.step import TrainState
-from xshard.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE
+from xshard.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
 
@@ -267,7 +267,7 @@ def build_evaluator(
     params: Any,
     *,
     data_axes: Sequence[str],
-    opts: Any,
+    opts: TrainerOptions,
     seed: int,
 ) -> Evaluator | None:
     """The run's prepared `Evaluator`, or None when it does not evaluate; checks

@@ -2,7 +2,7 @@
 
 `run(cfg)` is the entry point for your own ``@hydra.main``: it trains like
 ``python -m trainers.train`` and keeps its exit statuses and one-line errors
-(`trainers.train.run`; imported on first use).
+(`trainers.entry.run`; imported on first use).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -15,12 +15,12 @@ __all__ = ["Hook", "StepMetrics", "StopTraining", "TrainState", "Trainer", "run"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "run":  # lazily: `python -m trainers.train` must not import itself first
-        from trainers.train import run
+    if name == "run":  # lazily: importing `trainers` stays light
+        from trainers.entry import run
 
         return run
     raise AttributeError(f"module 'trainers' has no attribute {name!r}")
 
 
 if TYPE_CHECKING:
-    from trainers.train import run as run
+    from trainers.entry import run as run

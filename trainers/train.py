@@ -7,7 +7,9 @@
 Returns ``trainer.objective`` (the final training loss, or e.g. ``eval/loss`` of the final
 evaluation), so optimizing sweepers can use it. Every run ends with a summary (steps, skipped
 steps, final and best loss, evaluation, the checkpoint) and writes it to
-``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling `run`.
+``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling
+`trainers.run` (`trainers.entry`).
+
 Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
@@ -29,14 +31,13 @@ goes on (`trainers.sweep`, docs/sweeps.md); a signal still stops the sweep (75).
 from __future__ import annotations
 
 import logging
-import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.cli_help import register_help_resolver
-from trainers.console import log_to_files
-from trainers.multihost import current, exit_process, join_cluster, report_unexpected
+from trainers.entry import run
+from trainers.multihost import current, join_cluster
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal, stop_signals
 from trainers.preflight import EXIT_CONFIG_ERROR
 from trainers.setup import (
@@ -55,6 +56,7 @@ log = logging.getLogger("trainers.train")
 
 # Exit statuses (docstring above): 2 and 75 are defined next to the code that exits with them.
 EXIT_NONFINITE = 3
+__all__ = ["EXIT_CONFIG_ERROR", "EXIT_NONFINITE", "EXIT_PREEMPTED", "main", "run", "train"]
 
 
 def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
@@ -340,86 +342,9 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     return final
 
 
-def _exit(error: BaseException, code: int, label: str = "error") -> None:
-    """Reports `error` in one line (stderr, and the log file) and exits with `code`: with
-    several processes, after telling the others (`trainers.multihost.exit_process`).
-
-    The line goes to the log file only, not to the console handler too: on a terminal the
-    error shows once.
-    """
-    from xshard.config import one_line
-
-    message = one_line(str(error))
-    log_to_files(log, logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, message)
-    print(f"xshard: {label}: {message}", file=sys.stderr)
-    exit_process(code)
-
-
-def run(cfg: DictConfig) -> float | None:
-    """Trains `cfg` as ``python -m trainers.train`` does: the body of a Hydra main.
-
-    Call it from your own ``@hydra.main`` (whose primary config composes ``xshard_train``) to
-    keep the documented exit statuses (module docstring) and one-line errors; `train` raises
-    instead. It must run inside a Hydra app: it reads the job's Hydra config.
-
-        @hydra.main(config_path="conf", config_name="my_exp", version_base="1.3")
-        def main(cfg):
-            return trainers.run(cfg)
-
-    Args:
-      cfg: the composed config of the job.
-
-    Returns:
-      The run's objective (``trainer.objective``: the final training loss by default, or a
-      metric of the final evaluation), for optimizing sweepers. In a multirun a failed or
-      diverged job returns `trainers.sweep.failed_job_value` instead of exiting.
-
-    Raises:
-      SystemExit: with the documented status, after one line on stderr (single runs; a
-        signal in a multirun too).
-      TrialFailed: a failed job of an optimizing sweeper's multirun (`trainers.sweep`).
-      Exception: an unexpected error (a bug), with its traceback: exit status 1.
-    """
-    from trainers import summary as status
-    from trainers.allowlist import check_allowlist_sources
-    from trainers.checkpointing import CheckpointError
-    from trainers.monitor import NonFiniteError
-    from trainers.preemption import Preempted
-    from trainers.sweep import failed_job_value, finish_job, is_multirun
-    from trainers.tb_logger import LoggerError
-    from xshard.errors import ConfigError
-
-    summary = RunSummary()
-
-    def failed(error: BaseException, kind: str, code: int) -> float | None:
-        record = finish_job(cfg, summary, kind, error)
-        if not is_multirun():
-            _exit(error, code)
-        return failed_job_value(record, cfg.trainer.get("failed_objective"))
-
-    try:
-        check_allowlist_sources(cfg)  # only the primary config or the CLI widen the allowlist
-        train(cfg, summary)
-    except Preempted as e:  # stops a multirun too: the machine is going away
-        finish_job(cfg, summary, status.PREEMPTED, e)
-        _exit(e, EXIT_PREEMPTED, label="preempted")
-    except NonFiniteError as e:
-        return failed(e, status.DIVERGED, EXIT_NONFINITE)
-    except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
-        return failed(e, status.FAILED, EXIT_CONFIG_ERROR)
-    except Exception as e:
-        finish_job(cfg, summary, status.CRASHED, e)
-        report_unexpected(e)  # several processes: traceback in the log, exit 1 without waiting
-        raise
-    record = finish_job(cfg, summary, status.COMPLETED)
-    if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper
-        return failed_job_value(record, cfg.trainer.get("failed_objective"))
-    return record["objective"] if record["objective"] is not None else summary.final_loss
-
-
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra main of ``python -m trainers.train``: `run` on the composed config."""
+    """Hydra main of ``python -m trainers.train``: `trainers.entry.run` on the composed config."""
     return run(cfg)
 
 

@@ -6,7 +6,7 @@ Layout under ``paths.checkpoint_dir`` (Orbax's `CheckpointManager`, one folder p
       xshard.lock        the lock of the run using the dir   (trainers.ckpt_owner)
       xshard-owner.json  the run that owns the dir           (trainers.ckpt_owner)
       100/
-        state/       TrainState(step, params, opt_state), Orbax's PyTree format (no pickle)
+        state/       TrainState(step, params, opt_state[, model_state]), Orbax's PyTree format
         metadata/    JSON: format, step, the run's config, the state's signature and checksums
       200/ ...
 
@@ -48,6 +48,7 @@ from trainers.checkpoint_io import (
     quiet_io_error_noise,
     write_failure,
 )
+from trainers.model_state import saved_tree
 from trainers.monitor import NonFiniteError
 from trainers.trainer import Hook, TrainState
 from xshard.config import CheckpointOptions
@@ -283,7 +284,7 @@ class CheckpointHook(Hook):
                 step,
                 args=ocp.args.Composite(
                     **{
-                        STATE_ITEM: ocp.args.PyTreeSave(state),
+                        STATE_ITEM: ocp.args.PyTreeSave(saved_tree(state)),
                         METADATA_ITEM: ocp.args.JsonSave(metadata),
                     }
                 ),

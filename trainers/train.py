@@ -217,7 +217,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             f"task={cfg.task.get('name', 'task')} yields no batch of "
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
-    state = trainer.init(trainer.init_params(first))
+    state = trainer.init(*trainer.init_variables(first))
     if ckpt.enabled:  # a full disk fails here, not at the first save
         with cluster.agreed("checking the free space for checkpoints"):
             check_checkpoint_space(dirs.checkpoint_dir, state)

@@ -71,9 +71,9 @@ def test_sharded_eval_matches_unsharded_reference(task_cls):
     mesh = mesh_of((4, 2), ("data", "model"))  # params sharded over `model` too
     _, state = make_trainer(task, mesh)
     evaluator = build_evaluator(
-        task, mesh, state.params, data_axes=("data",), opts=options(eval_batches=3), seed=0
+        task, mesh, state, data_axes=("data",), opts=options(eval_batches=3), seed=0
     )
-    got = evaluator.evaluate(state.params)
+    got = evaluator.evaluate(state)
     want = reference_metrics(task, state.params, BATCH, 3)
     assert set(got) == set(want) == set(evaluator.metric_names)
     assert "eval/loss" in got and (task_cls is MLPTask or "eval/mae" in got)
@@ -87,7 +87,7 @@ def fit(task, mesh, *, steps, eval_every=None, record=None):
     evaluator = None
     if eval_every is not None:
         evaluator = build_evaluator(
-            task, mesh, state.params, data_axes=("data",), opts=options(eval_batches=2), seed=0
+            task, mesh, state, data_axes=("data",), opts=options(eval_batches=2), seed=0
         )
         sinks = [record.on_eval] if record is not None else []
         hooks.append(EvalHook(evaluator, every=eval_every, num_steps=steps, sinks=sinks))
@@ -121,7 +121,7 @@ def test_eval_every_and_end_and_best():
     seen = []
     trainer, state = make_trainer(task, mesh)
     evaluator = build_evaluator(
-        task, mesh, state.params, data_axes=("data",), opts=options(eval_batches=1), seed=0
+        task, mesh, state, data_axes=("data",), opts=options(eval_batches=1), seed=0
     )
     hook = EvalHook(
         evaluator, every=3, num_steps=7, sinks=[summary.on_eval, lambda s, m: seen.append(s)]
@@ -140,7 +140,7 @@ def test_eval_at_the_end_when_the_data_runs_out():
     seen = []
     trainer, state = make_trainer(task, mesh)
     evaluator = build_evaluator(
-        task, mesh, state.params, data_axes=("data",), opts=options(eval_batches=1), seed=0
+        task, mesh, state, data_axes=("data",), opts=options(eval_batches=1), seed=0
     )
     hook = EvalHook(evaluator, every=0, num_steps=10, sinks=[lambda s, m: seen.append(s)])
     _, reason = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=10, hooks=[hook])
@@ -172,9 +172,9 @@ def test_tiny_gpt_evaluates_with_accuracy():
     mesh = mesh_of((4, 2), ("data", "model"))
     _, state = make_trainer(task, mesh)
     evaluator = build_evaluator(
-        task, mesh, state.params, data_axes=("data",), opts=options(eval_batches=2), seed=0
+        task, mesh, state, data_axes=("data",), opts=options(eval_batches=2), seed=0
     )
-    metrics = evaluator.evaluate(state.params)
+    metrics = evaluator.evaluate(state)
     assert set(metrics) == {"eval/loss", "eval/accuracy"}
     assert abs(metrics["eval/loss"] - np.log(128)) < 0.5  # about uniform at init
 
@@ -214,9 +214,7 @@ def test_objective_must_be_a_metric_of_the_evaluation():
     _, state = make_trainer(task, mesh)
 
     def build(**kw):
-        return build_evaluator(
-            task, mesh, state.params, data_axes=("data",), opts=options(**kw), seed=0
-        )
+        return build_evaluator(task, mesh, state, data_axes=("data",), opts=options(**kw), seed=0)
 
     with pytest.raises(ConfigError, match=r"trainer.objective='eval/accuracy': the evaluation has"):
         build(objective="eval/accuracy")
@@ -228,7 +226,7 @@ def test_objective_must_be_a_metric_of_the_evaluation():
     small = MLPTask()
     small.num_eval_batches = lambda size: 0  # an eval split too small for the batch
     with pytest.raises(ConfigError, match="the task's eval split yields no batch"):
-        build_evaluator(small, mesh, state.params, data_axes=("data",), opts=options(), seed=0)
+        build_evaluator(small, mesh, state, data_axes=("data",), opts=options(), seed=0)
 
 
 def test_evaluator_needs_prepare():
@@ -241,4 +239,39 @@ def test_evaluator_needs_prepare():
         seed=0,
     )
     with pytest.raises(RuntimeError, match="prepare"):
-        evaluator.evaluate({})
+        evaluator.evaluate(None)
+
+
+def test_a_task_with_model_state_is_evaluated_with_it():
+    """A Flax NNX model with BatchNorm: the eval step reads the model state (and drops its
+    update); the sharded result equals the unsharded one."""
+    pytest.importorskip("flax")
+    import functools
+
+    from trainers.model_state import loss_fn
+    from trainers.tasks import nnx_models
+    from trainers.tasks.flax_nnx import NNXTask
+    from trainers.tasks.synthetic import TeacherRegression
+
+    task = NNXTask(
+        functools.partial(nnx_models.MLP, batch_norm=True),
+        TeacherRegression(),
+        logical_axis_rules={"embed": None, "mlp": "model"},
+    )
+    source = MLPTask()  # the same teacher: its held-out split
+    task.eval_batches = source.eval_batches
+    mesh = mesh_of((8,), ("data",))
+    tx = xshard.cross_shard(optax.adam(3e-3), "mean")
+    trainer = Trainer(task, tx, mesh, global_batch_size=BATCH)
+    state = trainer.init(*trainer.init_variables(next(iter(task.batches(BATCH, seed=0)))))
+    assert jax.tree.leaves(state.model_state)  # BatchNorm statistics
+    evaluator = build_evaluator(
+        task, mesh, state, data_axes=("data",), opts=options(eval_batches=2), seed=0
+    )
+    got = evaluator.evaluate(state)
+    params, model_state = jax.device_get((state.params, state.model_state))
+    losses = [
+        float(jax.jit(loss_fn(task))(params, model_state, batch, jax.random.key(0))[0])
+        for batch in (source.global_eval_batch(BATCH, seed=0, index=i) for i in range(2))
+    ]
+    np.testing.assert_allclose(got["eval/loss"], np.mean(losses), rtol=1e-5)

@@ -3,9 +3,11 @@
 A task has an eval split when it has ``eval_batches`` (`trainers.tasks.base.Task`). Every
 evaluation reads the same ``trainer.eval_batches`` global batches of ``trainer.eval_batch_size``
 rows (fewer if the split is smaller), sharded over the data axes like training batches, and
-averages the per-batch means: the task's ``eval_metrics(params, batch)`` if it has one, else
-``loss(params, batch, rng)`` with a fixed RNG (``loss`` and the aux metrics). Metrics are named
-``eval/<name>``; ``eval/loss`` is always among them.
+averages the per-batch means: the task's ``eval_metrics(params, batch)`` if it has one
+(``eval_metrics(params, model_state, batch)`` for a task with model state,
+`trainers.model_state`), else its loss with a fixed RNG (``loss`` and the aux metrics; the
+model state is read, its update dropped). Metrics are named ``eval/<name>``; ``eval/loss`` is
+always among them.
 
 The eval step is its own jitted program over the global batch, compiled once ahead of time
 when the run starts (a bad task or eval batch fails before training, and no evaluation ever
@@ -30,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.hook import Hook
+from trainers.model_state import is_stateful, loss_fn
 from trainers.step import TrainState
 from xshard.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from xshard.errors import ConfigError
@@ -110,18 +113,21 @@ class Evaluator:
         )
         return itertools.islice(batches, self.num_batches)
 
-    def _metrics(self, params: Any, batch: Any) -> dict[str, jax.Array]:
+    def _metrics(self, params: Any, model_state: Any, batch: Any) -> dict[str, jax.Array]:
         """The batch's mean metrics, by their ``eval/`` names (traced)."""
         eval_metrics = getattr(self.task, "eval_metrics", None)
         if callable(eval_metrics):
-            metrics = dict(eval_metrics(params, batch))
+            if is_stateful(self.task):
+                metrics = dict(eval_metrics(params, model_state, batch))
+            else:
+                metrics = dict(eval_metrics(params, batch))
             if "loss" not in metrics:
                 raise ValueError(
                     f"{type(self.task).__name__}.eval_metrics returned {sorted(metrics)}: "
                     "it must return 'loss' too."
                 )
         else:
-            loss, aux = self.task.loss(params, batch, self._rng)
+            loss, aux, _ = loss_fn(self.task)(params, model_state, batch, self._rng)
             metrics = {**aux, "loss": loss}
         out = {}
         for name, value in metrics.items():
@@ -134,9 +140,9 @@ class Evaluator:
             out[EVAL_PREFIX + name] = value
         return out
 
-    def prepare(self, params: Any) -> None:
-        """Compiles the eval step for `params` (placed as training keeps them) and the eval
-        batches, once; sets `metric_names`.
+    def prepare(self, state: TrainState) -> None:
+        """Compiles the eval step for `state`'s params and model state (placed as training
+        keeps them) and the eval batches, once; sets `metric_names`.
 
         Raises:
           ConfigError: the eval split yields no batch of the eval batch size.
@@ -149,22 +155,24 @@ class Evaluator:
                 "to turn evaluation off."
             )
         batch = self._global(first)
-        shapes = jax.eval_shape(self._metrics, params, batch)
+        variables = (state.params, state.model_state)
+        shapes = jax.eval_shape(self._metrics, *variables, batch)
         names = tuple(sorted(shapes))
 
-        def eval_step(params, batch, sums):
-            metrics = self._metrics(params, batch)
+        def eval_step(params, model_state, batch, sums):
+            metrics = self._metrics(params, model_state, batch)
             return sums + jnp.stack([metrics[n] for n in names])
 
-        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        shardings = jax.tree.map(lambda x: x.sharding, variables)
         jitted = jax.jit(
             eval_step,
-            in_shardings=(param_shardings, self.batch_sharding, self._replicated),
+            in_shardings=(*shardings, self.batch_sharding, self._replicated),
             out_shardings=self._replicated,
         )
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            self._compiled = jitted.lower(params, batch, self._zeros(len(names))).compile()
+            zeros = self._zeros(len(names))
+            self._compiled = jitted.lower(*variables, batch, zeros).compile()
         self.compiles += 1
         self.metric_names = names
         logger.info(
@@ -183,22 +191,22 @@ class Evaluator:
             local,
         )
 
-    def evaluate(self, params: Any) -> dict[str, float]:
-        """The mean metrics over the eval batches, ``{"eval/loss": ..., ...}``.
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """The mean metrics of `state` over the eval batches, ``{"eval/loss": ..., ...}``.
 
         Runs the compiled step on each batch, at most two in flight, and waits for the
-        result: `params` may be donated to the next train step right after.
+        result: `state` may be donated to the next train step right after.
 
         Raises:
           RuntimeError: if `prepare` was not called.
         """
         if self._compiled is None:
-            raise RuntimeError("Evaluator.prepare(params) must run before evaluate.")
+            raise RuntimeError("Evaluator.prepare(state) must run before evaluate.")
         sums = self._zeros(len(self.metric_names))
         count = 0
         for local in self._batches():
             previous = sums
-            sums = self._compiled(params, self._global(local), previous)
+            sums = self._compiled(state.params, state.model_state, self._global(local), previous)
             previous.block_until_ready()  # bounds the steps in flight (XLA:CPU collectives)
             count += 1
         if count < self.num_batches and not self._warned_short:
@@ -249,7 +257,7 @@ class EvalHook(Hook):
         if step == self.last_step:
             return
         start = time.perf_counter()
-        metrics = self.evaluator.evaluate(state.params)
+        metrics = self.evaluator.evaluate(state)
         self.last_step = step
         logger.info(
             "Eval at step %d (%.2f s): %s",
@@ -264,7 +272,7 @@ class EvalHook(Hook):
 def build_evaluator(
     task: Any,
     mesh: Mesh,
-    params: Any,
+    state: TrainState,
     *,
     data_axes: Sequence[str],
     opts: TrainerOptions,
@@ -276,7 +284,7 @@ def build_evaluator(
     Args:
       task: the run's task.
       mesh: the device mesh.
-      params: the initial params, placed as training keeps them.
+      state: the initial state, placed as training keeps it.
       data_axes: the data-parallel mesh axes.
       opts: the run's `xshard.config.TrainerOptions` (``eval_*`` and ``objective``).
       seed: the run's seed.
@@ -312,7 +320,7 @@ def build_evaluator(
         seed=seed,
         batch_key="trainer.eval_batch_size" if explicit else "trainer.batch_size",
     )
-    evaluator.prepare(params)
+    evaluator.prepare(state)
     if objective != TRAIN_OBJECTIVE and objective not in evaluator.metric_names:
         raise ConfigError(
             f"trainer.objective={objective!r}: the evaluation has no such metric; choose one "

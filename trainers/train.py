@@ -236,7 +236,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         )
 
     # Compiled now: a bad eval split or trainer.objective fails before training.
-    evaluator = build_evaluator(task, mesh, state.params, data_axes=data_axes, opts=opts, seed=seed)
+    evaluator = build_evaluator(task, mesh, state, data_axes=data_axes, opts=opts, seed=seed)
 
     # ------------------------------------------------------------------ hooks
     summary.begin(

@@ -35,7 +35,8 @@ class Task(Protocol):
     #       same ones (from the first) on every call; `StepIndexedEvalData` implements it.
     #   has_eval_split: bool (optional; False turns the split off, e.g. nothing held out).
     #   eval_metrics(params, batch) -> dict[str, jax.Array] (optional): scalar means over the
-    #       batch, "loss" among them; without it evaluation uses `loss` with a fixed RNG.
+    #       batch, "loss" among them; without it evaluation uses `loss` with a fixed RNG. A
+    #       task with model state (`trainers.model_state`) takes (params, model_state, batch).
 
     def init(self, rng: jax.Array, batch: Batch) -> Params:
         """Returns freshly initialised params for an example batch."""

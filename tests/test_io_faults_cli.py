@@ -178,7 +178,11 @@ def test_full_disk_for_tensorboard_never_hangs(tmp_path, on_error):
         assert f"TensorBoard events cannot be written to paths.tb_dir='{mnt / 'tb'}'" in line
         assert "No space left on device" in line and "logger.on_error=continue" in line
         stopped = int(re.search(r"stopped cleanly at step (\d+)", line)[1])
-        assert complete_steps(run / "checkpoints")[-1] == stopped
+        # When the writer thread first hits the full disk depends on how many bytes the first
+        # events take (the config text, the HParams entry): before the first step nothing is
+        # trained and nothing saved; after a step, that step is saved.
+        kept = complete_steps(run / "checkpoints")
+        assert kept[-1:] == ([stopped] if stopped else []), (stopped, kept)
     else:  # trains to the end without events, and says so once
         assert result.returncode == 0, result.stderr[-3000:]
         assert "Traceback" not in result.stdout + result.stderr

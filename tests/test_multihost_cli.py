@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cli import run_train
+from tests.cli import run_train, scalars
 from tests.multihost_cli import (
     PACED,
     PROCESSES,
@@ -67,6 +67,9 @@ def test_one_run_dir_only_process_0_writes_logs_events_and_config(baseline):
     # Hydra wrote .hydra/ in both processes; process 0 wrote its own again afterwards.
     overrides = (baseline / ".hydra" / "overrides.yaml").read_text()
     assert "distributed.process_id=0" in overrides
+    # Both processes evaluated at the end (a collective program); process 0 logged it.
+    assert sorted(scalars(baseline / "tb", "eval/loss")) == [12]
+    assert "Eval at step 12" in (baseline / "train.process-1.log").read_text()
 
 
 @pytest.mark.slow

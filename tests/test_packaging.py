@@ -2,8 +2,9 @@
 
 Builds the wheel from a copy of the working tree, checks its contents against the tree on disk,
 installs it (and only it: dependencies come from this environment through a .pth file) into a
-fresh virtual environment, then runs a small Hydra app of a separate "experiment repo" whose
-own configs extend xshard's groups through the SearchPathPlugin, including a multirun.
+fresh virtual environment, then runs small Hydra apps of a separate "experiment repo" whose
+own configs compose ``xshard_train`` and extend its groups through the SearchPathPlugin,
+including a multirun, and one that trains through `trainers.run`.
 """
 
 from __future__ import annotations
@@ -134,16 +135,47 @@ def venv_python(wheel, tmp_path_factory) -> Path:
 
 EXPERIMENT_REPO = {
     "conf/my_exp.yaml": """\
-        # A user's primary config: xshard's groups come from pkg://xshard.conf via the plugin.
+        # A user's primary config composes xshard's (from pkg://xshard.conf via the plugin)
+        # and states only what differs.
         defaults:
+          - xshard_train
+          - override reduction: sum
           - _self_
-          - optimizer: adamw
-          - schedule: warmup_cosine
-          - reduction: sum
 
         clip: 1.0
         trainer:
           steps: 50
+    """,
+    "conf/train_exp.yaml": """\
+        # Training with xshard's trainer from the user's own @hydra.main (train_app.py).
+        defaults:
+          - xshard_train
+          - override task: mlp
+          - override mesh: cpu8
+          - override checkpoint: none
+          - _self_
+
+        trainer:
+          steps: 2
+          batch_size: 16
+          eval_batches: 1
+          progress: false
+    """,
+    "train_app.py": """\
+        import hydra
+
+        import trainers
+
+
+        @hydra.main(config_path="conf", config_name="train_exp", version_base="1.3")
+        def main(cfg):
+            value = trainers.run(cfg)
+            print(f"OBJECTIVE {value!r} {trainers.__file__}", flush=True)
+            return value
+
+
+        if __name__ == "__main__":
+            main()
     """,
     "conf/optimizer/my_adam.yaml": """\
         # The user's own option, extending xshard's adam.
@@ -197,10 +229,13 @@ def experiment_repo(tmp_path_factory) -> Path:
     return root
 
 
-def run_app(python: Path, repo: Path, *args: str) -> subprocess.CompletedProcess:
+def run_app(
+    python: Path, repo: Path, *args: str, app: str = "app.py"
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["HYDRA_FULL_ERROR"] = "0"
     return subprocess.run(
-        [str(python), "app.py", *args],
+        [str(python), app, *args],
         cwd=repo,
         env=env,
         capture_output=True,
@@ -256,3 +291,20 @@ def test_experiment_repo_multirun(venv_python, experiment_repo):
     ]
     assert all(r["finite"] for r in runs)
     assert {r["learning_rate"] for r in runs if r["target"] == "optax.adam"} == {0.005}
+
+
+def test_experiment_repo_trains_with_trainers_run(venv_python, experiment_repo):
+    """The user's own @hydra.main calls `trainers.run` from the wheel: exit statuses kept."""
+    ok = run_app(venv_python, experiment_repo, "hydra.run.dir=runs/ok", app="train_app.py")
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    value, path = ok.stdout.split("OBJECTIVE ", 1)[1].split()[:2]
+    result = json.loads((experiment_repo / "runs" / "ok" / "result.json").read_text())
+    assert float(value) == result["objective"] and result["eval"]["eval/loss"] > 0
+    assert Path(path).resolve().is_relative_to(venv_python.parent.parent.resolve())
+
+    bad = run_app(
+        venv_python, experiment_repo, "hydra.run.dir=runs/bad", "seed=-1", app="train_app.py"
+    )
+    assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("xshard: error: seed=-1"), bad.stderr

@@ -49,6 +49,27 @@ def test_a_run_that_skipped_steps_says_so_with_first_and_last(tmp_path):
     assert json.loads(json.dumps(record)) == record  # valid JSON, no NaN/Infinity
 
 
+def test_evaluation_lines_best_and_objective():
+    s = RunSummary()
+    s.begin(num_steps=3, start_step=0, checkpoint_dir=None, objective="eval/loss")
+    for step, (loss, mse) in enumerate([(2.0, 2.0), (0.5, 0.4), (float("nan"), 9.0)], 1):
+        s.on_step(step, {"train/loss": 1.0 / step})
+        s.on_eval(step, {"eval/loss": loss, "eval/mse": mse})
+    s.on_end(3, None, "done")
+    lines = s.lines(COMPLETED)
+    assert lines[3] == "  checkpoint: none (checkpoint.enabled=false)"  # then the evaluation
+    assert lines[4] == "  eval: final eval/loss nan, eval/mse 9 (step 3)"
+    assert lines[5] == "  eval: best eval/loss 0.5, eval/mse 0.4 (step 2)"  # the lowest eval/loss
+    assert s.objective is None  # the final eval/loss is NaN: never to a sweeper
+    record = s.record(COMPLETED)
+    assert record["eval"] == {"eval/loss": "nan", "eval/mse": 9.0} and record["eval_step"] == 3
+    assert record["best_eval"] == {"eval/loss": 0.5, "eval/mse": 0.4}
+    assert record["objective_key"] == "eval/loss"
+    assert json.loads(json.dumps(record)) == record
+    s.on_eval(4, {"eval/loss": 0.25, "eval/mse": 0.2})
+    assert s.objective == 0.25 and s.lines(COMPLETED)[5:] == []  # final is the best: one line
+
+
 def test_a_clean_run_and_a_failure_before_any_step():
     s = _run([2.0, 1.0], start=10)
     assert s.lines(COMPLETED)[0].endswith("at step 12 of 12 (2 trained in this run).")

@@ -241,7 +241,7 @@ def test_help_lists_groups_exit_codes_and_allowlist(tmp_path):
     )
     text = proc.stdout
     assert "optimizer: adafactor, adagrad, adam, adamw" in text
-    assert "task: mlp, tiny_gpt" in text
+    assert "task: flax_linen, flax_nnx, mlp, tiny_gpt" in text
     assert "xshard_schemas" not in text and "hydra/launcher" not in text
     for code in ("0 ", "1 ", "2 ", "3 ", "75 "):
         assert f"\n  {code}" in text

@@ -231,7 +231,9 @@ class CheckpointHook(Hook):
         return self.options.every_steps > 0 and step % self.options.every_steps == 0
 
     def on_state(self, step: int, state: TrainState) -> None:
-        self.save(step, state)
+        # Other hooks' steps (evaluation) deliver the state too; a stop saves in `on_end`.
+        if self.wants_state(step):
+            self.save(step, state)
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         if reason != "error":

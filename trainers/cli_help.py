@@ -46,7 +46,7 @@ def _exit_codes() -> str:
     from trainers import train
 
     doc = (train.__doc__ or "").splitlines()
-    start = next(i for i, line in enumerate(doc) if line.startswith("Returns the final"))
+    start = next(i for i, line in enumerate(doc) if "Exit status of a single run" in line)
     table = []
     for line in doc[start:]:
         if line.startswith("    ") or (table and line.startswith("        ")):

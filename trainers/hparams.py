@@ -18,7 +18,9 @@ string ``"null"`` (as typed on the command line, ``clip=null``), lists and mappi
 JSON text. A column mixing numbers and "null" is shown as strings by TensorBoard.
 
 **Metrics and status.** `METRICS` (final and best loss, last step) are written as scalars at
-the end; the session's end info says success or failure (the dashboard's Status filter).
+the end, and for a run that evaluates `eval_metric_tags` (``hparams/final_eval/<metric>`` of
+the final evaluation, ``hparams/best_eval/<metric>`` of the one with the lowest ``eval/loss``);
+the session's end info says success or failure (the dashboard's Status filter).
 """
 
 from __future__ import annotations
@@ -146,8 +148,21 @@ def _summary(tag: str, data: HParamsPluginData) -> Summary:
     return Summary(value=[Summary.Value(tag=tag, metadata=meta)])
 
 
-def experiment_summary(values: dict[str, HParamValue], differs: frozenset[str]) -> Summary:
-    """The experiment (columns: hparams in order, `differs` set on `differs`, `METRICS`)."""
+def eval_metric_tag(kind: str, name: str) -> str:
+    """The HParams metric of evaluation metric `name` (``eval/loss``): `kind` "final" or
+    "best" gives ``hparams/final_eval/loss`` or ``hparams/best_eval/loss``."""
+    return f"hparams/{kind}_{name}"
+
+
+def eval_metric_tags(names: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The HParams metrics of the evaluation metrics `names`: final ones, then best ones."""
+    return tuple(eval_metric_tag(kind, n) for kind in ("final", "best") for n in names)
+
+
+def experiment_summary(
+    values: dict[str, HParamValue], differs: frozenset[str], metrics: tuple[str, ...] = METRICS
+) -> Summary:
+    """The experiment (columns: hparams in order, `differs` set on `differs`, `metrics`)."""
     infos = []
     for name, value in values.items():
         kind = (
@@ -159,10 +174,10 @@ def experiment_summary(values: dict[str, HParamValue], differs: frozenset[str]) 
         if name in differs:
             info = HParamInfo.FromString(info.SerializeToString() + _DIFFERS_TRUE)
         infos.append(info)
-    metrics = [MetricInfo(name=MetricName(tag=t)) for t in METRICS]
+    metric_infos = [MetricInfo(name=MetricName(tag=t)) for t in metrics]
     return _summary(
         _EXPERIMENT_TAG,
-        HParamsPluginData(experiment=Experiment(hparam_infos=infos, metric_infos=metrics)),
+        HParamsPluginData(experiment=Experiment(hparam_infos=infos, metric_infos=metric_infos)),
     )
 
 
@@ -195,6 +210,7 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         "xshard": {
             "loss": ["Multiline", ["^train/loss$"]],
             "learning rate": ["Multiline", ["^optim/learning_rate$"]],
+            "eval": ["Multiline", ["^eval/"]],
             "gradient norms (reduced, per shard)": [
                 "Multiline",
                 ["^grad/global_norm$", "^grad/shard_norm_(mean|max|min)$"],

@@ -1,4 +1,5 @@
-"""What a run did, in a few lines: steps, skipped steps, final and best loss, the checkpoint.
+"""What a run did, in a few lines: steps, skipped steps, final and best loss, evaluation, the
+checkpoint.
 
 `RunSummary` is a hook that records each step's loss and skip flag as the run goes. When the
 run ends (done, stopped, or failed), `lines` says what happened and `record` is the same in
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.trainer import Hook, TrainState
+from xshard.config.run import EVAL_LOSS, TRAIN_OBJECTIVE
 
 #: How the run ended, as `status` in ``result.json`` and the sweep table.
 COMPLETED = "completed"  # every step trained (or the data ran out)
@@ -43,18 +45,48 @@ class RunSummary(Hook):
         self.last_skipped: int | None = None
         self.skipped_total: int | None = None  # the optimizer's count, earlier runs included
         self.reason: str | None = None  # the loop's end reason (Trainer.fit)
+        self.objective_key = TRAIN_OBJECTIVE  # trainer.objective
+        self.final_eval: dict[str, float] | None = None  # the latest evaluation's metrics
+        self.final_eval_step: int | None = None
+        self.best_eval: dict[str, float] | None = None  # the evaluation with the lowest eval/loss
+        self.best_eval_step: int | None = None
 
-    def begin(self, *, num_steps: int, start_step: int, checkpoint_dir: str | None) -> None:
+    def begin(
+        self,
+        *,
+        num_steps: int,
+        start_step: int,
+        checkpoint_dir: str | None,
+        objective: str = TRAIN_OBJECTIVE,
+    ) -> None:
         """Called when the run's state is ready, before its first step.
 
         Args:
           num_steps: the run's ``trainer.steps``.
           start_step: the step the run starts (or resumes) from.
           checkpoint_dir: where the run saves checkpoints; None with checkpoints disabled.
+          objective: ``trainer.objective``, what `objective` reports.
         """
         self.started = True
         self.num_steps, self.start_step, self.last_step = num_steps, start_step, start_step
         self.checkpoint_dir = checkpoint_dir
+        self.objective_key = objective
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation's metrics (`trainers.evaluation.EvalHook` sink): the latest is the
+        final one; the best is the one with the lowest finite ``eval/loss``."""
+        self.final_eval, self.final_eval_step = dict(metrics), step
+        loss = metrics.get(EVAL_LOSS)
+        if (
+            loss is not None
+            and math.isfinite(loss)
+            and (self.best_eval is None or loss < self.best_eval[EVAL_LOSS])
+        ):
+            self.best_eval, self.best_eval_step = dict(metrics), step
+
+    def eval_results(self) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+        """(the final evaluation's metrics, the best evaluation's), None where there is none."""
+        return self.final_eval, self.best_eval
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_step = step
@@ -82,10 +114,16 @@ class RunSummary(Hook):
 
     @property
     def objective(self) -> float | None:
-        """The final loss if it is finite, else None (a sweeper never gets NaN or inf)."""
-        if self.final_loss is None or not math.isfinite(self.final_loss):
+        """``trainer.objective``: the final training loss, or that metric of the final
+        evaluation; None if there is none or it is not finite (a sweeper never gets NaN or
+        inf)."""
+        if self.objective_key == TRAIN_OBJECTIVE:
+            value = self.final_loss
+        else:
+            value = (self.final_eval or {}).get(self.objective_key)
+        if value is None or not math.isfinite(value):
             return None
-        return self.final_loss
+        return value
 
     def checkpoint(self) -> tuple[int, str] | None:
         """(step, path) of the latest complete checkpoint in the run's dir, or None."""
@@ -110,7 +148,8 @@ class RunSummary(Hook):
         return f"checkpoint: none written in {self.checkpoint_dir}"
 
     def lines(self, status: str, message: str | None = None) -> list[str]:
-        """The run's closing lines: how it ended, losses, skipped steps, the checkpoint.
+        """The run's closing lines: how it ended, losses, skipped steps, the checkpoint, the
+        evaluation.
 
         Args:
           status: one of `COMPLETED`, `DIVERGED`, `FAILED`, `PREEMPTED`, `CRASHED`.
@@ -151,6 +190,20 @@ class RunSummary(Hook):
         else:
             out.append("  skipped steps: none")
         out.append("  " + self.checkpoint_line())
+        out.extend(self.eval_lines())
+        return out
+
+    def eval_lines(self) -> list[str]:
+        """The final and best evaluation, if the run evaluated."""
+        if self.final_eval is None:
+            return []
+
+        def shown(metrics: dict[str, float]) -> str:
+            return ", ".join(f"{k} {format_loss(v)}" for k, v in metrics.items())
+
+        out = [f"  eval: final {shown(self.final_eval)} (step {self.final_eval_step})"]
+        if self.best_eval is not None and self.best_eval_step != self.final_eval_step:
+            out.append(f"  eval: best {shown(self.best_eval)} (step {self.best_eval_step})")
         return out
 
     def record(self, status: str, message: str | None = None) -> dict[str, Any]:
@@ -168,6 +221,11 @@ class RunSummary(Hook):
             "skipped_steps": self.skipped,
             "first_skipped_step": self.first_skipped,
             "last_skipped_step": self.last_skipped,
+            "eval": _finite_values(self.final_eval),
+            "eval_step": self.final_eval_step,
+            "best_eval": _finite_values(self.best_eval),
+            "best_eval_step": self.best_eval_step,
+            "objective_key": self.objective_key,
             "checkpoint": None if found is None else found[1],
         }
 
@@ -175,6 +233,11 @@ class RunSummary(Hook):
 def format_loss(value: float | None) -> str:
     """A loss as the run summary and the progress bar show it (5 significant digits)."""
     return "-" if value is None else f"{value:.5g}"
+
+
+def _finite_values(metrics: dict[str, float] | None) -> dict[str, Any] | None:
+    """`metrics` for JSON (`_finite_or_none` of each value)."""
+    return None if metrics is None else {k: _finite_or_none(v) for k, v in metrics.items()}
 
 
 def _finite_or_none(value: float | None) -> float | str | None:

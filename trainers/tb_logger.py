@@ -58,6 +58,9 @@ class TensorBoardHook(Hook):
       num_devices: devices running the step (FLOP/s are per device times this).
       peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
       best_loss: returns the run's best loss and its step, for the HParams metrics.
+      eval_metrics: the evaluation's metric names (``eval/loss``, ...), HParams metrics too.
+      eval_results: returns the final and the best evaluation's metrics (None where there
+        is none), written as HParams metrics at the end (`trainers.hparams.eval_metric_tags`).
 
     Raises:
       ValueError: for an `on_error` other than "stop" or "continue".
@@ -83,6 +86,8 @@ class TensorBoardHook(Hook):
         num_devices: int = 1,
         peak_flops_per_device: float | None = None,
         best_loss: Callable[[], tuple[float | None, int | None]] | None = None,
+        eval_metrics: tuple[str, ...] = (),
+        eval_results: Callable[[], tuple[dict | None, dict | None]] | None = None,
     ):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error={on_error!r}: expected one of {list(ON_ERROR)}.")
@@ -103,6 +108,7 @@ class TensorBoardHook(Hook):
         self.num_devices = num_devices
         self.peak_flops_per_device = peak_flops_per_device
         self._best_loss = best_loss
+        self._eval_results = eval_results
         self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
@@ -110,7 +116,8 @@ class TensorBoardHook(Hook):
                 "config", "\n".join("    " + line for line in config_yaml.splitlines()), 0
             )
         if hparams:
-            self.writer.add_summary(hp.experiment_summary(hparams, overridden))
+            metrics = hp.METRICS + hp.eval_metric_tags(eval_metrics)
+            self.writer.add_summary(hp.experiment_summary(hparams, overridden, metrics))
             self.writer.add_summary(hp.session_start_summary(hparams))
         self.writer.add_custom_scalars(hp.custom_scalars_layout())
         self._hparams = hparams
@@ -199,6 +206,13 @@ class TensorBoardHook(Hook):
             if self.peak_flops_per_device:
                 self.writer.add_scalar("perf/mfu", per_device / self.peak_flops_per_device, step)
 
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Writes an evaluation's metrics (``eval/<name>``) at `step` (an `EvalHook` sink)."""
+        for tag, value in metrics.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+        self._check()
+
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
         for name, value in diag.get("grad_norms", {}).items():
             self.writer.add_scalar(f"layers/grad_norm/{name}", float(value), step)
@@ -227,6 +241,10 @@ class TensorBoardHook(Hook):
         if best is not None:
             self.writer.add_scalar(hp.BEST_LOSS_TAG, best, step)
         self.writer.add_scalar(hp.LAST_STEP_TAG, step, step)
+        final_eval, best_eval = self._eval_results() if self._eval_results else (None, None)
+        for kind, metrics in (("final", final_eval), ("best", best_eval)):
+            for name, value in (metrics or {}).items():
+                self.writer.add_scalar(hp.eval_metric_tag(kind, name), value, step)
         if self._hparams:
             final_ok = self.last_loss is not None and math.isfinite(self.last_loss)
             self.writer.add_summary(hp.session_end_summary(reason != "error" and final_ok))

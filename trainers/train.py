@@ -4,9 +4,13 @@
     python -m trainers.train -m reduction=sum,mean optimizer=sgd,adam      # a sweep
     python -m trainers.train task=mlp hydra.run.dir=runs/a    # rerun it to resume from runs/a
 
-Returns the final training loss, so optimizing sweepers can use it. Every run ends with a
-summary (steps, skipped steps, final and best loss, the checkpoint) and writes it to
-``<output dir>/result.json``. Exit status of a single run (see docs/reliability.md):
+Returns ``trainer.objective`` (the final training loss, or e.g. ``eval/loss`` of the final
+evaluation), so optimizing sweepers can use it. Every run ends with a summary (steps, skipped
+steps, final and best loss, evaluation, the checkpoint) and writes it to
+``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling
+`trainers.run` (`trainers.entry`).
+
+Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
@@ -27,14 +31,13 @@ goes on (`trainers.sweep`, docs/sweeps.md); a signal still stops the sweep (75).
 from __future__ import annotations
 
 import logging
-import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.cli_help import register_help_resolver
-from trainers.console import log_to_files
-from trainers.multihost import current, exit_process, join_cluster, report_unexpected
+from trainers.entry import run
+from trainers.multihost import current, join_cluster
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal, stop_signals
 from trainers.preflight import EXIT_CONFIG_ERROR
 from trainers.setup import (
@@ -53,6 +56,7 @@ log = logging.getLogger("trainers.train")
 
 # Exit statuses (docstring above): 2 and 75 are defined next to the code that exits with them.
 EXIT_NONFINITE = 3
+__all__ = ["EXIT_CONFIG_ERROR", "EXIT_NONFINITE", "EXIT_PREEMPTED", "main", "run", "train"]
 
 
 def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
@@ -126,6 +130,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.checkpoint_io import check_checkpoint_space
     from trainers.checkpointing import CheckpointHook, run_config
     from trainers.ckpt_owner import claim_checkpoint_dir
+    from trainers.evaluation import EvalHook, build_evaluator
     from trainers.hparams import hparams
     from trainers.monitor import NonFiniteMonitor, ProgressHook
     from trainers.multihost import PeerError
@@ -230,37 +235,50 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             start_step, by=None if cluster.count == 1 else cluster.name(by), signal_name=signals[by]
         )
 
+    # Compiled now: a bad eval split or trainer.objective fails before training.
+    evaluator = build_evaluator(task, mesh, state, data_axes=data_axes, opts=opts, seed=seed)
+
     # ------------------------------------------------------------------ hooks
     summary.begin(
         num_steps=num_steps,
         start_step=start_step,
         checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
+        objective=opts.objective,
     )
     lead = cluster.lead  # logs and the progress bar come from one process
     # The monitor comes before the hooks that act on a step: a bad step raises before they
     # see it. The summary only records, so it sees the step that diverged too.
     hooks = [summary, monitor]
+    eval_sinks = [summary.on_eval]
+    tb_hook = None
     if lead:
         values, overridden = hparams(cfg)
-        hooks.append(
-            TensorBoardHook(
-                dirs.tb_dir,
-                log_every=opts.log_every,
-                global_batch_size=opts.batch_size,
-                num_steps=num_steps,
-                hparams=values,
-                overridden=overridden,
-                config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                flush_secs=logger_opts.flush_secs,
-                on_error=logger_opts.on_error,
-                noise_ema_steps=logger_opts.noise_ema_steps,
-                tokens_per_example=tokens_per_example(task),
-                step_flops=lambda: step_flops(trainer.compiled),
-                num_devices=mesh.size,
-                peak_flops_per_device=logger_opts.peak_flops_per_device,
-                best_loss=lambda: (summary.best_loss, summary.best_step),
-            )
+        tb_hook = TensorBoardHook(
+            dirs.tb_dir,
+            log_every=opts.log_every,
+            global_batch_size=opts.batch_size,
+            num_steps=num_steps,
+            hparams=values,
+            overridden=overridden,
+            config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+            flush_secs=logger_opts.flush_secs,
+            on_error=logger_opts.on_error,
+            noise_ema_steps=logger_opts.noise_ema_steps,
+            tokens_per_example=tokens_per_example(task),
+            step_flops=lambda: step_flops(trainer.compiled),
+            num_devices=mesh.size,
+            peak_flops_per_device=logger_opts.peak_flops_per_device,
+            best_loss=lambda: (summary.best_loss, summary.best_step),
+            eval_metrics=evaluator.metric_names if evaluator else (),
+            eval_results=summary.eval_results,
         )
+        eval_sinks.append(tb_hook.on_eval)
+    if evaluator is not None:  # before TensorBoard's hook: its on_end may evaluate
+        hooks.append(
+            EvalHook(evaluator, every=opts.eval_every, num_steps=num_steps, sinks=eval_sinks)
+        )
+    if lead:
+        hooks.append(tb_hook)
         if opts.profile_steps is not None:
             hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
     hooks.append(
@@ -324,63 +342,10 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     return final
 
 
-def _exit(error: BaseException, code: int, label: str = "error") -> None:
-    """Reports `error` in one line (stderr, and the log file) and exits with `code`: with
-    several processes, after telling the others (`trainers.multihost.exit_process`).
-
-    The line goes to the log file only, not to the console handler too: on a terminal the
-    error shows once.
-    """
-    from xshard.config import one_line
-
-    message = one_line(str(error))
-    log_to_files(log, logging.WARNING if code == EXIT_PREEMPTED else logging.ERROR, message)
-    print(f"xshard: {label}: {message}", file=sys.stderr)
-    exit_process(code)
-
-
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    """Hydra main: trains and returns the final loss, or exits with a documented status.
-
-    In a multirun a failed or diverged job returns to the sweeper instead of exiting
-    (`trainers.sweep.failed_job_value`).
-    """
-    from trainers import summary as status
-    from trainers.allowlist import check_allowlist_sources
-    from trainers.checkpointing import CheckpointError
-    from trainers.monitor import NonFiniteError
-    from trainers.preemption import Preempted
-    from trainers.sweep import failed_job_value, finish_job, is_multirun
-    from trainers.tb_logger import LoggerError
-    from xshard.errors import ConfigError
-
-    summary = RunSummary()
-
-    def failed(error: BaseException, kind: str, code: int) -> float | None:
-        record = finish_job(cfg, summary, kind, error)
-        if not is_multirun():
-            _exit(error, code)
-        return failed_job_value(record, cfg.trainer.get("failed_objective"))
-
-    try:
-        check_allowlist_sources(cfg)  # only the primary config or the CLI widen the allowlist
-        train(cfg, summary)
-    except Preempted as e:  # stops a multirun too: the machine is going away
-        finish_job(cfg, summary, status.PREEMPTED, e)
-        _exit(e, EXIT_PREEMPTED, label="preempted")
-    except NonFiniteError as e:
-        return failed(e, status.DIVERGED, EXIT_NONFINITE)
-    except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
-        return failed(e, status.FAILED, EXIT_CONFIG_ERROR)
-    except Exception as e:
-        finish_job(cfg, summary, status.CRASHED, e)
-        report_unexpected(e)  # several processes: traceback in the log, exit 1 without waiting
-        raise
-    record = finish_job(cfg, summary, status.COMPLETED)
-    if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper
-        return failed_job_value(record, cfg.trainer.get("failed_objective"))
-    return record["objective"] if record["objective"] is not None else summary.final_loss
+    """Hydra main of ``python -m trainers.train``: `trainers.entry.run` on the composed config."""
+    return run(cfg)
 
 
 if __name__ == "__main__":

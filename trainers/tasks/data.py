@@ -3,7 +3,8 @@
 `StepIndexedData` implements the `batches` method of the task contract from one method,
 `global_batch(global_batch_size, *, seed, step)`: every process builds the same global batch
 and keeps its own rows, so exact resume needs no iterator state and the data does not depend
-on the number of processes.
+on the number of processes. `StepIndexedEvalData` does the same for a held-out eval split
+(`eval_batches`, from `global_eval_batch(global_batch_size, *, seed, index)`).
 """
 
 from __future__ import annotations
@@ -131,4 +132,48 @@ class StepIndexedData(abc.ABC):
             process_index=process_index,
             process_count=process_count,
             num_steps=self.num_data_steps(global_batch_size),
+        )
+
+
+class StepIndexedEvalData(abc.ABC):
+    """Base for tasks with a held-out eval split whose batch `index` is a pure function of
+    (seed, index): implements the optional `eval_batches` member of the task contract.
+
+    Every evaluation reads the same batches from index 0, so evaluations are comparable.
+    """
+
+    @abc.abstractmethod
+    def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
+        """The whole global eval batch number `index` (every process computes the same one)."""
+
+    def num_eval_batches(self, global_batch_size: int) -> int | None:
+        """Eval batches there are at this batch size; None for an endless eval split."""
+        return None
+
+    def eval_batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """Yields this process's rows of the eval split's global batches 0, 1, ...
+
+        Args:
+          global_batch_size: rows of the global eval batch; divisible by `process_count`.
+          seed: the data seed.
+          process_index: this process.
+          process_count: number of processes.
+
+        Returns:
+          An iterator of batches with `global_batch_size // process_count` rows; it ends
+          after `num_eval_batches(global_batch_size)` batches when that is not None.
+        """
+        return process_batches(
+            lambda index: self.global_eval_batch(global_batch_size, seed=seed, index=index),
+            global_batch_size,
+            process_index=process_index,
+            process_count=process_count,
+            num_steps=self.num_eval_batches(global_batch_size),
         )

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.tasks.args import positive_int, positive_ints
 from trainers.tasks.base import Batch, Params
-from trainers.tasks.data import StepIndexedData
+from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
@@ -72,8 +72,17 @@ def _steps(value: int | Sequence[int] | None) -> frozenset[int]:
     return frozenset(int(v) for v in values)
 
 
-class MLPTask(StepIndexedData):
+#: Tags the eval split's random streams: ``[EVAL_STREAM, teacher_seed, index]`` never equals a
+#: training stream ``[seed, step]`` (a different length), so eval data is held out.
+EVAL_STREAM = 0x5EED_E7A1
+
+
+class MLPTask(StepIndexedData, StepIndexedEvalData):
     """Teacher-student MLP regression.
+
+    The eval split is endless held-out data from the same teacher (other random streams than
+    training), without noise and without `nan_at_step`; it does not depend on the run's seed,
+    so the runs of a seed sweep are evaluated on the same data.
 
     Args:
       in_dim: input dimension (x ~ N(0, I)).
@@ -248,3 +257,26 @@ class MLPTask(StepIndexedData):
         if step in self.nan_steps:
             x[0, 0] = np.nan
         return {"x": x, "y": y.astype(np.float32)}
+
+    @property
+    def has_eval_split(self) -> bool:
+        """Whether the teacher's held-out data is this run's eval split: not for a run on the
+        examples of ``task.data.path`` (the teacher did not make them)."""
+        return self.data is None
+
+    def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
+        """Held-out global eval batch `index`: fresh inputs, the teacher's noiseless targets.
+
+        Args:
+          global_batch_size: rows.
+          seed: unused: the eval set is the same for every run seed.
+          index: the eval batch's number (0, 1, ... in every evaluation).
+
+        Returns:
+          `{"x": float32 (n, in_dim), "y": float32 (n, out_dim)}`.
+        """
+        del seed
+        rng = np.random.default_rng([EVAL_STREAM, self.teacher_seed, index])
+        x = rng.standard_normal((global_batch_size, self.in_dim))
+        y = _teacher_apply(self._teacher_layers, x)
+        return {"x": x.astype(np.float32), "y": y.astype(np.float32)}

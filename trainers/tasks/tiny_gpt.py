@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.tasks import corpus
 from trainers.tasks.args import positive_int
 from trainers.tasks.base import Batch, Params
-from trainers.tasks.data import StepIndexedData
+from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
 
 #: Megatron-style rules over the `model` axis (dropped on meshes without it).
 SHARDING_RULES: tuple[tuple[str, P], ...] = (
@@ -89,8 +89,11 @@ def block(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
 # --------------------------------------------------------------------------------------------
 
 
-class TinyGPTTask(StepIndexedData):
+class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
     """Next-byte prediction with a small decoder-only transformer.
+
+    The last `eval_fraction` of the corpus is held out: training windows come from the rest,
+    the eval split is that tail cut into consecutive windows (the same in every evaluation).
 
     Args:
       vocab_size: number of token ids; byte-level, so >= 128 (the corpus is ASCII).
@@ -105,6 +108,8 @@ class TinyGPTTask(StepIndexedData):
       corpus_max_chars: cap on the corpus size in characters.
       data: the ``task.data`` node (`xshard.config.data.DataOptions`): with a ``path``, train
         on that file's tokens instead of the corpus.
+      eval_fraction: the fraction of the corpus (its end) held out for evaluation, in
+        [0, 0.5]; 0: no eval split.
       name: the task's name (for logging; not used otherwise).
     """
 
@@ -120,6 +125,7 @@ class TinyGPTTask(StepIndexedData):
         init_std: float = 0.02,
         corpus_max_chars: int = corpus.DEFAULT_MAX_CHARS,
         data: Any = None,
+        eval_fraction: float = 0.1,
         name: str = "tiny_gpt",
     ):
         sizes = dict(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
@@ -150,6 +156,28 @@ class TinyGPTTask(StepIndexedData):
         if self.data is None and len(self.tokens) < self.seq_len + 2:
             raise ValueError(
                 f"corpus has {len(self.tokens)} tokens, too few for task.seq_len={seq_len}"
+            )
+        if (
+            isinstance(eval_fraction, bool)
+            or not isinstance(eval_fraction, int | float)
+            or not 0 <= eval_fraction <= 0.5
+        ):
+            raise ValueError(
+                f"task.eval_fraction={eval_fraction!r}: expected a number in [0, 0.5]."
+            )
+        self.eval_fraction = float(eval_fraction)
+        #: Tokens before this index are for training; the rest is the eval split.
+        self.eval_start = len(self.tokens) - int(len(self.tokens) * self.eval_fraction)
+        if self.data is None and self.eval_start < self.seq_len + 2:
+            raise ValueError(
+                f"task.eval_fraction={eval_fraction} leaves {self.eval_start} training tokens, "
+                f"too few for task.seq_len={seq_len}"
+            )
+        if self.has_eval_split and self._eval_windows() == 0:
+            raise ValueError(
+                f"task.eval_fraction={eval_fraction} holds out "
+                f"{len(self.tokens) - self.eval_start} tokens, fewer than one window of "
+                f"task.seq_len={seq_len} + 1; use a larger fraction, or 0 for no eval split"
             )
         self._sample_step = None
 
@@ -279,10 +307,42 @@ class TinyGPTTask(StepIndexedData):
           `{"inputs": int32 (n, seq_len), "targets": int32 (n, seq_len)}`, targets being the
           inputs shifted by one token.
         """
-        tokens = self.tokens
+        tokens = self.tokens[: self.eval_start]
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(tokens) - self.seq_len, size=global_batch_size)
         windows = tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+    @property
+    def has_eval_split(self) -> bool:
+        """Whether part of the corpus is held out (``eval_fraction > 0``); a run on the tokens
+        of ``task.data.path`` has none (the corpus is not its data)."""
+        return self.eval_fraction > 0 and self.data is None
+
+    def _eval_windows(self) -> int:
+        """Consecutive windows of ``seq_len + 1`` tokens (overlapping by one) in the eval split."""
+        return (len(self.tokens) - self.eval_start - 1) // self.seq_len
+
+    def num_eval_batches(self, global_batch_size: int) -> int:
+        """Whole eval batches of `global_batch_size` windows in the held-out tail."""
+        return self._eval_windows() // global_batch_size
+
+    def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
+        """Global eval batch `index`: windows ``index * n``, ... of the held-out tail.
+
+        Args:
+          global_batch_size: rows (n).
+          seed: unused: the eval split is the same for every run seed.
+          index: the eval batch's number.
+
+        Returns:
+          `{"inputs": int32 (n, seq_len), "targets": int32 (n, seq_len)}`.
+        """
+        del seed
+        tail = self.tokens[self.eval_start :]
+        first = index * global_batch_size
+        starts = (first + np.arange(global_batch_size)) * self.seq_len
+        windows = tail[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
     # ---------------------------------------------------------------------------------------

@@ -65,6 +65,31 @@ def check_seed(value: Any, key: str = "seed") -> int:
     return check_int(value, key, 0, f"0 <= {key} <= {MAX_SEED} (2**32 - 1)", MAX_SEED)
 
 
+#: ``trainer.objective`` values: the final training loss, or a metric of the final evaluation.
+TRAIN_OBJECTIVE = "train/loss"
+EVAL_PREFIX = "eval/"
+EVAL_LOSS = EVAL_PREFIX + "loss"  # every evaluation reports it
+
+
+def check_objective(value: Any, key: str = "trainer.objective") -> str:
+    """Returns ``trainer.objective`` if it is ``train/loss`` or ``eval/<metric>``.
+
+    Whether the task's evaluation has that metric is checked when the run starts.
+
+    Raises:
+      ConfigError: naming `key`, the value and what is allowed.
+    """
+    if not isinstance(value, str) or not (
+        value == TRAIN_OBJECTIVE
+        or (value.startswith(EVAL_PREFIX) and len(value) > len(EVAL_PREFIX))
+    ):
+        raise ConfigError(
+            f"{key}={shown(value)}: expected {TRAIN_OBJECTIVE!r} (the final training loss) or "
+            f"'{EVAL_PREFIX}<metric>' of the final evaluation (e.g. 'eval/loss')."
+        )
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerOptions:
     """The ``trainer`` node.
@@ -93,6 +118,13 @@ class TrainerOptions:
         ``allowed_targets: [mypkg.]``), run after the built-in ones.
       stop_signals: signals that stop training cleanly (checkpoint, exit 75); SIGUSR2 is the
         warning SLURM sends through submitit before the time limit.
+      eval_every: evaluate on the task's eval split every N steps and at the end (0: only at
+        the end). Tasks without an eval split are not evaluated.
+      eval_batches: batches per evaluation, the same ones every time (fewer if the split is
+        smaller); 0 disables evaluation.
+      eval_batch_size: the global batch of an evaluation; null: ``batch_size``.
+      objective: what the Hydra main returns to optimizing sweepers: ``train/loss`` (the
+        final training loss) or ``eval/<metric>`` (of the final evaluation, e.g. ``eval/loss``).
     """
 
     steps: int = 300
@@ -112,6 +144,10 @@ class TrainerOptions:
     stop_signals: list[str] = dataclasses.field(
         default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR2"]
     )
+    eval_every: int = 0
+    eval_batches: int = 10
+    eval_batch_size: int | None = None
+    objective: str = TRAIN_OBJECTIVE
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -154,6 +190,15 @@ class TrainerOptions:
                     "with 1 <= first <= last (the steps to trace), or null."
                 )
         check_stop_signals(self.stop_signals)
+        check_int(self.eval_every, "trainer.eval_every", 0, "a period in steps, 0: at the end only")
+        check_int(
+            self.eval_batches, "trainer.eval_batches", 0, "batches per evaluation, 0 disables"
+        )
+        if self.eval_batch_size is not None:
+            check_int(
+                self.eval_batch_size, "trainer.eval_batch_size", 1, ">= 1, or null: batch_size"
+            )
+        check_objective(self.objective)
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(

@@ -1,0 +1,1 @@
+"""An example experiment repo on xshard: model, data, task and hook (see README.md)."""

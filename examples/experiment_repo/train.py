@@ -1,0 +1,23 @@
+"""Trains with xshard's trainer from this repo's own Hydra app.
+
+    python train.py                          # experiment=small
+    python train.py experiment=wide          # or any override: optimizer.learning_rate=1e-3
+    python train.py -m --config-name sweep   # the 2x2 grid of conf/sweep.yaml
+
+`trainers.run` keeps xshard's exit statuses (0 done, 2 bad config with one line, 3 non-finite,
+75 preempted after saving) and returns `trainer.objective` to optimizing sweepers.
+"""
+
+import hydra
+
+import trainers
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg) -> float | None:
+    """Trains the composed config; returns the objective (the final eval/loss)."""
+    return trainers.run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -78,9 +78,7 @@ def split(
     if name not in ("train", "eval"):
         raise ValueError(f"split name {name!r}: expected 'train' or 'eval'")
     train = name == "train"
-    source = TeacherExamples(
-        num_examples, in_dim, out_dim, offset=0 if train else EVAL_OFFSET
-    )
+    source = TeacherExamples(num_examples, in_dim, out_dim, offset=0 if train else EVAL_OFFSET)
     dataset = grain.MapDataset.source(source).map(clip_inputs)
     return GrainData(
         dataset,

@@ -28,7 +28,9 @@ class MLP(nnx.Module):
         self.blocks = nnx.List(
             [
                 nnx.Linear(
-                    hidden, hidden, kernel_init=nnx.with_partitioning(init, (None, "mlp")),
+                    hidden,
+                    hidden,
+                    kernel_init=nnx.with_partitioning(init, (None, "mlp")),
                     rngs=rngs,
                 )
                 for _ in range(depth - 1)

@@ -37,6 +37,14 @@ from xshard.layer_stats import leaf_norms
 from xshard.optimizer import cross_shard
 from xshard.slots import cross_shard_state, has_cross_shard_state
 from xshard.stats import Flag, tree_norm, when
+from trainers.zero import ZeroLayout
+from trainers.zero_step import (
+    check_unwrapped,
+    constrain_for_update,
+    manual_zero_step,
+    zero_phases,
+)
+from xshard.optimizer import LocalReduction
 
 __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
 
@@ -139,6 +147,7 @@ def make_train_step(
     mesh: Mesh,
     spec: StepSpec,
     levels: Sequence[int] = LEVELS,
+    layout: ZeroLayout | None = None,
 ):
     """Returns ``step(state, batch, level) -> (state, metrics, diag)``, to be jitted.
 
@@ -148,6 +157,8 @@ def make_train_step(
       levels: the levels this program serves. With several, `level` is a traced int32 and
         what differs between them runs under `lax.cond` (one executable); with one, `level`
         is ignored and the program computes exactly that level.
+      layout: with a ZeRO stage >= 1, where the gradient is reduced and the update runs
+        (`trainers.zero_step`); None or stage 0: everything replicated over the data axes.
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
@@ -174,8 +185,18 @@ def make_train_step(
     stats_keys: set[str] = set()
     # The reduction for a plain optax optimizer: cross_shard's own, statistics and all.
     front = cross_shard(optax.identity(), spec.reduction, axis_name=axes)
+    zero = layout is not None and layout.stage > 0
+    phases = zero_phases(tx, front) if zero else None
 
     def update(params, opt_state, grads, flags):
+        if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
+            if phases.own:
+                updates, opt_state = phases.finish(grads, opt_state, params, **flags)
+                return updates, opt_state, cross_shard_state(opt_state), True
+            check_unwrapped(opt_state)
+            grads, cs = phases.finish(grads, front.init(params), params, **flags)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return updates, opt_state, cs, False
         if has_cross_shard_state(opt_state):
             updates, opt_state = tx.update(grads, opt_state, params, **flags)
             return updates, opt_state, cross_shard_state(opt_state), True
@@ -185,6 +206,8 @@ def make_train_step(
 
     def train_and_measure(params, opt_state, grads, level):
         flags = level_flags(level, levels)
+        if zero:  # the update on each device's slice
+            params, grads = constrain_for_update(layout, params, grads)
         updates, opt_state, cs, own = update(params, opt_state, grads, flags)
         new_params = optax.apply_updates(params, updates)
         metrics, stats_only = state_metrics(
@@ -239,6 +262,27 @@ def make_train_step(
         metrics |= {f"train/{k}": v for k, v in aux.items()}
         return TrainState(state.step + 1, params, opt_state), metrics, diag
 
-    step = manual if per_shard else gspmd
+    def manual_zero(state: TrainState, batch, level):
+        def shard_grads(params, batch, rng):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+            local = jax.lax.pcast(params, axes, to="varying")
+            return loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
+
+        reduce = manual_zero_step(
+            layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
+        )
+        local, loss_metrics = reduce(
+            state.params, batch, step_rng(spec.seed, state.step), level
+        )
+        level = level if len(levels) > 1 else levels[0]
+        params, opt_state, metrics, diag = train_and_measure(
+            state.params, state.opt_state, local, level
+        )
+        return TrainState(state.step + 1, params, opt_state), metrics | loss_metrics, diag
+
+    if zero and per_shard:
+        step = manual_zero
+    else:
+        step = manual if per_shard else gspmd
     step.stats_keys = stats_keys
     return step

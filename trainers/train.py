@@ -94,6 +94,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        ShardingOptions,
         TrainerOptions,
         check_seed,
         read_node,
@@ -102,6 +103,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     seed = check_seed(cfg.get("seed"))
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+    sharding = ShardingOptions.from_config(cfg.get("sharding"))
 
     # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
@@ -186,6 +188,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         grad_impl=opts.grad_impl,
         reduction=spec.reduction,
         seed=seed,
+        zero_stage=sharding.zero_stage,
     )
 
     # ------------------------------------------------------------------ state: new or restored
@@ -211,6 +214,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
     state = trainer.init(trainer.init_params(first))
+    if cluster.lead:
+        log.info("%s", trainer.sharding_report(state))
     if ckpt.enabled:  # a full disk fails here, not at the first save
         with cluster.agreed("checking the free space for checkpoints"):
             check_checkpoint_space(dirs.checkpoint_dir, state)

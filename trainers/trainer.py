@@ -40,7 +40,7 @@ from trainers.step import (
     make_train_step,
 )
 from trainers.stop_vote import STOP_VOTE_KEY, StopVote
-from trainers.tasks.sharding import param_specs
+from trainers.zero import sharding_report, zero_layout
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
@@ -88,6 +88,9 @@ class Trainer:
         logging steps) or "per_level" (four). See docs/benchmarks.md for the measurement.
       agree_stop: whether the processes agree on stops within the steps (default: with more
         than one process); see `fit`. One process needs no vote: its step takes none.
+      zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
+        sharded over them, 2 also the gradient reduce-scattered, 3 also the params at rest
+        (`trainers.zero`, docs/scaling.md).
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
@@ -108,6 +111,7 @@ class Trainer:
         seed: int = 0,
         step_executables: str = "one",
         agree_stop: bool | None = None,
+        zero_stage: int = 0,
     ):
         # The step passes the statistics flags to the optimizer; plain transforms ignore them.
         tx = optax.with_extra_args_support(tx)
@@ -121,6 +125,7 @@ class Trainer:
                 f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
                 "shards)."
             )
+        self.layout = zero_layout(zero_stage, mesh, data_axes, task.sharding_rules)
         if step_executables not in STEP_EXECUTABLES:
             raise ConfigError(
                 f"step_executables={step_executables!r} is not allowed; choose one of "
@@ -138,7 +143,9 @@ class Trainer:
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
         self._groups = STEP_EXECUTABLES[step_executables]
         # Validates grad_impl now (ConfigError), not at the first step.
-        self._step_fns = {g: make_train_step(task, tx, mesh, self.spec, g) for g in self._groups}
+        self._step_fns = {
+            g: make_train_step(task, tx, mesh, self.spec, g, self.layout) for g in self._groups
+        }
         self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self._metric_keys: tuple[str, ...] = ()
         self._stats_keys: frozenset[str] = frozenset()
@@ -157,11 +164,9 @@ class Trainer:
     # ------------------------------------------------------------------ placement
 
     def param_shardings(self, params: Any) -> Any:
-        """NamedShardings of `params` from the task's sharding rules (replicated over data)."""
-        specs = param_specs(
-            params, self.task.sharding_rules, self.mesh.axis_names, dict(self.mesh.shape)
-        )
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        """NamedShardings of `params` at rest: the task's sharding rules, and with
+        ``zero_stage=3`` the data axes (`trainers.zero`)."""
+        return self.layout.params_at_rest(params, self.layout.base_shardings(params))
 
     def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
         """Initialises the task's params from the seed, placed with their shardings."""
@@ -182,15 +187,23 @@ class Trainer:
         return TrainState(step, params, opt_state)
 
     def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
-        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter;
-        everything else (counts, hyperparameters) is replicated."""
-        shapes = jax.eval_shape(self.tx.init, params)
-        return optax.tree_utils.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            shapes,
-            param_shardings,
-            transform_non_params=lambda _: self._replicated,
+        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
+        axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
+        hyperparameters) is replicated. See `trainers.zero.ZeroLayout.opt_state_shardings`."""
+        del param_shardings  # the layout derives them from the rules
+        return self.layout.opt_state_shardings(
+            self.tx, params, self.layout.base_shardings(params)
+        )
+
+    def sharding_report(self, state: TrainState) -> str:
+        """Every parameter's sharding at rest, the leaves ZeRO leaves replicated over the data
+        axes with their cost, and the per-device bytes (`trainers.zero.sharding_report`)."""
+        return sharding_report(
+            self.layout,
+            state.params,
+            jax.tree.map(lambda x: x.sharding, state.params),
+            state.opt_state,
+            jax.tree.map(lambda x: x.sharding, state.opt_state),
         )
 
     def state_shardings(self, state: TrainState) -> Any:

@@ -31,6 +31,7 @@ from omegaconf import MISSING
 from xshard.config.nodes import permissive, shown
 from xshard.config.outputs import CheckpointOptions, LoggerOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
+from xshard.config.sharding import ShardingOptions
 from xshard.errors import ConfigError
 
 SCHEMA_GROUP = "xshard_schemas"
@@ -326,6 +327,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "distributed": {"base": permissive(DistributedOptions)},
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
+    "sharding": {"base": permissive(ShardingOptions)},
 }
 
 

@@ -41,6 +41,7 @@ from trainers.zero import ZeroLayout
 from trainers.zero_step import (
     check_unwrapped,
     constrain_for_update,
+    gathered,
     manual_zero_step,
     zero_phases,
 )
@@ -253,7 +254,8 @@ def make_train_step(
 
     def gspmd(state: TrainState, batch, level):
         rng = step_rng(spec.seed, state.step)
-        loss, aux, grads = loss_and_grads(task.loss, state.params, batch, rng, spec.microbatches)
+        params = gathered(layout, state.params) if zero else state.params
+        loss, aux, grads = loss_and_grads(task.loss, params, batch, rng, spec.microbatches)
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(
             state.params, state.opt_state, grads, level

@@ -170,6 +170,14 @@ class _Param:
 # --------------------------------------------------------------------------------------------
 
 
+def _shown(spec: P) -> str:
+    """`spec` without trailing Nones (``P(None, None)`` and ``P()`` read the same)."""
+    entries = list(spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return str(P(*entries))
+
+
 def _bytes_per_device(x: Any, sharding: NamedSharding) -> int:
     shard = sharding.shard_shape(tuple(np.shape(x)))
     return int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
@@ -205,7 +213,7 @@ def sharding_report(
     for (path, x), at_rest, b in zip(flat, jax.tree.leaves(shardings), base):
         name, shape = path_str(path), tuple(np.shape(x))
         state_spec = layout.spec(shape, b.spec) if layout.stage >= 1 else b.spec
-        lines.append(f"  {name}: {shape} {x.dtype} {at_rest.spec} {state_spec}")
+        lines.append(f"  {name}: {shape} {x.dtype} {_shown(at_rest.spec)} {_shown(state_spec)}")
         if layout.stage >= 1 and n > 1 and zero_dim(shape, b.spec, n) is None:
             cost = _bytes_per_device(x, b)
             replicated.append(f"{name} {shape} ({cost} bytes per device, and its state)")

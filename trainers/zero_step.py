@@ -59,6 +59,14 @@ def constrain_for_update(layout: ZeroLayout, params: Any, grads: Any) -> tuple[A
     return params, (local._replace(updates=g) if local is not None else g)
 
 
+def gathered(layout: ZeroLayout, params: Any) -> Any:
+    """The params for the forward and backward pass: at stage 3 all-gathered over the data
+    axes (FSDP; otherwise GSPMD may reshard activations instead), else as they are."""
+    if layout.stage < 3:
+        return params
+    return jax.lax.with_sharding_constraint(params, layout.base_shardings(params))
+
+
 def manual_zero_step(
     layout: ZeroLayout,
     mesh: jax.sharding.Mesh,

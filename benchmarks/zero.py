@@ -178,12 +178,16 @@ def render(results: dict[str, Any]) -> str:
     for model, sec in results["models"].items():
         lines += [
             "",
-            f"## {model} ({sec['devices']} data shards; "
-            f"params {_kib(sec['variants']['manual/zero0']['params_bytes_logical'])} KiB)",
+            (
+                f"## {model} ({sec['devices']} data shards; "
+                f"params {_kib(sec['variants']['manual/zero0']['params_bytes_logical'])} KiB)"
+            ),
             "",
-            "| variant | params KiB/dev | opt state KiB/dev | args KiB | temps KiB | "
-            "collectives (> 1024 elements) | sent KiB/dev | ring limit KiB | step ms | "
-            "vs zero0 |",
+            (
+                "| variant | params KiB/dev | opt state KiB/dev | args KiB | temps KiB | "
+                "collectives (> 1024 elements) | sent KiB/dev | ring limit KiB | step ms | "
+                "vs zero0 |"
+            ),
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, v in sec["variants"].items():
@@ -209,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
     args = parser.parse_args(argv)
     models = {m: measure(m, o, args.smoke) for m, o in MODELS.items()}
-    results = {"meta": {**environment(), "mode": "smoke" if args.smoke else "full"}, "models": models}
+    results = {
+        "meta": {**environment(), "mode": "smoke" if args.smoke else "full"},
+        "models": models,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     markdown = render(results)

@@ -90,7 +90,8 @@ def test_trainer_schema_defaults_equal_the_trainer_api_defaults():
 
 
 @pytest.mark.parametrize(
-    "schema", [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions, ShardingOptions]
+    "schema",
+    [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions, ShardingOptions],
 )
 def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
     """The composed node equals the dataclass defaults; the YAML options add nothing."""

@@ -23,7 +23,9 @@ from xshard.factory import build_optimizer
 
 BATCH = 32
 STEPS = 20
-OPTIMIZERS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "optimizer").glob("*.yaml"))
+OPTIMIZERS = sorted(
+    p.stem for p in (Path(__file__).parents[1] / "conf" / "optimizer").glob("*.yaml")
+)
 # hidden 128: adafactor factors the (128, 128) matrix (its min_dim_size_to_factor is 128).
 TASK = MLPTask(hidden=(128, 128))
 
@@ -94,9 +96,7 @@ def test_every_optimizer_trains_as_replicated_with_zero2(optimizer, impl):
 @pytest.mark.parametrize("impl", ["manual", "gspmd"])
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("optimizer", ["lamb", "lars", "adafactor"])
-def test_non_elementwise_optimizers_train_as_replicated_with_zero1_and_fsdp(
-    optimizer, stage, impl
-):
+def test_non_elementwise_optimizers_train_as_replicated_with_zero1_and_fsdp(optimizer, stage, impl):
     assert_same_training((f"optimizer={optimizer}",), impl, stage=stage)
 
 
@@ -201,7 +201,10 @@ def collectives(trainer):
     for line in trainer.compiled.as_text().splitlines():
         m = pattern.search(line)
         if m:
-            shapes = [tuple(int(d) for d in s.split(",") if d) for s in re.findall(r"f32\[([\d,]*)\]", m[1])]
+            shapes = [
+                tuple(int(d) for d in s.split(",") if d)
+                for s in re.findall(r"f32\[([\d,]*)\]", m[1])
+            ]
             found.append((m[2], shapes))
     return found
 

@@ -14,7 +14,9 @@ COMMON = ("task=mlp", "trainer.batch_size=32", "trainer.log_every=1", "checkpoin
 
 
 def train_in(run_dir: Path, *overrides: str, check: bool = True):
-    return run_train(*COMMON, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, check=check)
+    return run_train(
+        *COMMON, *overrides, f"hydra.run.dir={run_dir}", cwd=run_dir.parent, check=check
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -25,7 +27,10 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.mark.parametrize("value", ["5", "x", "-1"])
 def test_cli_bad_zero_stage_exits_2_with_one_line_naming_the_key(tmp_path, value):
     proc = train_in(
-        tmp_path / "run", "checkpoint=none", "trainer.steps=1", f"sharding.zero_stage={value}",
+        tmp_path / "run",
+        "checkpoint=none",
+        "trainer.steps=1",
+        f"sharding.zero_stage={value}",
         check=False,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]

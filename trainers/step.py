@@ -30,13 +30,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from trainers.metrics import StepMetrics, stack_metrics, state_metrics
-from xshard import Reduction
-from xshard.config.run import GRAD_IMPLS
-from xshard.errors import ConfigError
-from xshard.layer_stats import leaf_norms
-from xshard.optimizer import cross_shard
-from xshard.slots import cross_shard_state, has_cross_shard_state
-from xshard.stats import Flag, tree_norm, when
 from trainers.zero import ZeroLayout
 from trainers.zero_step import (
     check_unwrapped,
@@ -45,7 +38,13 @@ from trainers.zero_step import (
     manual_zero_step,
     zero_phases,
 )
-from xshard.optimizer import LocalReduction
+from xshard import Reduction
+from xshard.config.run import GRAD_IMPLS
+from xshard.errors import ConfigError
+from xshard.layer_stats import leaf_norms
+from xshard.optimizer import LocalReduction, cross_shard
+from xshard.slots import cross_shard_state, has_cross_shard_state
+from xshard.stats import Flag, tree_norm, when
 
 __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
 
@@ -273,9 +272,7 @@ def make_train_step(
         reduce = manual_zero_step(
             layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
         )
-        local, loss_metrics = reduce(
-            state.params, batch, step_rng(spec.seed, state.step), level
-        )
+        local, loss_metrics = reduce(state.params, batch, step_rng(spec.seed, state.step), level)
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(
             state.params, state.opt_state, local, level

@@ -191,9 +191,7 @@ class Trainer:
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
         hyperparameters) is replicated. See `trainers.zero.ZeroLayout.opt_state_shardings`."""
         del param_shardings  # the layout derives them from the rules
-        return self.layout.opt_state_shardings(
-            self.tx, params, self.layout.base_shardings(params)
-        )
+        return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
 
     def sharding_report(self, state: TrainState) -> str:
         """Every parameter's sharding at rest, the leaves ZeRO leaves replicated over the data

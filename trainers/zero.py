@@ -126,7 +126,9 @@ class ZeroLayout:
     def scatter_dims(self, shapes: Any, shardings: Any) -> Any:
         """Per gradient leaf: the dimension to reduce-scatter (stage >= 2), or None."""
         return jax.tree.map(
-            lambda x, s: zero_dim(np.shape(x), s.spec, self.num_shards) if self.stage >= 2 else None,
+            lambda x, s: (
+                zero_dim(np.shape(x), s.spec, self.num_shards) if self.stage >= 2 else None
+            ),
             shapes,
             shardings,
         )
@@ -204,9 +206,11 @@ def sharding_report(
     n = layout.num_shards
     base = jax.tree.leaves(layout.base_shardings(params))
     lines = [
-        f"sharding.zero_stage={layout.stage} over the data axes {list(layout.axes)} "
-        f"({n} shards); per parameter: shape, dtype, sharding at rest, of its update and "
-        "optimizer state:"
+        (
+            f"sharding.zero_stage={layout.stage} over the data axes {list(layout.axes)} "
+            f"({n} shards); per parameter: shape, dtype, sharding at rest, of its update and "
+            "optimizer state:"
+        )
     ]
     replicated: list[str] = []
     flat = jax.tree_util.tree_flatten_with_path(params)[0]

@@ -98,7 +98,8 @@ class _Loop:
 
 
 def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, Any]:
-    """All stages and paths of one model: memory, collectives, step times."""
+    """All stages and paths of one model: memory, collectives, step times (plain steps: no
+    statistics, the program of most steps with the CLI's defaults)."""
     import jax
     from hydra import compose, initialize_config_module
 
@@ -137,6 +138,7 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
                 global_batch_size=cfg.trainer.batch_size,
                 grad_impl=impl,
                 zero_stage=stage,
+                step_executables="per_level",  # the plain step alone: what is measured
             )
             batch = trainer.global_batch(next(iter(task.batches(cfg.trainer.batch_size, seed=0))))
             state = trainer.init(trainer.init_params(jax.device_get(batch)))

@@ -7,7 +7,7 @@ save: the on-device integrity check (`_integrity`, jitted: compiled at its first
 `CheckpointManager.save`. Prints one line per save, then the totals; docs/benchmarks.md has
 the numbers.
 
-    python -m benchmarks.checkpoint_stall              # without and with `prepare`
+    python -m benchmarks.checkpoint_stall   # without and with `prepare`, replica-parallel on/off
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 
-def _run(prepare: bool, saves: int = 3) -> list[dict[str, float]]:
+def _run(prepare: bool, replica_parallel: bool, saves: int = 3) -> list[dict[str, float]]:
+    import dataclasses
+
     import jax
 
     from benchmarks.workloads import make_mesh, make_workload
@@ -40,6 +42,7 @@ def _run(prepare: bool, saves: int = 3) -> list[dict[str, float]]:
     )
     state = trainer.init(trainer.init_params(wl.host_batches[0]))
     options = CheckpointOptions.from_config(wl.cfg.checkpoint)
+    options = dataclasses.replace(options, replica_parallel=replica_parallel)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hook = CheckpointHook(tmp, options, {"task": "tiny_gpt"})
@@ -72,10 +75,12 @@ def _run(prepare: bool, saves: int = 3) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    """Prints the per-save times without and with `CheckpointHook.prepare`."""
-    for prepare in (False, True):
-        print(f"prepare={prepare}")
-        for row in _run(prepare):
+    """Prints the per-save times without and with `CheckpointHook.prepare`, and with Orbax's
+    replica-parallel transfer on (its default) and off (``checkpoint.replica_parallel``'s
+    default on one process)."""
+    for prepare, replica_parallel in ((False, True), (True, True), (True, False)):
+        print(f"prepare={prepare} replica_parallel={replica_parallel}")
+        for row in _run(prepare, replica_parallel):
             print(
                 "  "
                 + ", ".join(f"{k}={v:.3f}" if k != "save" else f"{k}={v}" for k, v in row.items())

@@ -40,3 +40,37 @@ def test_the_documented_pure_jax_task_trains(tmp_path):
     )
     mse = scalars(run / "tb", "train/mse")
     assert mse[20] < mse[min(mse)]  # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["my_nnx", "my_linen"])
+def test_the_documented_flax_models_train(tmp_path, option):
+    pytest.importorskip("flax")
+    repo = tmp_path / "my_repo"
+    (repo / "conf" / "task").mkdir(parents=True)
+    (repo / "my_models.py").write_text(_block("python", "# my_repo/my_models.py"))
+    (repo / "conf" / "task" / f"{option}.yaml").write_text(
+        _block("yaml", f"# my_repo/conf/task/{option}.yaml")
+    )
+    (repo / "conf" / "my_exp.yaml").write_text(
+        "defaults:\n  - xshard_train\n  - override /task: "
+        f"{option}\n  - _self_\n\nallowed_targets: [my_models.]\n"
+    )
+    run = tmp_path / "run"
+    run_train(
+        f"--config-dir={repo / 'conf'}",
+        "--config-name=my_exp",
+        "mesh=cpu4x2",
+        "trainer.steps=40",
+        "trainer.batch_size=16",
+        "trainer.log_every=1",
+        "schedule=constant",
+        "optimizer.learning_rate=1e-2",
+        "checkpoint=none",
+        f"hydra.run.dir={run}",
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(repo)},
+    )
+    mse = scalars(run / "tb", "train/mse")
+    first, last = [mse[s] for s in range(1, 6)], [mse[s] for s in range(36, 41)]
+    assert sum(last) < 0.5 * sum(first)  # it learns

@@ -161,7 +161,10 @@ def test_killing_process_0_ends_process_1_at_once(tmp_path):
     killed = time.monotonic()
     assert finish(procs, logs, timeout=60)[1] not in (0, None), tail(logs[1])
     assert time.monotonic() - killed < 20
-    assert "leader task" in logs[1].read_text(), tail(logs[1])
+    # Whichever of JAX's runtimes notices first ends it: the coordination service (the leader
+    # task is gone) or gloo (a collective whose peer vanished mid-message).
+    text = logs[1].read_text()
+    assert "leader task" in text or "[enforce fail at external/gloo" in text, tail(logs[1])
 
 
 def _unshare_works() -> bool:
@@ -286,7 +289,7 @@ def test_sweep_over_mesh_sizes_runs_each_job_in_its_own_process(tmp_path):
     shapes = {}
     for log in (tmp_path / "sweep").glob("*/train.log"):
         found = re.search(r"mesh=(\w+): axes .* shape (\([0-9, ]+\))", log.read_text())
-        assert found and "Finished (done) at step 2" in log.read_text(), log.read_text()
+        assert found and "Run completed (done) at step 2 of 2" in log.read_text(), log.read_text()
         shapes[found.group(1)] = found.group(2)
     assert shapes == {"cpu8": "(8,)", "cpu4x2": "(4, 2)", "cpu4": "(4,)"}, proc.stdout
 

@@ -6,7 +6,7 @@ Layout under ``paths.checkpoint_dir`` (Orbax's `CheckpointManager`, one folder p
       xshard.lock        the lock of the run using the dir   (trainers.ckpt_owner)
       xshard-owner.json  the run that owns the dir           (trainers.ckpt_owner)
       100/
-        state/       TrainState(step, params, opt_state), ocp.args.StandardSave (no pickle)
+        state/       TrainState(step, params, opt_state[, model_state]), Orbax's PyTree format
         metadata/    JSON: format, step, the run's config, the state's signature and checksums
       200/ ...
 
@@ -36,7 +36,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import type_handlers
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.checkpoint_io import (
@@ -46,6 +48,7 @@ from trainers.checkpoint_io import (
     quiet_io_error_noise,
     write_failure,
 )
+from trainers.model_state import saved_tree
 from trainers.monitor import NonFiniteError
 from trainers.trainer import Hook, TrainState
 from xshard.config import CheckpointOptions
@@ -143,6 +146,33 @@ def integrity(state: TrainState) -> tuple[bool, dict[str, int]]:
 # --------------------------------------------------------------------------------------------
 
 
+def state_handler(*, replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
+    """The handler of the state item: Orbax's PyTree format (what ``StandardSave`` writes, and
+    `trainers.resume` restores with ``StandardRestore``), with this run's own type handlers.
+
+    Args:
+      replica_parallel: whether a replicated array's device-to-host copy is split over its
+        replicas (Orbax's default). That spreads the writing over the hosts of a multi-host
+        run, but on first use it compiles one ``jit(slice)`` per distinct (shape, slice): about
+        4 s of stall at the first asynchronous save of tiny_gpt on one process
+        (docs/benchmarks.md). The registry is the manager's own, never Orbax's global one.
+
+    Returns:
+      A `ocp.PyTreeCheckpointHandler` for ``ocp.args.PyTreeSave``.
+    """
+    scalar = type_handlers.ScalarHandler()
+    registry = type_handlers.create_type_handler_registry(
+        (int, scalar),
+        (float, scalar),
+        (bytes, scalar),
+        (np.number, scalar),
+        (np.ndarray, type_handlers.NumpyHandler()),
+        (str, type_handlers.StringHandler()),
+        (jax.Array, type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
 class CheckpointHook(Hook):
     """Saves the `TrainState` with Orbax: every `every_steps` steps and at the end.
 
@@ -162,6 +192,9 @@ class CheckpointHook(Hook):
         self.directory = Path(directory)
         self.options = options
         self.config = config
+        replica_parallel = options.replica_parallel
+        if replica_parallel is None:
+            replica_parallel = jax.process_count() > 1
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -170,7 +203,10 @@ class CheckpointHook(Hook):
                 enable_async_checkpointing=options.async_save,
                 cleanup_tmp_directories=True,
             ),
-            item_names=(STATE_ITEM, METADATA_ITEM),
+            item_handlers={
+                STATE_ITEM: state_handler(replica_parallel=replica_parallel),
+                METADATA_ITEM: ocp.JsonCheckpointHandler(),
+            },
         )
         self.last_saved: int | None = self.manager.latest_step()
         self._closed = False
@@ -246,7 +282,7 @@ class CheckpointHook(Hook):
                 step,
                 args=ocp.args.Composite(
                     **{
-                        STATE_ITEM: ocp.args.StandardSave(state),
+                        STATE_ITEM: ocp.args.PyTreeSave(saved_tree(state)),
                         METADATA_ITEM: ocp.args.JsonSave(metadata),
                     }
                 ),

@@ -145,7 +145,7 @@ def _directories(cfg: DictConfig, cluster: Cluster, lines: list[tuple[str, str]]
         label = "run dir" if cluster.count == 1 else f"run dir {i}"
         lines.append((label, out + ("" if i == 0 or out != outputs[0] else " (process 0's)")))
     checkpoints = lead["checkpoint_dir"]
-    made = [d for d in (lead["tb_dir"], checkpoints) if cluster.lead and not Path(d).exists()]
+    made = [_first_missing(d) for d in (lead["tb_dir"], checkpoints) if cluster.lead]
     try:
         check_writable_dir(own, "paths.output_dir")
         if cluster.lead:
@@ -170,8 +170,9 @@ def _directories(cfg: DictConfig, cluster: Cluster, lines: list[tuple[str, str]]
     lines.append(("checkpoints", f"{checkpoints}: {shared} ({state}); {resume}"))
     lines.append(("tensorboard", f"{lead['tb_dir']} (written by process 0 only)"))
     cluster.all_gather("doctor/probed", True)  # every process is done with the dirs
-    for d in made:  # the checks created them: leave them to the run
-        _remove_if_empty(d)
+    for top, d in made:  # the checks created them: leave them to the run
+        if top is not None:
+            _remove_empty_up_to(Path(d), top)
     return problems
 
 
@@ -192,11 +193,25 @@ def print_report(lines: list[tuple[str, str]], problems: list[str], cluster: Clu
         print("All checks passed.")
 
 
-def _remove_if_empty(path: str) -> None:
-    try:
-        Path(path).rmdir()  # only an empty dir: the one Hydra made for the doctor itself
-    except OSError:
-        pass
+def _first_missing(path: str) -> tuple[Path | None, str]:
+    """(the outermost missing ancestor of `path` or `path` itself, None if it exists; path)."""
+    top = None
+    for d in (Path(path), *Path(path).parents):
+        if d.exists():
+            break
+        top = d
+    return top, path
+
+
+def _remove_empty_up_to(path: Path, top: Path) -> None:
+    """Removes `path` and its parents up to `top` while they are empty (what a check made)."""
+    for d in (path, *path.parents):
+        try:
+            d.rmdir()  # only an empty dir
+        except OSError:
+            return
+        if d == top:
+            return
 
 
 @hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")

@@ -12,7 +12,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainers.summary import format_loss
 from trainers.trainer import Hook, TrainState
-from xshard.errors import ConfigError
 
 
 class NonFiniteError(RuntimeError):
@@ -32,22 +31,11 @@ class NonFiniteMonitor(Hook):
 
     Args:
       skip_nonfinite: whether the optimizer skips steps with a non-finite reduced gradient.
-      max_consecutive: how many skipped steps in a row are tolerated (``>= 0``).
-
-    Raises:
-      ConfigError: if `max_consecutive` is not an integer >= 0.
+      max_consecutive: how many skipped steps in a row are tolerated (``>= 0``; the config's
+        ``trainer.max_consecutive_nonfinite``, checked by `xshard.config.TrainerOptions`).
     """
 
     def __init__(self, *, skip_nonfinite: bool, max_consecutive: int):
-        if (
-            isinstance(max_consecutive, bool)
-            or not isinstance(max_consecutive, int)
-            or max_consecutive < 0
-        ):
-            raise ConfigError(
-                f"trainer.max_consecutive_nonfinite={max_consecutive!r}: expected an integer "
-                ">= 0 (the number of skipped non-finite steps in a row that is tolerated)."
-            )
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive = max_consecutive
         self.last_loss = float("nan")  # the run's final loss, for the Hydra main

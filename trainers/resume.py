@@ -41,6 +41,7 @@ from trainers.checkpointing import (
     integrity,
     state_signature,
 )
+from trainers.model_state import from_saved, saved_tree
 from trainers.trainer import TrainState
 
 logger = logging.getLogger(__name__)
@@ -191,9 +192,11 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
     _check_metadata(metadata, path)
     check_compatible(metadata, state_signature(abstract), config, where=str(path))
     try:
-        state = checkpointer.restore(
-            path, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)})
+        saved = checkpointer.restore(
+            path,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(saved_tree(abstract))}),
         )[STATE_ITEM]
+        state = from_saved(saved, abstract)
     except Exception as e:
         raise CorruptCheckpointError(
             f"Checkpoint {path} is corrupted or truncated: {_first_line(e)}."

@@ -12,11 +12,12 @@ from omegaconf import DictConfig
 
 
 def build_task(cfg: DictConfig) -> Any:
-    """Instantiates ``cfg.task`` after checking its ``_target_`` against the allowlist.
+    """Instantiates ``cfg.task`` after checking every ``_target_`` in it against the allowlist.
 
-    The task's keys other than ``_target_`` are passed as plain values (`xshard.targets.
-    instantiate`: nested ``_target_`` nodes are not instantiated), so a config cannot make the
-    run call anything but an allowed task class (``trainers.tasks.*`` and ``allowed_targets``).
+    Nested ``_target_`` nodes (a Flax task's ``model`` and ``data``) are built too, bottom-up
+    (`xshard.targets.instantiate_nested`); each of them is checked by name before anything is
+    imported, so a config cannot make the run import or call anything outside the allowlist
+    (``trainers.tasks.*`` and ``allowed_targets``).
 
     Raises:
       ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
@@ -24,7 +25,7 @@ def build_task(cfg: DictConfig) -> Any:
     """
     from xshard.config_nodes import mapping, section
     from xshard.errors import ConfigError
-    from xshard.targets import instantiate
+    from xshard.targets import instantiate_nested
 
     node = mapping(section(cfg, "task", required=True), "task")
     if node.get("_target_") is None:
@@ -32,7 +33,7 @@ def build_task(cfg: DictConfig) -> Any:
             "task._target_ is required, e.g. trainers.tasks.mlp.MLPTask; or "
             "choose an option of the 'task' group (task=mlp)."
         )
-    return instantiate(node, "task", allowed_targets(cfg))
+    return instantiate_nested(node, "task", allowed_targets(cfg))
 
 
 def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:

@@ -20,7 +20,7 @@ the others are decided when tracing (see `Trainer`, ``step_executables``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from trainers.metrics import StepMetrics, stack_metrics, state_metrics
+from trainers.model_state import LossFn, loss_fn, reduce_over_shards
 from trainers.zero import ZeroLayout
 from trainers.zero_step import (
     check_unwrapped,
@@ -59,6 +60,9 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: number of updates applied
     params: Any
     opt_state: optax.OptState
+    #: Variables that change but are not trained (BatchNorm statistics, RNG counters):
+    #: ``{}`` for a plain task (`trainers.model_state`).
+    model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,27 +88,39 @@ def _split_microbatches(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
 
-def loss_and_grads(loss_fn: Callable, params: Any, batch: Any, rng: jax.Array, k: int):
-    """Mean loss, mean aux and mean gradient over `k` microbatches of `batch`.
+def loss_and_grads(
+    loss_fn: LossFn, params: Any, model_state: Any, batch: Any, rng: jax.Array, k: int
+):
+    """Mean loss, mean aux, mean gradient and the new model state over `k` microbatches.
 
-    Gradients accumulate in float32 across a `lax.scan` and are cast back to the params'
-    dtypes once at the end; nothing is reduced across shards here.
+    `loss_fn` is `trainers.model_state.loss_fn` of the task. Gradients accumulate in float32
+    across a `lax.scan` and are cast back to the params' dtypes once at the end; the model
+    state passes through the microbatches in order. Nothing is reduced across shards here.
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if k == 1:
-        (loss, aux), grads = grad_fn(params, batch, rng)
-        return loss, aux, grads
 
-    def body(acc, xs):
+    def with_state(p, state, b, r):
+        loss, aux, state = loss_fn(p, state, b, r)
+        return loss, (aux, state)
+
+    grad_fn = jax.value_and_grad(with_state, has_aux=True)
+    if k == 1:
+        (loss, (aux, model_state)), grads = grad_fn(params, model_state, batch, rng)
+        return loss, aux, grads, model_state
+
+    def body(carry, xs):
+        acc, state = carry
         mb, i = xs
-        (loss, aux), grads = grad_fn(params, mb, jax.random.fold_in(rng, i))
+        (loss, (aux, state)), grads = grad_fn(params, state, mb, jax.random.fold_in(rng, i))
         acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return acc, (loss, aux)
+        return (acc, state), (loss, aux)
 
     acc0 = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-    acc, (losses, auxes) = jax.lax.scan(body, acc0, (_split_microbatches(batch, k), jnp.arange(k)))
+    (acc, model_state), (losses, auxes) = jax.lax.scan(
+        body, (acc0, model_state), (_split_microbatches(batch, k), jnp.arange(k))
+    )
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    return jnp.mean(losses), jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes), grads
+    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
+    return jnp.mean(losses), aux, grads, model_state
 
 
 def _norm_metrics(new_params, updates) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -185,6 +201,7 @@ def make_train_step(
     stats_keys: set[str] = set()
     # The reduction for a plain optax optimizer: cross_shard's own, statistics and all.
     front = cross_shard(optax.identity(), spec.reduction, axis_name=axes)
+    task_loss = loss_fn(task)
     zero = layout is not None and layout.stage > 0
     phases = zero_phases(tx, front) if zero else None
 
@@ -232,52 +249,71 @@ def make_train_step(
     def manual(state: TrainState, batch, level):
         traced = () if len(levels) == 1 else (level,)  # a single level is static
 
-        def shard_step(params, opt_state, batch, rng, *traced):
+        def shard_step(params, opt_state, model_state, batch, rng, *traced):
             level = traced[0] if traced else levels[0]
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
-            loss, aux, grads = loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
+            loss, aux, grads, model_state = loss_and_grads(
+                task_loss, local, model_state, batch, rng, spec.microbatches
+            )
+            model_state = reduce_over_shards(model_state, axes)
             params, opt_state, metrics, diag = train_and_measure(params, opt_state, grads, level)
             metrics["train/loss"] = jax.lax.pmean(loss, axes)
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
-            return params, opt_state, metrics, diag
+            return params, opt_state, model_state, metrics, diag
 
-        params, opt_state, metrics, diag = jax.shard_map(
+        params, opt_state, model_state, metrics, diag = jax.shard_map(
             shard_step,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=(P(), P(), P(), P()),
+            in_specs=(P(), P(), P(), P(axes), P()) + (P(),) * len(traced),
+            out_specs=(P(), P(), P(), P(), P()),
             axis_names=set(axes),
-        )(state.params, state.opt_state, batch, step_rng(spec.seed, state.step), *traced)
-        return TrainState(state.step + 1, params, opt_state), metrics, diag
+        )(
+            state.params,
+            state.opt_state,
+            state.model_state,
+            batch,
+            step_rng(spec.seed, state.step),
+            *traced,
+        )
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics, diag
 
     def gspmd(state: TrainState, batch, level):
         rng = step_rng(spec.seed, state.step)
         params = gathered(layout, state.params) if zero else state.params
-        loss, aux, grads = loss_and_grads(task.loss, params, batch, rng, spec.microbatches)
+        loss, aux, grads, model_state = loss_and_grads(
+            task_loss, params, state.model_state, batch, rng, spec.microbatches
+        )
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(
             state.params, state.opt_state, grads, level
         )
         metrics["train/loss"] = loss
         metrics |= {f"train/{k}": v for k, v in aux.items()}
-        return TrainState(state.step + 1, params, opt_state), metrics, diag
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics, diag
 
     def manual_zero(state: TrainState, batch, level):
-        def shard_grads(params, batch, rng):
+        def shard_grads(params, model_state, batch, rng):
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
-            return loss_and_grads(task.loss, local, batch, rng, spec.microbatches)
+            loss, aux, grads, model_state = loss_and_grads(
+                task_loss, local, model_state, batch, rng, spec.microbatches
+            )
+            return loss, aux, grads, reduce_over_shards(model_state, axes)
 
         reduce = manual_zero_step(
             layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
         )
-        local, loss_metrics = reduce(state.params, batch, step_rng(spec.seed, state.step), level)
+        rng = step_rng(spec.seed, state.step)
+        local, model_state, loss_metrics = reduce(
+            state.params, state.model_state, batch, rng, level
+        )
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(
             state.params, state.opt_state, local, level
         )
-        return TrainState(state.step + 1, params, opt_state), metrics | loss_metrics, diag
+        new_state = TrainState(state.step + 1, params, opt_state, model_state)
+        return new_state, metrics | loss_metrics, diag
 
     if zero and per_shard:
         step = manual_zero

@@ -94,6 +94,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        PathsOptions,
         ShardingOptions,
         TrainerOptions,
         check_seed,
@@ -103,6 +104,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     seed = check_seed(cfg.get("seed"))
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+    PathsOptions.from_config(cfg.get("paths"))  # trainers.run_dirs reads them from cfg
     sharding = ShardingOptions.from_config(cfg.get("sharding"))
 
     # ------------------------------------------------------------------ processes, devices, mesh
@@ -213,7 +215,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             f"task={cfg.task.get('name', 'task')} yields no batch of "
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
-    state = trainer.init(trainer.init_params(first))
+    state = trainer.init(*trainer.init_variables(first))
     if cluster.lead:
         log.info("%s", trainer.sharding_report(state))
     if ckpt.enabled:  # a full disk fails here, not at the first save

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.hook import Hook, StopTraining, end_hooks
 from trainers.metrics import StepMetrics, stack_metrics
+from trainers.model_state import init_fn
 from trainers.step import (
     HISTOGRAMS,
     LAYERS,
@@ -168,23 +169,32 @@ class Trainer:
         ``zero_stage=3`` the data axes (`trainers.zero`)."""
         return self.layout.params_at_rest(params, self.layout.base_shardings(params))
 
-    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
-        """Initialises the task's params from the seed, placed with their shardings."""
+    def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        """The task's params (placed with their shardings) and model state (replicated),
+        initialised from the seed (`trainers.model_state`: ``{}`` for a plain task)."""
         example = jax.tree.map(lambda x: x[:1], first_batch)
         rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
-        shapes = jax.eval_shape(self.task.init, rng, example)
+        init = init_fn(self.task)
+        shapes = jax.eval_shape(init, rng, example)
+        shardings = (self.param_shardings(shapes[0]), self._replicated)
         with jax.set_mesh(self.mesh):
-            return jax.jit(self.task.init, out_shardings=self.param_shardings(shapes))(rng, example)
+            return jax.jit(init, out_shardings=shardings)(rng, example)
 
-    def init(self, params: Any) -> TrainState:
-        """Returns the initial `TrainState` for `params` (placed on the mesh)."""
+    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
+        """Initialises the task's params from the seed, placed with their shardings."""
+        return self.init_variables(first_batch)[0]
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Returns the initial `TrainState` for `params` and `model_state` (placed on the
+        mesh; None: the empty model state of a plain task)."""
         shardings = self.param_shardings(params)
         params = jax.device_put(params, shardings)
         with jax.set_mesh(self.mesh):
             opt_shardings = self.opt_state_shardings(params, shardings)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-        return TrainState(step, params, opt_state)
+        model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
+        return TrainState(step, params, opt_state, model_state)
 
     def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model

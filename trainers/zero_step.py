@@ -73,7 +73,7 @@ def manual_zero_step(
     axes: tuple[str, ...],
     levels: Sequence[int],
     reduce_fn: Callable[..., LocalReduction],
-    shard_grads: Callable[..., tuple[Any, Any, Any]],
+    shard_grads: Callable[..., tuple[Any, Any, Any, Any]],
     level_flags: Callable[..., dict[str, Any]],
 ) -> Callable[..., tuple[LocalReduction, dict[str, jax.Array]]]:
     """The reducing half of a ZeRO step on the manual path.
@@ -83,17 +83,19 @@ def manual_zero_step(
       mesh, axes: the mesh and its data axes (manual in the shard_map).
       levels: the levels the step serves (a traced level when several).
       reduce_fn: the first phase of the cross-shard optimizer (`CrossShardPhases.reduce`).
-      shard_grads: ``(params, batch, rng) -> (loss, aux, grads)`` for one shard (params
-        replicated, the gradient per shard), run inside the shard_map.
+      shard_grads: ``(params, model_state, batch, rng) -> (loss, aux, grads, model_state)``
+        for one shard (params replicated, the gradient per shard, the new model state already
+        reduced over the shards), run inside the shard_map.
       level_flags: `trainers.step.level_flags`.
 
     Returns:
-      ``reduce(params, batch, rng, level) -> (LocalReduction, metrics)``: the reduced (or
-      reduce-scattered) gradient as global arrays, and the loss and aux metrics.
+      ``reduce(params, model_state, batch, rng, level) -> (LocalReduction, model_state,
+      metrics)``: the reduced (or reduce-scattered) gradient as global arrays, the new model
+      state, and the loss and aux metrics.
     """
     traced_level = len(levels) > 1
 
-    def reduce(params, batch, rng, level):
+    def reduce(params, model_state, batch, rng, level):
         dims = layout.scatter_dims(params, layout.base_shardings(params))
 
         def grad_spec(dim):
@@ -103,22 +105,22 @@ def manual_zero_step(
 
         specs = jax.tree.map(grad_spec, dims, is_leaf=_is_none)
 
-        def shard_step(params, batch, rng, *traced):
+        def shard_step(params, model_state, batch, rng, *traced):
             flags = level_flags(traced[0] if traced else levels[0], levels)
-            loss, aux, grads = shard_grads(params, batch, rng)
+            loss, aux, grads, model_state = shard_grads(params, model_state, batch, rng)
             local = reduce_fn(grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
             metrics = {"train/loss": jax.lax.pmean(loss, axes)}
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
-            return local, metrics
+            return local, model_state, metrics
 
         traced = (level,) if traced_level else ()
         return jax.shard_map(
             shard_step,
             mesh=mesh,
-            in_specs=(P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=(LocalReduction(specs, P(), P(), P()), P()),
+            in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
+            out_specs=(LocalReduction(specs, P(), P(), P()), P(), P()),
             axis_names=set(axes),
-        )(params, batch, rng, *traced)
+        )(params, model_state, batch, rng, *traced)
 
     return reduce
 

@@ -1,7 +1,7 @@
 """Clipping by global norm that records what it did, for logging without a second pass.
 
-* `clip_to_norm` — optax's `clip_by_global_norm` arithmetic on a norm the caller already
-  has (the per-shard clip of `xshard.reduce.per_shard_clip` shares it with the statistics).
+* `clip_recorded` — `optax.clip_by_global_norm`, plus the norm it compared and whether it
+  fired (the per-shard clip of `xshard.reduce.per_shard_clip` uses it).
 * `clip_by_global_norm` — a drop-in for `optax.clip_by_global_norm` whose state records the
   norm before clipping, the norm after it and whether it fired (`GlobalClipState`). It computes
   the norm on every step anyway, so the record is free; `xshard.build_optimizer` uses it for
@@ -16,30 +16,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.stats import tree_norm
 
+def clip_recorded(updates: Any, max_norm: float) -> tuple[Any, jax.Array, jax.Array]:
+    """`optax.clip_by_global_norm` of `updates`, with the norm it compared and whether it fired.
 
-def clip_to_norm(updates: Any, norm: jax.Array, max_norm: float) -> tuple[Any, jax.Array]:
-    """Scales `updates`, whose global norm is `norm`, down to `max_norm` if it is longer.
-
-    The arithmetic of `optax.clip_by_global_norm` (``t / norm * max_norm`` when the norm is
-    not below `max_norm`), on a norm computed once by the caller.
+    The clipping is optax's own transform; the norm is `optax.tree.norm` of the same updates,
+    the expression optax compares with `max_norm`, so XLA computes it once for both.
 
     Args:
       updates: a gradient pytree.
-      norm: its global L2 norm (a float32 scalar).
       max_norm: the norm to clip to (> 0).
 
     Returns:
-      (the clipped updates, a bool scalar: whether they were scaled). A non-finite norm
-      counts as clipped, as in optax (the updates become non-finite).
+      (the clipped updates, their norm before clipping, a bool scalar: whether they were
+      scaled). A non-finite norm counts as clipped, as in optax (the updates become
+      non-finite).
     """
-    keep = norm < max_norm
-
-    def clip(t):
-        return jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm)
-
-    return jax.tree.map(clip, updates), ~keep
+    norm = optax.tree.norm(updates)
+    clipped, _ = optax.clip_by_global_norm(max_norm).update(updates, optax.EmptyState())
+    return clipped, norm, ~(norm < max_norm)
 
 
 class GlobalClipState(NamedTuple):
@@ -76,8 +71,8 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         del state, params
-        norm = tree_norm(updates)
-        clipped, fired = clip_to_norm(updates, norm, max_norm)
+        clipped, norm, fired = clip_recorded(updates, max_norm)
+        norm = norm.astype(jnp.float32)
         finite = jnp.isfinite(norm)
         after = jnp.where(finite, jnp.minimum(norm, jnp.float32(max_norm)), jnp.nan)
         return clipped, GlobalClipState(norm, after, fired.astype(jnp.float32))

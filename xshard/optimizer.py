@@ -58,7 +58,6 @@ from xshard.stats import (
     count_nonfinite,
     guard_summary,
     summarize,
-    tree_norm,
     when,
 )
 
@@ -221,7 +220,6 @@ def cross_shard(
     ) -> LocalReduction:
         """Steps 1-2 and the local gradients' statistics: where the shards' gradients are."""
         per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
-        local_norm = tree_norm(updates) if clip is not None and per_shard else None
         raw = updates
         clip_state = empty if clip is None else None
         if clip is not None:
@@ -230,7 +228,6 @@ def cross_shard(
                 clip.init(params),
                 params,
                 with_stats=with_stats if track_stats else False,
-                local_norm=local_norm,
             )
         local = use_reduced = None
         if per_shard:
@@ -241,7 +238,6 @@ def cross_shard(
                 lambda: local_shard_stats(
                     raw,
                     axes,
-                    norm=local_norm,
                     clip_norm=clip_per_shard,
                     weighted=shard_weight is not None,
                 ),

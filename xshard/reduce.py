@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.clipping import clip_to_norm
-from xshard.stats import tree_norm, when
+from xshard.clipping import clip_recorded
+from xshard.stats import when
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +243,7 @@ def per_shard_clip(
     Returns:
       A transformation with state `PerShardClipState`. Its `update` takes the extra
       arguments ``with_stats`` (None, a bool or a traced bool: record the fraction of shards
-      that were clipped, one scalar ``pmean``; None: on every update, False: never, NaN) and
-      ``local_norm`` (this shard's gradient norm, if the caller already computed it).
+      that were clipped, one scalar ``pmean``; None: on every update, False: never, NaN).
 
     Raises:
       ValueError: for a `max_norm` that is not > 0; at update time,
@@ -259,11 +258,10 @@ def per_shard_clip(
         del params
         return PerShardClipState(jnp.full((), jnp.nan, jnp.float32))
 
-    def update_fn(updates, state, params=None, *, with_stats=None, local_norm=None, **extra):
+    def update_fn(updates, state, params=None, *, with_stats=None, **extra):
         del state, params, extra
         _require_per_shard(updates, axes, "clip_per_shard")
-        norm = tree_norm(updates) if local_norm is None else local_norm
-        clipped, fired = clip_to_norm(updates, norm, max_norm)
+        clipped, _, fired = clip_recorded(updates, max_norm)
         fraction = when(with_stats, lambda: jax.lax.pmean(fired.astype(jnp.float32), axes))
         return clipped, PerShardClipState(fraction)
 

@@ -61,7 +61,7 @@ def local_shard_stats(
     Args:
       local_grads: this shard's gradient before clipping (varying over `axes`).
       axes: the manual data-parallel mesh axes.
-      norm: `tree_norm(local_grads)` if the caller already has it (the per-shard clip does).
+      norm: `tree_norm(local_grads)` if the caller already has it.
       clip_norm: the per-shard clip norm, if the shards' gradients are clipped before the
         reduction.
       weighted: whether the reduction weights the shards (``shard_weight``).

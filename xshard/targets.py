@@ -223,11 +223,143 @@ def resolve_target(
     return obj
 
 
+#: Config key of a node that is built into a `functools.partial` instead of being called.
+PARTIAL_KEY = "_partial_"
+
+
+def check_nested_targets(value: Any, key: str, allowed: Sequence[str]) -> None:
+    """Checks every ``_target_`` in `value` (a node and all nodes below it) by name only.
+
+    Nothing is imported: a target outside the allowlist, or with a private segment, is
+    refused before any module of the tree is imported.
+
+    Args:
+      value: plain config values (dicts, lists, scalars).
+      key: the config key of `value`, for error messages (``task``).
+      allowed: the allowed entries (`allowed_prefixes`).
+
+    Raises:
+      ConfigError: naming the nested key (``task.model._target_``) of the first target that
+        is not a dotted path of public names inside the allowlist.
+    """
+    if isinstance(value, Mapping):
+        if "_target_" in value:
+            target = value["_target_"]
+            where = f"{key}._target_"
+            if not isinstance(target, str) or not _is_dotted_name(target):
+                raise ConfigError(
+                    f"{where}={target!r}: expected a dotted path such as 'optax.adamw'."
+                )
+            if any(p.startswith("_") for p in target.split(".")) or not is_allowed(target, allowed):
+                resolve_target(target, allowed, key=where)  # raises, with the usual message
+        for k, v in value.items():
+            if k != "_target_":
+                check_nested_targets(v, f"{key}.{k}", allowed)
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            check_nested_targets(v, f"{key}[{i}]", allowed)
+
+
+def instantiate_nested(
+    node: Mapping[str, Any],
+    key: str,
+    allowed: Sequence[str],
+    *,
+    factory_args: Sequence[str] | None = None,
+) -> Any:
+    """Like `instantiate`, but nested ``_target_`` nodes are built too, bottom-up (Hydra's way).
+
+    Every ``_target_`` of the tree is first checked against the allowlist by name
+    (`check_nested_targets`), so nothing is imported when one of them is not allowed. Then
+    each nested node is resolved and called with its own (already built) keys. A node with
+    ``_partial_: true`` becomes a `functools.partial` instead, to be called later by what
+    receives it; so does the node of each argument the target names in its class attribute
+    ``factory_args`` (e.g. a Flax NNX task's ``model``, which the task builds with the run's
+    RNG), unless `factory_args` overrides that list.
+
+    Args:
+      node: the node as plain Python (``_target_`` plus keyword arguments).
+      key: the node's config key (``task``), for error messages.
+      allowed: the allowed entries (`allowed_prefixes`).
+      factory_args: arguments of the top node whose nodes are passed as partials; None: the
+        target's ``factory_args`` attribute (none if it has no such attribute).
+
+    Returns:
+      What the top node's target returned.
+
+    Raises:
+      ConfigError: for a not allowed, unknown or missing target anywhere in the tree (naming
+        its key, e.g. ``task.model._target_``), a key that is not an argument of its target,
+        or a value a target rejects.
+    """
+    check_nested_targets(node, key, allowed)
+    target = node.get("_target_")
+    if target is None:
+        raise ConfigError(f"{key}._target_ is required: the dotted path of what to build.")
+    factory = resolve_target(target, allowed, key=f"{key}._target_")
+    if factory_args is None:
+        factory_args = tuple(getattr(factory, "factory_args", ()))
+    built = {
+        k: _build(v, f"{key}.{k}", allowed, partial=k in factory_args)
+        for k, v in node.items()
+        if k not in ("_target_", PARTIAL_KEY)
+    }
+    return _call(factory, target, built, key, partial=bool(node.get(PARTIAL_KEY, False)))
+
+
+def _build(value: Any, key: str, allowed: Sequence[str], *, partial: bool = False) -> Any:
+    """A nested config value with its ``_target_`` nodes built (checked by the caller)."""
+    if isinstance(value, list | tuple):
+        return [_build(v, f"{key}[{i}]", allowed) for i, v in enumerate(value)]
+    if not isinstance(value, Mapping):
+        return value
+    if "_target_" not in value:
+        return {k: _build(v, f"{key}.{k}", allowed) for k, v in value.items()}
+    target = value["_target_"]
+    factory = resolve_target(target, allowed, key=f"{key}._target_")
+    kwargs = {
+        k: _build(v, f"{key}.{k}", allowed)
+        for k, v in value.items()
+        if k not in ("_target_", PARTIAL_KEY)
+    }
+    return _call(factory, target, kwargs, key, partial=partial or bool(value.get(PARTIAL_KEY)))
+
+
+def _call(factory: Callable, target: str, kwargs: dict, key: str, *, partial: bool) -> Any:
+    """``factory(**kwargs)``, or its partial; keys checked against its signature."""
+    from xshard.config_nodes import check_kwargs
+
+    if partial:
+        unknown = _unknown_kwargs(factory, kwargs)
+        if unknown:
+            check_kwargs(factory, {unknown[0]: None}, key, target)  # raises, naming it
+        return functools.partial(factory, **kwargs)
+    check_kwargs(factory, kwargs, key, target)
+    try:
+        return factory(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{key} ({target}): {e}") from e
+
+
+def _unknown_kwargs(fn: Callable, kwargs: Mapping[str, Any]) -> list[str]:
+    """The keys of `kwargs` that `fn` does not take (none if it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    named = {
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    return [k for k in kwargs if k not in named]
+
+
 def instantiate(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> Any:
     """Calls the ``_target_`` of a config node with the node's other keys, if it is allowed.
 
     The other keys are passed as plain values: nested ``_target_`` nodes are not
-    instantiated, so a config cannot make the run call anything but the allowed target.
+    instantiated, so a config cannot make the run call anything but the allowed target
+    (`instantiate_nested` builds them, each under the allowlist).
 
     Args:
       node: the node as plain Python (``_target_`` plus keyword arguments).

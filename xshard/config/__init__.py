@@ -7,7 +7,7 @@ the value and what is allowed. `xshard.config.schemas` registers the schemas wit
 """
 
 from xshard.config.nodes import one_line, read_node, shown
-from xshard.config.outputs import CheckpointOptions, LoggerOptions
+from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions, check_seed
 from xshard.config.sharding import ShardingOptions
 
@@ -15,6 +15,7 @@ __all__ = [
     "CheckpointOptions",
     "DistributedOptions",
     "LoggerOptions",
+    "PathsOptions",
     "ShardingOptions",
     "TrainerOptions",
     "check_seed",

@@ -1,4 +1,4 @@
-"""The run's output nodes: ``checkpoint`` and ``logger`` (TensorBoard).
+"""The run's output nodes: ``paths``, ``checkpoint`` and ``logger`` (TensorBoard).
 
 Defaults live here; the YAML options state only what differs (``checkpoint=none``).
 """
@@ -17,6 +17,36 @@ ON_ERROR = ("stop", "continue")
 
 
 @dataclasses.dataclass(frozen=True)
+class PathsOptions:
+    """The ``paths`` config node: every directory the run writes (interpolations resolved).
+
+    Attributes:
+      output_dir: the run's own dir (Hydra's ``hydra.run.dir``, or the job's dir in a
+        multirun): log file, config dump, the checkpoint dir's owner record.
+      tb_dir: TensorBoard events, in a folder named by the run's overrides so that
+        TensorBoard's run names read as them: ``<output dir>/tb/<overrides>`` for a run (view
+        with ``--logdir <output dir>/tb``), ``<sweep dir>/tb/<job subdir>`` for a multirun job
+        (``xshard.tb_dir`` in `xshard.config.resolvers`).
+      checkpoint_dir: Orbax checkpoints, one folder per step.
+    """
+
+    output_dir: str = "${hydra:runtime.output_dir}"
+    tb_dir: str = "${xshard.tb_dir:${paths.output_dir}}"
+    checkpoint_dir: str = "${paths.output_dir}/checkpoints"
+
+    @classmethod
+    def from_config(cls, node: Any) -> PathsOptions:
+        """Reads the ``paths`` node (`read_node`: one-line errors naming the key)."""
+        return read_node(cls, node, "paths")
+
+    def __post_init__(self) -> None:
+        for key in ("output_dir", "tb_dir", "checkpoint_dir"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"paths.{key}={value!r}: expected a directory path.")
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
     """The ``checkpoint`` config node.
 
@@ -27,6 +57,10 @@ class CheckpointOptions:
       keep_period: also keep every M-th step forever (null: none).
       async_save: write in a background thread; the step loop does not wait.
       fallback_to_previous: restore the previous step when the latest is corrupted.
+      replica_parallel: split the device-to-host copy of replicated arrays over their
+        replicas (Orbax's replica-parallel save); null: only with more than one process,
+        where it spreads the writing over the hosts (on one process its first use compiles
+        for seconds inside the first save).
     """
 
     enabled: bool = True
@@ -35,6 +69,7 @@ class CheckpointOptions:
     keep_period: int | None = None
     async_save: bool = True
     fallback_to_previous: bool = False
+    replica_parallel: bool | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> CheckpointOptions:
@@ -42,6 +77,11 @@ class CheckpointOptions:
         return read_node(cls, node, "checkpoint")
 
     def __post_init__(self) -> None:
+        if self.replica_parallel is not None and not isinstance(self.replica_parallel, bool):
+            raise ConfigError(
+                f"checkpoint.replica_parallel={self.replica_parallel!r}: expected true, false "
+                "or null (only with more than one process)."
+            )
         for key in ("enabled", "async_save", "fallback_to_previous"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(

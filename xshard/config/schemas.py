@@ -29,7 +29,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from xshard.config.nodes import permissive, shown
-from xshard.config.outputs import CheckpointOptions, LoggerOptions
+from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
 from xshard.config.sharding import ShardingOptions
 from xshard.errors import ConfigError
@@ -327,6 +327,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "distributed": {"base": permissive(DistributedOptions)},
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
+    "paths": {"base": permissive(PathsOptions)},
     "sharding": {"base": permissive(ShardingOptions)},
 }
 

@@ -1,0 +1,188 @@
+"""What the Flax NNX and linen tasks share: the loss by name, batch keys, data, sharding.
+
+A Flax task is configured, not subclassed::
+
+    task:
+      _target_: trainers.tasks.flax_nnx.NNXTask     # or trainers.tasks.flax_linen.LinenTask
+      model: {_target_: my_repo.models.MLP, hidden: 64}
+      data: {_target_: trainers.tasks.synthetic.TeacherRegression, in_dim: 16, out_dim: 4}
+      loss: mse                 # a name of LOSSES, or a node {_target_: ..., _partial_: true}
+      inputs: x                 # the batch key the model is called on
+      targets: y                # the batch key the loss compares the outputs with
+      logical_axis_rules: {embed: null, mlp: model}
+
+The task's ``batches`` are the data object's (any object with the ``batches`` method of
+`trainers.tasks.base.Task`), so another data source plugs in without touching the model.
+This module does not import Flax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from trainers.tasks.base import Batch
+from trainers.tasks.logical import (
+    check_logical_rules,
+    exact_path_rules,
+    specs_from_annotations,
+)
+
+
+def mse(outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean squared error over every element; aux ``{"mse": ...}``."""
+    value = jnp.mean(jnp.square(outputs.astype(jnp.float32) - targets))
+    return value, {"mse": value}
+
+
+def softmax_cross_entropy(
+    outputs: jax.Array, targets: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean cross-entropy of logits (..., classes) against integer labels (...); aux accuracy."""
+    logits = outputs.astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    labels = targets.astype(jnp.int32)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
+    return jnp.mean(nll), {"accuracy": accuracy}
+
+
+#: Losses by name (``task.loss``): ``(outputs, targets) -> (mean loss, aux metrics)``.
+LOSSES: dict[str, Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]] = {
+    "mse": mse,
+    "softmax_cross_entropy": softmax_cross_entropy,
+}
+
+
+def resolve_loss(loss: str | Callable) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]:
+    """``task.loss`` as a function returning (loss, aux).
+
+    Args:
+      loss: a name of `LOSSES`, or a function ``(outputs, targets)`` returning the mean loss
+        or (mean loss, dict of scalar metrics) (a config node with ``_partial_: true``).
+
+    Raises:
+      ValueError: for an unknown name or a value that is not callable.
+    """
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(
+                f"task.loss={loss!r} is not a known loss; choose one of {list(LOSSES)}"
+            )
+        return LOSSES[loss]
+    if not callable(loss):
+        raise ValueError(
+            f"task.loss={loss!r}: expected a name of {list(LOSSES)} or a function node "
+            "({_target_: my_repo.losses.my_loss, _partial_: true})."
+        )
+
+    def wrapped(outputs, targets):
+        out = loss(outputs, targets)
+        return out if isinstance(out, tuple) else (out, {})
+
+    return wrapped
+
+
+class FlaxTask:
+    """Base of the Flax tasks: loss, batch keys, data delegation and logical sharding.
+
+    Subclasses fill `_annotations` (``{param path: logical names}``) when they initialise the
+    model; `sharding_rules` maps them through ``logical_axis_rules``.
+
+    Args:
+      data: the data source: any object with ``batches(global_batch_size, *, seed,
+        start_step, process_index, process_count)``.
+      loss: a name of `LOSSES` or a function (see `resolve_loss`).
+      inputs: the batch key of the model's input.
+      targets: the batch key of the loss's targets.
+      logical_axis_rules: ``{logical name: mesh axis | [mesh axes] | null}``.
+      name: the task's name (for logging).
+    """
+
+    def __init__(
+        self,
+        data: Any,
+        loss: str | Callable = "mse",
+        inputs: str = "x",
+        targets: str = "y",
+        logical_axis_rules: Mapping[str, Any] | None = None,
+        name: str = "flax",
+    ):
+        if not callable(getattr(data, "batches", None)):
+            raise ValueError(
+                f"task.data={data!r} has no batches method; give a data node such as "
+                "{_target_: trainers.tasks.synthetic.TeacherRegression}."
+            )
+        for key, value in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"task.{key}={value!r}: expected a batch key (a string).")
+        self.data = data
+        self.loss_name = loss if isinstance(loss, str) else getattr(loss, "__name__", "loss")
+        self._loss = resolve_loss(loss)
+        self.inputs, self.targets = inputs, targets
+        self.logical_axis_rules = check_logical_rules(logical_axis_rules)
+        self.name = name
+        self._annotations: dict[str, tuple] | None = None
+        tokens = getattr(data, "tokens_per_example", None)
+        if tokens is not None:
+            self.tokens_per_example = tokens
+
+    # ---------------------------------------------------------------------------- sharding
+
+    @property
+    def logical_specs(self) -> dict[str, PartitionSpec]:
+        """``{param path: PartitionSpec}`` of the annotated params (after ``init``).
+
+        Raises:
+          RuntimeError: before the model was initialised.
+          ConfigError: for a logical name without a rule (listing the known ones).
+        """
+        if self._annotations is None:
+            raise RuntimeError(f"{type(self).__name__}: initialise the model first")
+        return specs_from_annotations(self._annotations, self.logical_axis_rules)
+
+    @property
+    def sharding_rules(self) -> list[tuple[str, PartitionSpec]]:
+        """One exact-path rule per annotated parameter (after ``init``); others replicated."""
+        return exact_path_rules(self.logical_specs)
+
+    def _set_annotations(self, annotations: dict[str, tuple]) -> None:
+        """Records the model's logical names and checks them against the rules now."""
+        self._annotations = annotations
+        specs_from_annotations(annotations, self.logical_axis_rules)  # ConfigError early
+
+    # ---------------------------------------------------------------------------- loss
+
+    def _check_batch(self, batch: Batch) -> None:
+        missing = [k for k in (self.inputs, self.targets) if k not in batch]
+        if missing:
+            raise ValueError(
+                f"the batch has keys {sorted(batch)}, not task.inputs/task.targets {missing}"
+            )
+
+    def _loss_of(self, outputs: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
+        return self._loss(outputs, batch[self.targets])
+
+    # ---------------------------------------------------------------------------- data
+
+    def batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        start_step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """The data source's batches (`trainers.tasks.base.Task.batches`)."""
+        return self.data.batches(
+            global_batch_size,
+            seed=seed,
+            start_step=start_step,
+            process_index=process_index,
+            process_count=process_count,
+        )

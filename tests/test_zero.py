@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.tasks.mlp import MLPTask
 from trainers.trainer import Trainer
-from trainers.zero import zero_dim, zero_layout
+from trainers.zero import state_report, zero_dim, zero_layout
 from xshard.errors import ConfigError
 from xshard.factory import build_optimizer
 from xshard.slots import get_slot
@@ -220,7 +220,7 @@ def test_zero_dim_takes_the_first_divisible_dim_outside_the_model_axes():
 
 def test_start_up_report_lists_shardings_and_replicated_leaves_with_bytes():
     state, _, trainer = train(("optimizer=adam",), stage=1, steps=1)
-    report = trainer.sharding_report(state)
+    report = state_report(trainer.layout, state)
     assert "sharding.zero_stage=1" in report
     assert re.search(r"layers/1/w: \(128, 128\) float32 P\(\) P\('data'", report)
     assert "Left replicated over the data axes: layers/2/b (4,) (16 bytes per device" in report

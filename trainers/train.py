@@ -138,6 +138,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.tasks.base import tokens_per_example
     from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
+    from trainers.zero import state_report
     from xshard.errors import ConfigError
     from xshard.factory import build_optimizer
     from xshard.optimizer import cross_shard_spec
@@ -217,7 +218,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         )
     state = trainer.init(*trainer.init_variables(first))
     if cluster.lead:
-        log.info("%s", trainer.sharding_report(state))
+        log.info("%s", state_report(trainer.layout, state))
     if ckpt.enabled:  # a full disk fails here, not at the first save
         with cluster.agreed("checking the free space for checkpoints"):
             check_checkpoint_space(dirs.checkpoint_dir, state)

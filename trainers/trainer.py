@@ -41,7 +41,7 @@ from trainers.step import (
     make_train_step,
 )
 from trainers.stop_vote import STOP_VOTE_KEY, StopVote
-from trainers.zero import sharding_report, zero_layout
+from trainers.zero import zero_layout
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
@@ -202,17 +202,6 @@ class Trainer:
         hyperparameters) is replicated. See `trainers.zero.ZeroLayout.opt_state_shardings`."""
         del param_shardings  # the layout derives them from the rules
         return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
-
-    def sharding_report(self, state: TrainState) -> str:
-        """Every parameter's sharding at rest, the leaves ZeRO leaves replicated over the data
-        axes with their cost, and the per-device bytes (`trainers.zero.sharding_report`)."""
-        return sharding_report(
-            self.layout,
-            state.params,
-            jax.tree.map(lambda x: x.sharding, state.params),
-            state.opt_state,
-            jax.tree.map(lambda x: x.sharding, state.opt_state),
-        )
 
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""

@@ -234,6 +234,17 @@ def sharding_report(
     return "\n".join(lines)
 
 
+def state_report(layout: ZeroLayout, state: Any) -> str:
+    """`sharding_report` of a `TrainState` (its arrays' own shardings)."""
+    return sharding_report(
+        layout,
+        state.params,
+        jax.tree.map(lambda x: x.sharding, state.params),
+        state.opt_state,
+        jax.tree.map(lambda x: x.sharding, state.opt_state),
+    )
+
+
 def zero_layout(stage: Any, mesh: Mesh, axes: Sequence[str], rules: Any = ()) -> ZeroLayout:
     """The `ZeroLayout` of ``sharding.zero_stage=stage`` over the data `axes` of `mesh`.
 

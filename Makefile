@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast bench bench-zero clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(ARGS)
+	$(PY) -m benchmarks.zero $(ZERO_ARGS)
+
+# ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
+bench-zero: $(STAMP)
+	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

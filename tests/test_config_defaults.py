@@ -18,6 +18,7 @@ from xshard.config import (
     CheckpointOptions,
     DistributedOptions,
     LoggerOptions,
+    ShardingOptions,
     TrainerOptions,
     read_node,
 )
@@ -84,11 +85,13 @@ def test_trainer_schema_defaults_equal_the_trainer_api_defaults():
     assert defaults.microbatches == params["microbatches"].default
     assert defaults.grad_impl == params["grad_impl"].default
     assert primary["seed"] == params["seed"].default
+    assert ShardingOptions().zero_stage == params["zero_stage"].default
     assert "trainer" not in primary and "distributed" not in primary  # only in the schemas
 
 
 @pytest.mark.parametrize(
-    "schema", [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions]
+    "schema",
+    [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions, ShardingOptions],
 )
 def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
     """The composed node equals the dataclass defaults; the YAML options add nothing."""

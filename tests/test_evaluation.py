@@ -244,7 +244,8 @@ def test_evaluator_needs_prepare():
 
 def test_a_task_with_model_state_is_evaluated_with_it():
     """A Flax NNX model with BatchNorm: the eval step reads the model state (and drops its
-    update); the sharded result equals the unsharded one."""
+    update) in evaluation mode (running statistics); the sharded result equals the unsharded
+    one, and differs from the training-mode loss."""
     pytest.importorskip("flax")
     import functools
 
@@ -258,8 +259,7 @@ def test_a_task_with_model_state_is_evaluated_with_it():
         TeacherRegression(),
         logical_axis_rules={"embed": None, "mlp": "model"},
     )
-    source = MLPTask()  # the same teacher: its held-out split
-    task.eval_batches = source.eval_batches
+    source = MLPTask()  # the same teacher: TeacherRegression's held-out split is its
     mesh = mesh_of((8,), ("data",))
     tx = xshard.cross_shard(optax.adam(3e-3), "mean")
     trainer = Trainer(task, tx, mesh, global_batch_size=BATCH)
@@ -270,8 +270,10 @@ def test_a_task_with_model_state_is_evaluated_with_it():
     )
     got = evaluator.evaluate(state)
     params, model_state = jax.device_get((state.params, state.model_state))
-    losses = [
-        float(jax.jit(loss_fn(task))(params, model_state, batch, jax.random.key(0))[0])
-        for batch in (source.global_eval_batch(BATCH, seed=0, index=i) for i in range(2))
-    ]
+    batches = [source.global_eval_batch(BATCH, seed=0, index=i) for i in range(2)]
+    key = jax.random.key(0)
+    evaluate = jax.jit(functools.partial(task.loss_with_state, train=False))
+    losses = [float(evaluate(params, model_state, batch, key)[0]) for batch in batches]
     np.testing.assert_allclose(got["eval/loss"], np.mean(losses), rtol=1e-5)
+    train_mode = [float(jax.jit(loss_fn(task))(params, model_state, b, key)[0]) for b in batches]
+    assert abs(np.mean(train_mode) - np.mean(losses)) > 1e-4

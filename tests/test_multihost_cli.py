@@ -246,6 +246,9 @@ def test_doctor_on_one_process_lists_the_problems_and_exits_2(tmp_path):
     assert "one process (distributed.enabled=false)" in ok.stdout
     assert "All checks passed." in ok.stdout
     assert not list((tmp_path / "run").rglob("*"))  # no config dump, lock, log or checkpoint
+    default = doctor(cwd=tmp_path)  # Hydra's timestamped outputs/<date>/<time>: removed
+    assert default.returncode == 0, default.stdout + default.stderr
+    assert not (tmp_path / "outputs").exists()
 
     readonly = tmp_path / "ro"
     readonly.mkdir(mode=0o555)

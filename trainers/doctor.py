@@ -221,9 +221,8 @@ def _main(cfg: DictConfig) -> None:
     print_report(lines, problems, cluster)
     if not _named_run_dir():  # Hydra made a timestamped dir for the doctor: remove it
         here, path = Path.cwd().resolve(), Path(cfg.paths.output_dir).resolve()
-        while path != here and here in path.parents:
-            _remove_if_empty(str(path))
-            path = path.parent
+        if here in path.parents:  # outputs/<date>/<time>: up to outputs/, if left empty
+            _remove_empty_up_to(path, here / path.relative_to(here).parts[0])
     exit_process(EXIT_CONFIG_ERROR if problems else 0)
 
 

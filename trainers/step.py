@@ -31,11 +31,19 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.metrics import StepMetrics, stack_metrics, state_metrics
 from trainers.model_state import LossFn, loss_fn, reduce_over_shards
+from trainers.zero import ZeroLayout
+from trainers.zero_step import (
+    check_unwrapped,
+    constrain_for_update,
+    gathered,
+    manual_zero_step,
+    zero_phases,
+)
 from xshard import Reduction
 from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_norms
-from xshard.optimizer import cross_shard
+from xshard.optimizer import LocalReduction, cross_shard
 from xshard.slots import cross_shard_state, has_cross_shard_state
 from xshard.stats import Flag, tree_norm, when
 
@@ -155,6 +163,7 @@ def make_train_step(
     mesh: Mesh,
     spec: StepSpec,
     levels: Sequence[int] = LEVELS,
+    layout: ZeroLayout | None = None,
 ):
     """Returns ``step(state, batch, level) -> (state, metrics, diag)``, to be jitted.
 
@@ -164,6 +173,8 @@ def make_train_step(
       levels: the levels this program serves. With several, `level` is a traced int32 and
         what differs between them runs under `lax.cond` (one executable); with one, `level`
         is ignored and the program computes exactly that level.
+      layout: with a ZeRO stage >= 1, where the gradient is reduced and the update runs
+        (`trainers.zero_step`); None or stage 0: everything replicated over the data axes.
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
@@ -191,8 +202,18 @@ def make_train_step(
     # The reduction for a plain optax optimizer: cross_shard's own, statistics and all.
     front = cross_shard(optax.identity(), spec.reduction, axis_name=axes)
     task_loss = loss_fn(task)
+    zero = layout is not None and layout.stage > 0
+    phases = zero_phases(tx, front) if zero else None
 
     def update(params, opt_state, grads, flags):
+        if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
+            if phases.own:
+                updates, opt_state = phases.finish(grads, opt_state, params, **flags)
+                return updates, opt_state, cross_shard_state(opt_state), True
+            check_unwrapped(opt_state)
+            grads, cs = phases.finish(grads, front.init(params), params, **flags)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return updates, opt_state, cs, False
         if has_cross_shard_state(opt_state):
             updates, opt_state = tx.update(grads, opt_state, params, **flags)
             return updates, opt_state, cross_shard_state(opt_state), True
@@ -202,6 +223,8 @@ def make_train_step(
 
     def train_and_measure(params, opt_state, grads, level):
         flags = level_flags(level, levels)
+        if zero:  # the update on each device's slice
+            params, grads = constrain_for_update(layout, params, grads)
         updates, opt_state, cs, own = update(params, opt_state, grads, flags)
         new_params = optax.apply_updates(params, updates)
         metrics, stats_only = state_metrics(
@@ -257,8 +280,9 @@ def make_train_step(
 
     def gspmd(state: TrainState, batch, level):
         rng = step_rng(spec.seed, state.step)
+        params = gathered(layout, state.params) if zero else state.params
         loss, aux, grads, model_state = loss_and_grads(
-            task_loss, state.params, state.model_state, batch, rng, spec.microbatches
+            task_loss, params, state.model_state, batch, rng, spec.microbatches
         )
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(
@@ -268,6 +292,32 @@ def make_train_step(
         metrics |= {f"train/{k}": v for k, v in aux.items()}
         return TrainState(state.step + 1, params, opt_state, model_state), metrics, diag
 
-    step = manual if per_shard else gspmd
+    def manual_zero(state: TrainState, batch, level):
+        def shard_grads(params, model_state, batch, rng):
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+            local = jax.lax.pcast(params, axes, to="varying")
+            loss, aux, grads, model_state = loss_and_grads(
+                task_loss, local, model_state, batch, rng, spec.microbatches
+            )
+            return loss, aux, grads, reduce_over_shards(model_state, axes)
+
+        reduce = manual_zero_step(
+            layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
+        )
+        rng = step_rng(spec.seed, state.step)
+        local, model_state, loss_metrics = reduce(
+            state.params, state.model_state, batch, rng, level
+        )
+        level = level if len(levels) > 1 else levels[0]
+        params, opt_state, metrics, diag = train_and_measure(
+            state.params, state.opt_state, local, level
+        )
+        new_state = TrainState(state.step + 1, params, opt_state, model_state)
+        return new_state, metrics | loss_metrics, diag
+
+    if zero and per_shard:
+        step = manual_zero
+    else:
+        step = manual if per_shard else gspmd
     step.stats_keys = stats_keys
     return step

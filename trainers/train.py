@@ -99,6 +99,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         DistributedOptions,
         LoggerOptions,
         PathsOptions,
+        ShardingOptions,
         TrainerOptions,
         check_seed,
         read_node,
@@ -108,6 +109,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
     PathsOptions.from_config(cfg.get("paths"))  # trainers.run_dirs reads them from cfg
+    sharding = ShardingOptions.from_config(cfg.get("sharding"))
 
     # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
@@ -141,6 +143,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.tasks.base import tokens_per_example
     from trainers.tb_logger import TensorBoardHook
     from trainers.trainer import Trainer
+    from trainers.zero import state_report
     from xshard.errors import ConfigError
     from xshard.factory import build_optimizer
     from xshard.optimizer import cross_shard_spec
@@ -193,6 +196,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         grad_impl=opts.grad_impl,
         reduction=spec.reduction,
         seed=seed,
+        zero_stage=sharding.zero_stage,
     )
 
     # ------------------------------------------------------------------ state: new or restored
@@ -218,6 +222,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
     state = trainer.init(*trainer.init_variables(first))
+    if cluster.lead:
+        log.info("%s", state_report(trainer.layout, state))
     if ckpt.enabled:  # a full disk fails here, not at the first save
         with cluster.agreed("checking the free space for checkpoints"):
             check_checkpoint_space(dirs.checkpoint_dir, state)

@@ -41,7 +41,7 @@ from trainers.step import (
     make_train_step,
 )
 from trainers.stop_vote import STOP_VOTE_KEY, StopVote
-from trainers.tasks.sharding import param_specs
+from trainers.zero import zero_layout
 from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
@@ -89,6 +89,9 @@ class Trainer:
         logging steps) or "per_level" (four). See docs/benchmarks.md for the measurement.
       agree_stop: whether the processes agree on stops within the steps (default: with more
         than one process); see `fit`. One process needs no vote: its step takes none.
+      zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
+        sharded over them, 2 also the gradient reduce-scattered, 3 also the params at rest
+        (`trainers.zero`, docs/scaling.md).
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
@@ -109,6 +112,7 @@ class Trainer:
         seed: int = 0,
         step_executables: str = "one",
         agree_stop: bool | None = None,
+        zero_stage: int = 0,
     ):
         # The step passes the statistics flags to the optimizer; plain transforms ignore them.
         tx = optax.with_extra_args_support(tx)
@@ -122,6 +126,7 @@ class Trainer:
                 f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
                 "shards)."
             )
+        self.layout = zero_layout(zero_stage, mesh, data_axes, task.sharding_rules)
         if step_executables not in STEP_EXECUTABLES:
             raise ConfigError(
                 f"step_executables={step_executables!r} is not allowed; choose one of "
@@ -139,7 +144,9 @@ class Trainer:
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
         self._groups = STEP_EXECUTABLES[step_executables]
         # Validates grad_impl now (ConfigError), not at the first step.
-        self._step_fns = {g: make_train_step(task, tx, mesh, self.spec, g) for g in self._groups}
+        self._step_fns = {
+            g: make_train_step(task, tx, mesh, self.spec, g, self.layout) for g in self._groups
+        }
         self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self._metric_keys: tuple[str, ...] = ()
         self._stats_keys: frozenset[str] = frozenset()
@@ -158,11 +165,9 @@ class Trainer:
     # ------------------------------------------------------------------ placement
 
     def param_shardings(self, params: Any) -> Any:
-        """NamedShardings of `params` from the task's sharding rules (replicated over data)."""
-        specs = param_specs(
-            params, self.task.sharding_rules, self.mesh.axis_names, dict(self.mesh.shape)
-        )
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs)
+        """NamedShardings of `params` at rest: the task's sharding rules, and with
+        ``zero_stage=3`` the data axes (`trainers.zero`)."""
+        return self.layout.params_at_rest(params, self.layout.base_shardings(params))
 
     def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
         """The task's params (placed with their shardings) and model state (replicated),
@@ -192,16 +197,11 @@ class Trainer:
         return TrainState(step, params, opt_state, model_state)
 
     def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
-        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter;
-        everything else (counts, hyperparameters) is replicated."""
-        shapes = jax.eval_shape(self.tx.init, params)
-        return optax.tree_utils.tree_map_params(
-            self.tx,
-            lambda _, sharding: sharding,
-            shapes,
-            param_shardings,
-            transform_non_params=lambda _: self._replicated,
-        )
+        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
+        axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
+        hyperparameters) is replicated. See `trainers.zero.ZeroLayout.opt_state_shardings`."""
+        del param_shardings  # the layout derives them from the rules
+        return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
 
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""

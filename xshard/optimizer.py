@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from xshard.guard import (
@@ -76,6 +77,45 @@ class CrossShardSpec:
 def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
     """The `CrossShardSpec` of `tx` if it was made by `cross_shard` (not wrapped), else None."""
     return getattr(tx.update, "cross_shard_spec", None)
+
+
+class LocalReduction(NamedTuple):
+    """What the first phase of a `cross_shard` update leaves for the second (`CrossShardPhases`).
+
+    Attributes:
+      updates: the reduced gradient (whole on every shard, or its slice after a scatter).
+      clip: the per-shard clip's new state (`optax.EmptyState()` without one).
+      shards: the local gradients' statistics before the reduced norm is known (None where
+        no per-shard gradients existed).
+      use_reduced: from `xshard.shard_stats.local_shard_stats` (None with `shards`).
+    """
+
+    updates: Any
+    clip: PerShardClipState | optax.EmptyState
+    shards: ShardStats | None
+    use_reduced: jax.Array | None
+
+
+class CrossShardPhases(NamedTuple):
+    """A `cross_shard` update in two phases, for trainers that run them in different places.
+
+    ``reduce(grads, params, *, shard_weight=None, with_stats=None, scatter_dims=None)`` runs
+    where the per-shard gradients are (inside ``shard_map``): per-shard clip, the local
+    statistics and the reduction, optionally a reduce-scatter (`xshard.reduce.all_reduce`'s
+    ``scatter_dims``); it returns a `LocalReduction`. ``finish(local, state, params, *,
+    with_stats=None, histograms=None, **extra)`` runs the summary, the guard and the inner
+    optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded slices, where
+    norms over a sharded tensor are global): it returns ``(updates, new state)``. Their
+    composition is the optimizer's ``update``.
+    """
+
+    reduce: Any
+    finish: Any
+
+
+def cross_shard_phases(tx: optax.GradientTransformation) -> CrossShardPhases | None:
+    """The `CrossShardPhases` of `tx` if it was made by `cross_shard` (not wrapped), else None."""
+    return getattr(tx.update, "cross_shard_phases", None)
 
 
 class CrossShardState(NamedTuple):
@@ -170,46 +210,70 @@ def cross_shard(
             guard.init(params),
         )
 
-    def update_fn(
+    def reduce_fn(
         updates,
-        state,
         params=None,
         *,
         shard_weight=None,
         with_stats: Flag = None,
-        histograms: Flag = None,
-        **extra_args,
-    ):
+        scatter_dims: Any = None,
+    ) -> LocalReduction:
+        """Steps 1-2 and the local gradients' statistics: where the shards' gradients are."""
         per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
         raw = updates
-        clip_state = state.clip
+        clip_state = empty if clip is None else None
         if clip is not None:
             updates, clip_state = clip.update(
                 updates,
-                state.clip,
+                clip.init(params),
                 params,
                 with_stats=with_stats if track_stats else False,
             )
-        updates, _ = reduce.update(updates, empty, params, shard_weight=shard_weight)
-        shards, histogram_state = state.shards, state.histograms
-        if track_stats:
-            # One cond for the reduced gradient's summary and the per-shard statistics (the
-            # local gradients stay alive until then, as the reduction's input).
-            def statistics():
-                reduced = summarize(updates)
-                if not per_shard:
-                    return reduced, shards
-                local, use_reduced = local_shard_stats(
+        local = use_reduced = None
+        if per_shard:
+            # Under the statistics flag; the local gradients are alive until here anyway, as
+            # the reduction's input.
+            local, use_reduced = when(
+                with_stats,
+                lambda: local_shard_stats(
                     raw,
                     axes,
                     clip_norm=clip_per_shard,
                     weighted=shard_weight is not None,
+                ),
+                lambda: (empty_shard_stats(), jnp.ones((), jnp.bool_)),
+            )
+        updates, _ = reduce.update(
+            updates, empty, params, shard_weight=shard_weight, scatter_dims=scatter_dims
+        )
+        return LocalReduction(updates, clip_state, local, use_reduced)
+
+    def finish_fn(
+        local: LocalReduction,
+        state,
+        params=None,
+        *,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        **extra_args,
+    ):
+        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not)."""
+        updates = local.updates
+        clip_state = state.clip if clip is None else local.clip
+        shards, histogram_state = state.shards, state.histograms
+        if track_stats:
+
+            def statistics():
+                reduced = summarize(updates)
+                if local.shards is None:
+                    return reduced, shards
+                summed = _shards_in_context(axes, num_shards) if mode is Reduction.SUM else 1
+                return reduced, with_reduced_norm(
+                    local.shards, local.use_reduced, reduced.norm, summed
                 )
-                summed = _shards_in_context(axes, None) if mode is Reduction.SUM else 1
-                return reduced, with_reduced_norm(local, use_reduced, reduced.norm, summed)
 
             def no_statistics():
-                return guard_summary(updates), empty_shard_stats() if per_shard else shards
+                return guard_summary(updates), shards if local.shards is None else local.shards
 
             reduced, shards = when(with_stats, statistics, no_statistics)
             _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
@@ -222,6 +286,22 @@ def cross_shard(
         )
         return updates, CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
 
+    def update_fn(
+        updates,
+        state,
+        params=None,
+        *,
+        shard_weight=None,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        **extra_args,
+    ):
+        local = reduce_fn(updates, params, shard_weight=shard_weight, with_stats=with_stats)
+        return finish_fn(
+            local, state, params, with_stats=with_stats, histograms=histograms, **extra_args
+        )
+
+    update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn)  # type: ignore[attr-defined]
     update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
         Reduction.parse(reduction),
         axis_tuple(axis_name),

@@ -148,24 +148,50 @@ def _all_reduce(
     axes: tuple[str, ...],
     comm_dtype: Any,
     shard_weight: jax.Array | None,
+    scatter_dims: Any = None,
 ) -> Any:
-    """psum/pmean (optionally weighted) of every non-None leaf, in `comm_dtype` if given."""
+    """psum/pmean (optionally weighted) of every non-None leaf, in `comm_dtype` if given.
+
+    With `scatter_dims` (a tree like `grads` of ints or None), a leaf with an int is
+    reduce-scattered along that dimension (``psum_scatter``, tiled: each shard keeps its
+    1/N slice, in the order of `axes`) instead of all-reduced.
+    """
 
     def to_comm(g):
         return g.astype(comm_dtype) if comm_dtype is not None else g
 
-    if shard_weight is None:
-        collective = jax.lax.psum if mode is Reduction.SUM else jax.lax.pmean
-        reduced = collective(jax.tree.map(to_comm, grads), axes)
-    else:
+    w = None
+    if shard_weight is not None:
         w = jnp.asarray(shard_weight, jnp.float32)
         if w.ndim != 0:
             raise ValueError(f"shard_weight must be a scalar per shard, got shape {w.shape}.")
-        summed = jax.lax.psum(jax.tree.map(lambda g: to_comm(g * w.astype(g.dtype)), grads), axes)
+    scatter = scatter_dims is not None and bool(jax.tree.leaves(scatter_dims))
+    if not scatter:
+        psum, pmean = jax.lax.psum, jax.lax.pmean
+    else:
+
+        def psum(tree, axes):
+            def one(dim, g):
+                if g is None:
+                    return None
+                if dim is None:
+                    return jax.lax.psum(g, axes)
+                return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+
+            return jax.tree.map(one, scatter_dims, tree, is_leaf=lambda x: x is None)
+
+        def pmean(tree, axes):  # pmean's arithmetic: the sum over the shard count
+            n = _shards_in_context(axes, None)
+            return jax.tree.map(lambda r: r / jnp.asarray(n, r.dtype), psum(tree, axes))
+
+    if w is None:
+        collective = psum if mode is Reduction.SUM else pmean
+        reduced = collective(jax.tree.map(to_comm, grads), axes)
+    else:
+        reduced = psum(jax.tree.map(lambda g: to_comm(g * w.astype(g.dtype)), grads), axes)
         if mode is Reduction.MEAN:
             total = jax.lax.psum(w, axes)
-            summed = jax.tree.map(lambda g: g / total.astype(g.dtype), summed)
-        reduced = summed
+            reduced = jax.tree.map(lambda g: g / total.astype(g.dtype), reduced)
     return jax.tree.map(lambda r, g: r.astype(g.dtype), reduced, grads)
 
 
@@ -253,7 +279,10 @@ def all_reduce(
 
     Inside shard_map: ``psum`` (SUM) or ``pmean`` (MEAN) of per-shard gradients, or with the
     extra update argument ``shard_weight`` (a scalar per shard, e.g. its token count)
-    ``psum(w * g)``, divided by ``psum(w)`` for MEAN. Outside any manual axis (plain jit,
+    ``psum(w * g)``, divided by ``psum(w)`` for MEAN. The extra argument ``scatter_dims`` (a
+    tree like the gradient of ints or None; inside shard_map only) reduce-scatters the leaves
+    with an int along that dimension (``psum_scatter``: each shard keeps its slice, ZeRO-2)
+    with the same arithmetic. Outside any manual axis (plain jit,
     GSPMD) the gradient is already reduced: MEAN is the identity and SUM multiplies by the
     number of shards (`num_shards`, else the mesh in context).
 
@@ -277,13 +306,17 @@ def all_reduce(
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, shard_weight=None, **extra_args):
+    def update_fn(
+        updates, state, params=None, *, shard_weight=None, scatter_dims=None, **extra_args
+    ):
         del params, extra_args
         if shard_weight is not None:
             _require_per_shard(updates, axes, "shard_weight")
         if _manual_axes(axes):
             _check_per_shard(updates, axes)
-            return _all_reduce(updates, mode, axes, comm, shard_weight), state
+            return _all_reduce(updates, mode, axes, comm, shard_weight, scatter_dims), state
+        if scatter_dims is not None and any(d is not None for d in jax.tree.leaves(scatter_dims)):
+            raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
         if mode is Reduction.MEAN:
             return updates, state
         n = _shards_in_context(axes, num_shards)

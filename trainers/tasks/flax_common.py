@@ -186,3 +186,34 @@ class FlaxTask:
             process_index=process_index,
             process_count=process_count,
         )
+
+    # ---------------------------------------------------------------------------- evaluation
+
+    @property
+    def has_eval_split(self) -> bool:
+        """Whether the data source has an eval split (`trainers.evaluation`): an
+        ``eval_batches`` method, and ``has_eval_split`` not False."""
+        return callable(getattr(self.data, "eval_batches", None)) and bool(
+            getattr(self.data, "has_eval_split", True)
+        )
+
+    def eval_batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """The data source's eval batches (`trainers.tasks.base`'s optional member)."""
+        return self.data.eval_batches(
+            global_batch_size, seed=seed, process_index=process_index, process_count=process_count
+        )
+
+    def eval_metrics(self, params: Any, model_state: Any, batch: Batch) -> dict[str, jax.Array]:
+        """The loss and aux metrics in evaluation mode: running BatchNorm statistics, no
+        dropout (``loss_with_state(..., train=False)``); the model state is not updated."""
+        loss, aux, _ = self.loss_with_state(
+            params, model_state, batch, jax.random.key(0), train=False
+        )
+        return {"loss": loss, **aux}

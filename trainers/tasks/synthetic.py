@@ -2,7 +2,7 @@
 
 `TeacherRegression` yields exactly the batches of ``task=mlp`` (`trainers.tasks.mlp.MLPTask`)
 for the same arguments: x ~ N(0, I) and y from a fixed random teacher MLP, a pure function of
-(seed, step). Any object with the same ``batches`` method can replace it (`trainers.tasks.
+(seed, step), and the same held-out eval split. Any object with the same ``batches`` method can replace it (`trainers.tasks.
 flax_common`).
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainers.tasks.base import Batch
-from trainers.tasks.data import StepIndexedData
+from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
 from trainers.tasks.mlp import MLPTask
 
 
-class TeacherRegression(StepIndexedData):
+class TeacherRegression(StepIndexedData, StepIndexedEvalData):
     """Teacher-student regression data: ``{"x": (n, in_dim), "y": (n, out_dim)}`` float32.
 
     Args:
@@ -52,3 +52,7 @@ class TeacherRegression(StepIndexedData):
     def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
         """The global batch of `step`: the same as ``task=mlp``'s."""
         return self._source.global_batch(global_batch_size, seed=seed, step=step)
+
+    def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
+        """Held-out eval batch `index`: the same as ``task=mlp``'s."""
+        return self._source.global_eval_batch(global_batch_size, seed=seed, index=index)

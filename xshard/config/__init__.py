@@ -9,12 +9,14 @@ the value and what is allowed. `xshard.config.schemas` registers the schemas wit
 from xshard.config.nodes import one_line, read_node, shown
 from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions, check_seed
+from xshard.config.sharding import ShardingOptions
 
 __all__ = [
     "CheckpointOptions",
     "DistributedOptions",
     "LoggerOptions",
     "PathsOptions",
+    "ShardingOptions",
     "TrainerOptions",
     "check_seed",
     "one_line",

@@ -32,6 +32,7 @@ from xshard.config.data import DataOptions
 from xshard.config.nodes import permissive, shown
 from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from xshard.config.run import DistributedOptions, TrainerOptions
+from xshard.config.sharding import ShardingOptions
 from xshard.errors import ConfigError
 
 SCHEMA_GROUP = "xshard_schemas"
@@ -328,6 +329,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "checkpoint": {"base": permissive(CheckpointOptions)},
     "logger": {"base": permissive(LoggerOptions)},
     "paths": {"base": permissive(PathsOptions)},
+    "sharding": {"base": permissive(ShardingOptions)},
     # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
     "data": {"base": permissive(DataOptions)},
 }

@@ -1,0 +1,51 @@
+"""The ZeRO benchmark still runs: ``python -m benchmarks.zero --smoke`` writes its results.
+
+Checks sizes and collectives (what the compiled programs hold), never timings.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_zero_benchmark_smoke_writes_memory_and_collectives(tmp_path):
+    out = tmp_path / "zero.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.zero", "--smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert out.with_suffix(".md").read_text().startswith("# ZeRO / FSDP against replicated")
+    for model, sec in results["models"].items():
+        v = sec["variants"]
+        n = sec["devices"]
+        assert set(v) == {f"{i}/zero{s}" for i in ("manual", "gspmd") for s in range(4)}, model
+        for name, variant in v.items():
+            assert variant["compiled"]["temp_size_in_bytes"] >= 0, name
+            assert math.isfinite(variant["step"]["median_ms"]) and variant["step"]["median_ms"] > 0
+        for impl in ("manual", "gspmd"):
+            zero0 = v[f"{impl}/zero0"]
+            for stage in (1, 2, 3):
+                # ~1/N of the optimizer state (count, statistics and small leaves replicated)
+                assert v[f"{impl}/zero{stage}"]["opt_state_bytes_per_device"] < (
+                    zero0["opt_state_bytes_per_device"] * 2 / n + 16 * 1024
+                )
+            assert v[f"{impl}/zero3"]["params_bytes_per_device"] < (
+                zero0["params_bytes_per_device"] * 2 / n + 4 * 1024
+            )
+        assert "reduce-scatter" in v["manual/zero2"]["collectives"]
+        assert "reduce-scatter" not in v["manual/zero0"]["collectives"]

@@ -126,7 +126,8 @@ class Trainer:
                 f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
                 "shards)."
             )
-        self.layout = zero_layout(zero_stage, mesh, data_axes, task.sharding_rules)
+        # The rules are read once the params exist (a Flax task's come from its model).
+        self.layout = zero_layout(zero_stage, mesh, data_axes, lambda: task.sharding_rules)
         if step_executables not in STEP_EXECUTABLES:
             raise ConfigError(
                 f"step_executables={step_executables!r} is not allowed; choose one of "

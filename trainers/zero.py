@@ -89,7 +89,9 @@ class ZeroLayout:
       stage: ``sharding.zero_stage``, one of `xshard.config.sharding.ZERO_STAGES`.
       mesh: the device mesh.
       axes: the data-parallel mesh axes the state is sharded over.
-      rules: the task's model-axis sharding rules (`trainers.tasks.sharding`).
+      rules: the task's model-axis sharding rules (`trainers.tasks.sharding`), or a function
+        returning them, read when the shardings are needed: a Flax task knows its rules only
+        once its model is initialised.
     """
 
     stage: int
@@ -99,7 +101,8 @@ class ZeroLayout:
 
     def base_shardings(self, params: Any) -> Any:
         """The params' shardings from the task's model-axis `rules` (replicated over data)."""
-        specs = param_specs(params, self.rules, self.mesh.axis_names, dict(self.mesh.shape))
+        rules = self.rules() if callable(self.rules) else self.rules
+        specs = param_specs(params, rules, self.mesh.axis_names, dict(self.mesh.shape))
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
@@ -252,4 +255,4 @@ def zero_layout(stage: Any, mesh: Mesh, axes: Sequence[str], rules: Any = ()) ->
       ConfigError: for a stage not in `xshard.config.sharding.ZERO_STAGES`.
     """
     check_zero_stage(stage)
-    return ZeroLayout(stage, mesh, tuple(axes), tuple(rules))
+    return ZeroLayout(stage, mesh, tuple(axes), rules if callable(rules) else tuple(rules))

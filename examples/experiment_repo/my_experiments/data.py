@@ -4,9 +4,13 @@
 disjoint ranges of example indices; each example is a pure function of its index, as a file
 read by position would be. `split` wraps the source in Grain and xshard's `GrainData`, which
 shuffles and batches it per (seed, epoch) and resumes exactly from a checkpoint's step.
+`TeacherData` is the task's ``data`` node: xshard's Flax tasks train on its ``batches`` and
+evaluate on its ``eval_batches``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import grain
 import numpy as np
@@ -86,3 +90,54 @@ def split(
         num_epochs=num_epochs if train else 1,
         name=f"the {name} split",
     )
+
+
+class TeacherData:
+    """The train split and a held-out eval split: a `trainers.data.DataSource` with
+    ``eval_batches``, as xshard's Flax tasks expect of ``task.data``.
+
+    Args:
+      in_dim: input features.
+      out_dim: outputs.
+      num_train: examples in the train split.
+      num_eval: examples in the eval split.
+      num_epochs: passes over the train split (None: endless).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        num_train: int = 2048,
+        num_eval: int = 256,
+        num_epochs: int | None = None,
+    ):
+        self.train = split("train", num_train, in_dim, out_dim, num_epochs)
+        self.eval = split("eval", num_eval, in_dim, out_dim)
+
+    def batches(self, global_batch_size: int, **kwargs) -> Iterator[dict[str, np.ndarray]]:
+        """The train split's batches (``seed``, ``start_step``, ``process_index``,
+        ``process_count`` as in `trainers.data.DataSource.batches`)."""
+        return self.train.batches(global_batch_size, **kwargs)
+
+    def eval_batches(
+        self, global_batch_size: int, *, seed: int, process_index: int = 0, process_count: int = 1
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """This process's rows of the eval split's batches, from the first (one pass, in order).
+
+        Args:
+          global_batch_size: rows of an eval global batch.
+          seed: the run's data seed (the eval split is not shuffled).
+          process_index: this process.
+          process_count: number of processes.
+
+        Returns:
+          An iterator over the eval split's batches.
+        """
+        return self.eval.batches(
+            global_batch_size,
+            seed=seed,
+            start_step=0,
+            process_index=process_index,
+            process_count=process_count,
+        )

@@ -259,22 +259,43 @@ def collectives(trainer):
     return found
 
 
-def test_zero2_compiled_step_reduce_scatters_and_all_gathers_no_full_gradient_all_reduce():
-    _, _, trainer = train(("optimizer=adam",), stage=2, steps=1)
+def sliced_elements(state):
+    """Elements of the params ZeRO slices over 8 shards (`zero_dim` not None), and the whole
+    shapes of those it leaves replicated."""
+    sliced, whole = 0, set()
+    for x in jax.tree.leaves(state.params):
+        if zero_dim(x.shape, P(), 8) is None:
+            whole.add(tuple(x.shape))
+        else:
+            sliced += x.size
+    return sliced, whole
+
+
+def test_zero2_compiled_step_reduce_scatters_and_all_gathers_once_per_dtype():
+    state, _, trainer = train(("optimizer=adam",), stage=2, steps=1)
     ops = collectives(trainer)
-    scattered = {(2, 128), (16, 128), (16, 4), (16,)}  # the 1/8 slices of the gradient
-    assert {s for op, shapes in ops if op == "reduce-scatter" for s in shapes} == scattered
-    gathered = {s for op, shapes in ops if op == "all-gather" for s in shapes}
-    assert {(16, 128), (128, 128), (128, 4), (128,)} <= gathered  # the updated params
-    full = {(16, 128), (128, 128), (128, 4), (128,), (128, 16)}
+    sliced, whole = sliced_elements(state)
+    # every float32 gradient slice in ONE reduce-scatter, every updated param in ONE all-gather
+    assert [shapes for op, shapes in ops if op == "reduce-scatter"] == [[(1, sliced // 8)]]
+    assert [shapes for op, shapes in ops if op == "all-gather"] == [[(8, sliced // 8)]]
+    full = {tuple(x.shape) for x in jax.tree.leaves(state.params)} - whole
     reduced = {s for op, shapes in ops if op == "all-reduce" for s in shapes}
     assert not reduced & full, f"a full gradient is all-reduced: {reduced & full}"
 
 
+def test_zero3_gathers_the_params_once_per_dtype_for_the_forward_pass():
+    state, _, trainer = train(("optimizer=adam",), stage=3, steps=1)
+    ops = collectives(trainer)
+    sliced, _ = sliced_elements(state)
+    assert [shapes for op, shapes in ops if op == "reduce-scatter"] == [[(1, sliced // 8)]]
+    assert [shapes for op, shapes in ops if op == "all-gather"] == [[(8, sliced // 8)]]
+
+
 def test_zero1_all_reduces_the_gradient_and_all_gathers_the_params():
-    _, _, trainer = train(("optimizer=adam",), stage=1, steps=1)
+    state, _, trainer = train(("optimizer=adam",), stage=1, steps=1)
     ops = collectives(trainer)
     assert not [op for op, _ in ops if op == "reduce-scatter"]
     reduced = {s for op, shapes in ops if op == "all-reduce" for s in shapes}
     assert (128, 128) in reduced
-    assert (128, 128) in {s for op, shapes in ops if op == "all-gather" for s in shapes}
+    sliced, _ = sliced_elements(state)
+    assert [shapes for op, shapes in ops if op == "all-gather"] == [[(8, sliced // 8)]]

@@ -37,6 +37,7 @@ from trainers.zero_step import (
     constrain_for_update,
     gathered,
     manual_zero_step,
+    updated,
     zero_phases,
 )
 from xshard import Reduction
@@ -227,6 +228,8 @@ def make_train_step(
             params, grads = constrain_for_update(layout, params, grads)
         updates, opt_state, cs, own = update(params, opt_state, grads, flags)
         new_params = optax.apply_updates(params, updates)
+        if zero:
+            new_params = updated(layout, new_params)
         metrics, stats_only = state_metrics(
             cs,
             opt_state,
@@ -306,7 +309,7 @@ def make_train_step(
         )
         rng = step_rng(spec.seed, state.step)
         local, model_state, loss_metrics = reduce(
-            state.params, state.model_state, batch, rng, level
+            gathered(layout, state.params), state.model_state, batch, rng, level
         )
         level = level if len(levels) > 1 else levels[0]
         params, opt_state, metrics, diag = train_and_measure(

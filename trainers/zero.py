@@ -126,15 +126,16 @@ class ZeroLayout:
         """The params' shardings between steps: sharded with stage 3, else as the rules say."""
         return self.sharded(shapes, shardings) if self.stage >= 3 else shardings
 
+    def data_dims(self, shapes: Any, shardings: Any) -> Any:
+        """Per leaf of `shapes` (model-axis `shardings`): its `zero_dim`, or None."""
+        return jax.tree.map(
+            lambda x, s: zero_dim(np.shape(x), s.spec, self.num_shards), shapes, shardings
+        )
+
     def scatter_dims(self, shapes: Any, shardings: Any) -> Any:
         """Per gradient leaf: the dimension to reduce-scatter (stage >= 2), or None."""
-        return jax.tree.map(
-            lambda x, s: (
-                zero_dim(np.shape(x), s.spec, self.num_shards) if self.stage >= 2 else None
-            ),
-            shapes,
-            shardings,
-        )
+        dims = self.data_dims(shapes, shardings)
+        return dims if self.stage >= 2 else jax.tree.map(lambda _: None, dims)
 
     def opt_state_shardings(
         self, tx: optax.GradientTransformation, params: Any, param_shardings: Any

@@ -3,17 +3,18 @@ sharding constraints that make GSPMD run the optimizer on each device's slice.
 
 * ``grad_impl=manual``: the shard_map computes each shard's gradient and runs the first phase
   of the cross-shard optimizer there (per-shard clip, local statistics, the reduction: an
-  all-reduce at stage 1, a ``psum_scatter`` at stages 2 and 3, `xshard.CrossShardPhases`); the
-  second phase (summary, non-finite guard, inner optimizer) runs outside it, under GSPMD, on the
-  slices. Microbatches accumulate locally and are reduced once.
+  all-reduce at stage 1, at stages 2 and 3 one reduce-scatter per dtype,
+  `xshard.CrossShardPhases`, `xshard.buckets`); the second phase (summary, non-finite guard,
+  inner optimizer) runs outside it, under GSPMD, on the slices. Microbatches accumulate
+  locally and are reduced once.
 * ``grad_impl=gspmd``: the compiler reduces the gradient; constraining it to the sharded layout
-  makes that a reduce-scatter (stage 2 and 3), or an all-reduce then a slice (stage 1).
+  asks for a reduce-scatter (stages 2 and 3), or an all-reduce then a slice (stage 1).
 
 In both, the params are constrained to the sharded layout for the update (a local slice at
 stages 1 and 2, already so at stage 3), so the update is computed on 1/N of every array; the
-jitted step's out_shardings then gather the new params back (stages 1 and 2) or keep them
-sharded (stage 3). A norm over a sharded array is a global norm under GSPMD, which keeps lamb,
-lars, adafactor and global-norm clipping exact.
+new params are then all-gathered (stages 1 and 2), or kept sliced and gathered for the next
+forward pass (stage 3), one all-gather per dtype (`gather`). A norm over a sharded array is a
+global norm under GSPMD, which keeps lamb, lars, adafactor and global-norm clipping exact.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from trainers.zero import ZeroLayout
+from xshard.buckets import all_gather_tree
 from xshard.errors import ConfigError
 from xshard.optimizer import LocalReduction, cross_shard_phases
 from xshard.slots import has_cross_shard_state
@@ -59,12 +61,37 @@ def constrain_for_update(layout: ZeroLayout, params: Any, grads: Any) -> tuple[A
     return params, (local._replace(updates=g) if local is not None else g)
 
 
+def data_spec(dim: int | None, axes: tuple[str, ...]) -> P:
+    """The spec, over the manual data `axes`, of a leaf sliced along `dim` (None: whole)."""
+    if dim is None:
+        return P()
+    return P(*([None] * dim), axes[0] if len(axes) == 1 else axes)
+
+
+def gather(layout: ZeroLayout, params: Any) -> Any:
+    """`params`, sliced over the data axes by `layout`, all-gathered whole: one all-gather per
+    dtype (`xshard.buckets.all_gather_tree`), not one per parameter."""
+    dims = layout.data_dims(params, layout.base_shardings(params))
+    specs = jax.tree.map(lambda d: data_spec(d, layout.axes), dims, is_leaf=_is_none)
+    return jax.shard_map(
+        lambda p: all_gather_tree(p, dims, layout.axes),
+        mesh=layout.mesh,
+        in_specs=(specs,),
+        out_specs=P(),
+        axis_names=set(layout.axes),
+    )(params)
+
+
 def gathered(layout: ZeroLayout, params: Any) -> Any:
-    """The params for the forward and backward pass: at stage 3 all-gathered over the data
-    axes (FSDP; otherwise GSPMD may reshard activations instead), else as they are."""
-    if layout.stage < 3:
-        return params
-    return jax.lax.with_sharding_constraint(params, layout.base_shardings(params))
+    """The params for the forward and backward pass: at stage 3 gathered over the data axes
+    (FSDP; otherwise GSPMD may reshard activations instead), else as they are."""
+    return gather(layout, params) if layout.stage >= 3 else params
+
+
+def updated(layout: ZeroLayout, params: Any) -> Any:
+    """The new params after the update on slices: gathered at stages 1 and 2 (replicated at
+    rest), kept sliced at stage 3."""
+    return gather(layout, params) if layout.stage < 3 else params
 
 
 def manual_zero_step(
@@ -98,12 +125,7 @@ def manual_zero_step(
     def reduce(params, model_state, batch, rng, level):
         dims = layout.scatter_dims(params, layout.base_shardings(params))
 
-        def grad_spec(dim):
-            if dim is None:
-                return P()
-            return P(*([None] * dim), axes[0] if len(axes) == 1 else axes)
-
-        specs = jax.tree.map(grad_spec, dims, is_leaf=_is_none)
+        specs = jax.tree.map(lambda d: data_spec(d, axes), dims, is_leaf=_is_none)
 
         def shard_step(params, model_state, batch, rng, *traced):
             flags = level_flags(traced[0] if traced else levels[0], levels)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xshard.buckets import psum_scatter_tree
 from xshard.clipping import clip_recorded
 from xshard.stats import when
 
@@ -154,7 +155,8 @@ def _all_reduce(
 
     With `scatter_dims` (a tree like `grads` of ints or None), a leaf with an int is
     reduce-scattered along that dimension (``psum_scatter``, tiled: each shard keeps its
-    1/N slice, in the order of `axes`) instead of all-reduced.
+    1/N slice, in the order of `axes`) instead of all-reduced, the leaves of one dtype in one
+    collective (`xshard.buckets.psum_scatter_tree`).
     """
 
     def to_comm(g):
@@ -170,15 +172,8 @@ def _all_reduce(
         psum, pmean = jax.lax.psum, jax.lax.pmean
     else:
 
-        def psum(tree, axes):
-            def one(dim, g):
-                if g is None:
-                    return None
-                if dim is None:
-                    return jax.lax.psum(g, axes)
-                return jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
-
-            return jax.tree.map(one, scatter_dims, tree, is_leaf=lambda x: x is None)
+        def psum(tree, axes):  # one reduce-scatter per dtype (xshard.buckets)
+            return psum_scatter_tree(tree, scatter_dims, axes)
 
         def pmean(tree, axes):  # pmean's arithmetic: the sum over the shard count
             n = _shards_in_context(axes, None)

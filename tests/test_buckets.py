@@ -1,0 +1,120 @@
+"""xshard.buckets on 8 simulated devices: packing a tree into one collective per dtype gives
+exactly what the per-leaf collectives give, and the compiled program holds one per dtype."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from xshard.buckets import all_gather_tree, psum_scatter_tree
+
+AXES = ("data", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((4, 2), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def tree_and_dims():
+    """Leaves of two dtypes, sliced along different dims, one left whole, one None."""
+    rng = np.random.default_rng(0)
+
+    def arr(shape, dtype=np.float32):
+        return jnp.asarray(rng.normal(size=shape).astype(dtype))
+
+    tree = {
+        "w": arr((16, 24)),
+        "w_t": arr((3, 8, 5)),  # sliced along dim 1
+        "b": arr((5,)),  # no dim divides by 8: whole
+        "h": arr((8, 4), np.float16),
+        "g": arr((2, 16), np.float16),  # sliced along dim 1
+        "none": None,
+    }
+    dims = {"w": 0, "w_t": 1, "b": None, "h": 0, "g": 1, "none": None}
+    return tree, dims
+
+
+def per_shard(tree, shard):
+    """A different tree per shard (the shard index scales it), as per-shard gradients are."""
+    return jax.tree.map(lambda x: x * (1 + shard).astype(x.dtype), tree)
+
+
+def spec(dim):
+    return P() if dim is None else P(*([None] * dim), AXES)
+
+
+def run(mesh, body, tree, dims, in_specs, out_specs):
+    f = jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
+    return jax.jit(f)(tree)
+
+
+def test_psum_scatter_tree_equals_per_leaf_psum_scatter(mesh):
+    tree, dims = tree_and_dims()
+    out_specs = jax.tree.map(spec, dims, is_leaf=lambda x: x is None)
+    idx = lambda: jax.lax.axis_index(AXES)  # noqa: E731
+
+    def packed(t):
+        return psum_scatter_tree(per_shard(t, idx()), dims, AXES)
+
+    def per_leaf(t):
+        t = per_shard(t, idx())
+        return jax.tree.map(
+            lambda d, x: (
+                jax.lax.psum(x, AXES)
+                if d is None
+                else jax.lax.psum_scatter(x, AXES, scatter_dimension=d, tiled=True)
+            ),
+            dims,
+            t,
+            is_leaf=lambda x: x is None,
+        )
+
+    got = run(mesh, packed, tree, dims, P(), out_specs)
+    want = run(mesh, per_leaf, tree, dims, P(), out_specs)
+    assert got["none"] is None
+    for k in ("w", "w_t", "b", "h", "g"):
+        assert got[k].shape == tree[k].shape and got[k].dtype == tree[k].dtype
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        # and the sum is the sum: 1 + 2 + ... + 8 = 36 times the input
+        np.testing.assert_allclose(
+            np.asarray(got[k], np.float32), 36 * np.asarray(tree[k], np.float32), rtol=2e-3
+        )
+
+
+def test_all_gather_tree_inverts_the_slicing(mesh):
+    tree, dims = tree_and_dims()
+    in_specs = jax.tree.map(spec, dims, is_leaf=lambda x: x is None)
+    got = run(mesh, lambda t: all_gather_tree(t, dims, AXES), tree, dims, in_specs, P())
+    for k in ("w", "w_t", "b", "h", "g"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(tree[k]), err_msg=k)
+    assert got["none"] is None
+
+
+def count(text, op):
+    return len(re.findall(rf"\s{op}(?:-start)?\(", text))
+
+
+def test_one_collective_per_dtype_in_the_compiled_program(mesh):
+    tree, dims = tree_and_dims()
+    in_specs = jax.tree.map(spec, dims, is_leaf=lambda x: x is None)
+    scatter = jax.jit(
+        jax.shard_map(
+            lambda t: psum_scatter_tree(t, dims, AXES),
+            mesh=mesh,
+            in_specs=(P(),),
+            out_specs=in_specs,
+        )
+    )
+    gather = jax.jit(
+        jax.shard_map(
+            lambda t: all_gather_tree(t, dims, AXES), mesh=mesh, in_specs=(in_specs,), out_specs=P()
+        )
+    )
+    scattered = scatter.lower(tree).compile().as_text()
+    gathered = gather.lower(tree).compile().as_text()
+    assert count(scattered, "reduce-scatter") == 2  # float32 and float16
+    assert count(gathered, "all-gather") == 2

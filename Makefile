@@ -17,11 +17,16 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(PY) -m trainers.train $(ARGS)
 
+# Two pytest-xdist workers, a test file each at a time (module fixtures are built once); CI
+# machines have 2 cores. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST   := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m 'not slow' $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run $(ARGS)

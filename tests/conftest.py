@@ -41,3 +41,26 @@ def compose_config(tmp_path):
             )
 
     return make
+
+
+#: The longest test files (minutes each: benchmark smoke runs, wheel builds, multi-process
+#: CLI runs), scheduled first. `make test` runs two pytest-xdist workers, one file at a time
+#: each (``--dist loadfile``); a long file left to the end would run alone on one core.
+LONGEST_FIRST = (
+    "test_benchmarks_smoke.py",
+    "test_zero_bench_smoke.py",
+    "test_example_repo.py",
+    "test_multihost_cli.py",
+    "test_flax_tasks.py",
+    "test_zero.py",
+    "test_zero_cli.py",
+    "test_io_faults_cli.py",
+    "test_reliability_cli.py",
+    "test_multihost.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Runs the files of `LONGEST_FIRST` first, in that order (stable: the rest keep theirs)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from xshard.buckets import all_gather_tree, psum_scatter_tree
+from xshard.buckets import (
+    UNCOMBINED_BACKENDS,
+    all_gather_tree,
+    packs_by_default,
+    psum_scatter_tree,
+)
 
 AXES = ("data", "fsdp")
 
@@ -118,3 +123,31 @@ def test_one_collective_per_dtype_in_the_compiled_program(mesh):
     gathered = gather.lower(tree).compile().as_text()
     assert count(scattered, "reduce-scatter") == 2  # float32 and float16
     assert count(gathered, "all-gather") == 2
+
+
+def test_pack_false_issues_one_collective_per_leaf_with_the_same_values(mesh):
+    tree, dims = tree_and_dims()
+    out_specs = jax.tree.map(spec, dims, is_leaf=lambda x: x is None)
+
+    def body(pack):
+        return jax.jit(
+            jax.shard_map(
+                lambda t: psum_scatter_tree(
+                    per_shard(t, jax.lax.axis_index(AXES)), dims, AXES, pack=pack
+                ),
+                mesh=mesh,
+                in_specs=(P(),),
+                out_specs=out_specs,
+            )
+        )
+
+    per_leaf, packed = body(False), body(True)
+    assert count(per_leaf.lower(tree).compile().as_text(), "reduce-scatter") == 4  # w w_t h g
+    got, want = per_leaf(tree), packed(tree)
+    for k in ("w", "w_t", "b", "h", "g"):
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+def test_packing_by_default_only_where_xla_does_not_combine_collectives():
+    assert packs_by_default() == (jax.default_backend() in UNCOMBINED_BACKENDS)
+    assert packs_by_default()  # the tests run on the CPU backend, which does not combine

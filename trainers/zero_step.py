@@ -70,7 +70,8 @@ def data_spec(dim: int | None, axes: tuple[str, ...]) -> P:
 
 def gather(layout: ZeroLayout, params: Any) -> Any:
     """`params`, sliced over the data axes by `layout`, all-gathered whole: one all-gather per
-    dtype (`xshard.buckets.all_gather_tree`), not one per parameter."""
+    dtype (`xshard.buckets.all_gather_tree`: packed on CPU, combined by XLA elsewhere), not one
+    per parameter."""
     dims = layout.data_dims(params, layout.base_shardings(params))
     specs = jax.tree.map(lambda d: data_spec(d, layout.axes), dims, is_leaf=_is_none)
     return jax.shard_map(

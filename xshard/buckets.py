@@ -4,7 +4,12 @@ A ZeRO step reduce-scatters every gradient leaf and all-gathers every parameter.
 leaf that is one collective per parameter (100 of each on an 8-layer GPT). XLA's GPU and TPU
 pipelines combine such collectives; XLA:CPU combines only all-reduces. These functions pack the
 leaves of one dtype into one buffer, laid out so that row ``i`` holds shard ``i``'s slice of
-every leaf, and issue one collective per dtype, on every backend.
+every leaf, and issue one collective per dtype.
+
+Packing costs a copy: the packed buffer is as large as the leaves it holds. So it is done only
+where the compiler would not combine the collectives itself (`packs_by_default`: the CPU
+backend); on GPU and TPU the per-leaf collectives are left to XLA's combiners, which merge them
+into one variadic collective without copying. ``pack=True`` or ``False`` overrides the rule.
 
 Both run inside ``jax.shard_map`` with `axis_name` manual. A leaf's slice is taken along its
 own dimension (``dims``, a tree like the leaves of ints or None), in the order of the axes, as
@@ -42,26 +47,44 @@ def _by_dtype(leaves: list[Any], dims: list[int | None]) -> dict[Any, list[int]]
     return groups
 
 
+#: Backends whose XLA compiler does not combine reduce-scatters and all-gathers (XLA's GPU and
+#: TPU pipelines run combiner passes; the CPU pipeline only combines all-reduces).
+UNCOMBINED_BACKENDS = frozenset({"cpu"})
+
+
+def packs_by_default() -> bool:
+    """Whether `psum_scatter_tree` and `all_gather_tree` pack by default: on a backend in
+    `UNCOMBINED_BACKENDS` (the default backend's platform)."""
+    return jax.default_backend() in UNCOMBINED_BACKENDS
+
+
 def _packed(
     tree: Any,
     dims: Any,
     one: Callable[[jax.Array, int], jax.Array],
     many: Callable[[list[jax.Array], list[int]], list[jax.Array]],
+    pack: bool | None,
 ) -> Any:
-    """`tree` with its leaves of each dtype passed through `many` together (`one` when alone);
-    leaves whose dim is None (and None leaves) unchanged."""
+    """`tree` with its leaves of each dtype passed through `many` together (`one` when alone or
+    when not packing); leaves whose dim is None (and None leaves) unchanged."""
+    pack = packs_by_default() if pack is None else pack
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
     dim_leaves = treedef.flatten_up_to(dims)
     out = list(leaves)
     for idx in _by_dtype(leaves, dim_leaves).values():
         xs, ds = [leaves[i] for i in idx], [dim_leaves[i] for i in idx]
-        results = [one(xs[0], ds[0])] if len(idx) == 1 else many(xs, ds)
+        if pack and len(idx) > 1:
+            results = many(xs, ds)
+        else:
+            results = [one(x, d) for x, d in zip(xs, ds)]
         for i, r in zip(idx, results):
             out[i] = r
     return treedef.unflatten(out)
 
 
-def psum_scatter_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
+def psum_scatter_tree(
+    tree: Any, dims: Any, axis_name: AxisNames, *, pack: bool | None = None
+) -> Any:
     """``psum_scatter`` of every leaf along its dimension in `dims`: one collective per dtype.
 
     Args:
@@ -69,6 +92,7 @@ def psum_scatter_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
       dims: a tree like `tree`: the dimension to scatter each leaf along (its size divisible by
         the number of shards), or None to ``psum`` it whole.
       axis_name: the manual mesh axis, or axes, to reduce over.
+      pack: one collective per dtype (True), one per leaf (False); None: `packs_by_default`.
 
     Returns:
       A tree like `tree`: the leaves with a dimension hold this shard's slice of the sum (as
@@ -93,7 +117,7 @@ def psum_scatter_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
             out.append(jnp.moveaxis(piece.reshape(moved), 0, d))
         return out
 
-    scattered = _packed(tree, dims, one, many)
+    scattered = _packed(tree, dims, one, many, pack)
     whole = jax.tree.map(lambda d, x: x if d is None else None, dims, tree, is_leaf=_is_none)
     summed = jax.lax.psum(whole, axis_name)
     return jax.tree.map(
@@ -101,7 +125,7 @@ def psum_scatter_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
     )
 
 
-def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
+def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames, *, pack: bool | None = None) -> Any:
     """``all_gather`` of every leaf along its dimension in `dims`: one collective per dtype.
 
     The inverse of `psum_scatter_tree`'s slicing: each leaf with a dimension is this shard's
@@ -113,6 +137,7 @@ def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
       tree: per-shard slices (None leaves pass through).
       dims: a tree like `tree` of ints or None.
       axis_name: the manual mesh axis, or axes, to gather over.
+      pack: one collective per dtype (True), one per leaf (False); None: `packs_by_default`.
     """
     n = _num_shards(axis_name)
 
@@ -132,4 +157,4 @@ def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames) -> Any:
             out.append(jnp.moveaxis(piece.reshape(moved), 0, d))
         return out
 
-    return _packed(tree, dims, one, many)
+    return _packed(tree, dims, one, many, pack)

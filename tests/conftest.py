@@ -54,8 +54,12 @@ LONGEST_FIRST = (
     "test_flax_tasks.py",
     "test_zero.py",
     "test_zero_cli.py",
-    "test_io_faults_cli.py",
     "test_reliability_cli.py",
+    "test_ckpt_owner_cli.py",
+    "test_sweeps_cli.py",
+    "test_io_faults_cli.py",
+    "test_cli_train.py",
+    "test_data_cli.py",
     "test_multihost.py",
 )
 

@@ -39,6 +39,8 @@ class Settings:
             return Plan(warmup_blocks=2, rounds=20, steps_per_block=20)
         if kind == "scaling":
             return Plan(2, 20, 10) if task == "mlp" else Plan(1, 10, 2)
+        if task == "gpt_8x256":  # ~1 s per step
+            return Plan(1, 10, 1)
         return Plan(2, 40, 10) if task == "mlp" else Plan(1, 20, 3)
 
     def device_counts(self, available: list[int]) -> list[int]:

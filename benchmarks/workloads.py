@@ -24,7 +24,20 @@ from omegaconf import DictConfig, OmegaConf
 from xshard.factory import build_optimizer
 from xshard.mesh import build_mesh
 
-TASKS = ("mlp", "tiny_gpt")
+#: Workload name -> (the ``task`` group option, its overrides). `gpt_8x256` is tiny_gpt at
+#: 8 layers x 256 wide (6.3M params), where the state, not the per-kernel overhead, dominates;
+#: its global batch is 16 (2 sequences per shard) so that a step takes about a second on the
+#: 8 simulated CPU devices of a 2-core machine.
+GPT_8X256 = ("task.n_layers=8", "task.d_model=256", "task.d_ff=1024", "task.n_heads=8")
+WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mlp": ("mlp", ()),
+    "tiny_gpt": ("tiny_gpt", ()),
+    "gpt_8x256": ("tiny_gpt", (*GPT_8X256, "trainer.batch_size=16")),
+}
+TASKS = tuple(WORKLOADS)
+#: The workloads of the sections that build many programs per workload (one per step design,
+#: one per device count): the two small ones.
+SMALL_TASKS = ("mlp", "tiny_gpt")
 
 #: Optimizer, schedule and reduction of every benchmark: adam, constant rate, MEAN.
 OPTIMIZER_OVERRIDES = ("optimizer=adam", "schedule=constant", "reduction=mean", "clip=null")
@@ -41,6 +54,7 @@ SMOKE_OVERRIDES: dict[str, tuple[str, ...]] = {
         "task.seq_len=16",
     ),
 }
+SMOKE_OVERRIDES["gpt_8x256"] = SMOKE_OVERRIDES["tiny_gpt"]
 
 DATA_AXIS = "data"
 
@@ -110,8 +124,10 @@ class Workload:
 
 
 def make_workload(name: str, *, smoke: bool, num_batches: int = 4) -> Workload:
-    """Composes the config of task `name`, instantiates the task and draws `num_batches`."""
-    cfg = compose_config(name, SMOKE_OVERRIDES[name] if smoke else ())
+    """Composes the config of workload `name` (`WORKLOADS`), instantiates its task and draws
+    `num_batches` batches."""
+    task_option, overrides = WORKLOADS[name]
+    cfg = compose_config(task_option, (*overrides, *(SMOKE_OVERRIDES[name] if smoke else ())))
     task = hydra.utils.instantiate(cfg.task, _convert_="all")
     batch_size = int(cfg.trainer.batch_size)
     batches = list(itertools.islice(task.batches(batch_size, seed=int(cfg.seed)), num_batches))

@@ -28,15 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.env import configure_devices, environment
+from benchmarks.workloads import GPT_8X256
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "zero_results.json"
 #: Collective operands (whole arrays) up to this many elements are scalar statistics (the
 #: loss, norms, counts), not data; the plain step measured here has no larger statistics.
 SMALL = 16
-MODELS: dict[str, tuple[str, ...]] = {
-    "tiny_gpt": (),
-    "gpt_8x256": ("task.n_layers=8", "task.d_model=256", "task.d_ff=1024", "task.n_heads=8"),
-}
+MODELS: dict[str, tuple[str, ...]] = {"tiny_gpt": (), "gpt_8x256": GPT_8X256}
 SMOKE: tuple[str, ...] = ("task.n_layers=1", "task.d_model=32", "task.d_ff=64", "task.seq_len=16")
 STAGES = (0, 1, 2, 3)
 IMPLS = ("manual", "gspmd")

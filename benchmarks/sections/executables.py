@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.context import LEVEL_NAMES, Bench
 from benchmarks.timing import interleave, ratio
-from benchmarks.workloads import TASKS
+from benchmarks.workloads import SMALL_TASKS
 
 DESIGNS = ("one", "two", "per_level")
 
@@ -28,7 +28,7 @@ DESIGNS = ("one", "two", "per_level")
 def run(bench: Bench) -> dict[str, Any]:
     """Returns the step times, compile costs and memory of every design, per task."""
     out: dict[str, Any] = {"designs": list(DESIGNS), "levels": list(LEVEL_NAMES)}
-    for task in TASKS:
+    for task in SMALL_TASKS:
         names = [f"{d}/{lv}" for d in DESIGNS for lv in LEVEL_NAMES]
         loops = {name: bench.loop(task, name) for name in names}  # first calls compile
         timings = interleave(list(loops.values()), bench.settings.plan(task))

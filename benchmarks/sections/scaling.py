@@ -13,7 +13,7 @@ from typing import Any
 from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
 from benchmarks.variants import StepLoop
-from benchmarks.workloads import TASKS, device_counts
+from benchmarks.workloads import SMALL_TASKS, device_counts
 
 VARIANTS = ("xshard_trainer", "jit_gspmd")
 
@@ -37,7 +37,7 @@ def run(bench: Bench) -> dict[str, Any]:
         if bench.mesh().devices.flat[0].platform == "cpu"
         else "accelerator devices",
     }
-    for task in TASKS:
+    for task in SMALL_TASKS:
         loops = [
             Renamed(f"{name}@{n}", bench.loop(task, name, n)) for n in counts for name in VARIANTS
         ]

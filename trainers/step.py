@@ -44,7 +44,7 @@ from xshard import Reduction
 from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_norms
-from xshard.optimizer import LocalReduction, cross_shard
+from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
 from xshard.slots import cross_shard_state, has_cross_shard_state
 from xshard.stats import Flag, tree_norm, when
 from xshard.unit_batch import unit_batch
@@ -135,13 +135,12 @@ def loss_and_grads(
     return jnp.mean(losses), aux, grads, model_state
 
 
-def _norm_metrics(new_params, updates) -> tuple[dict[str, jax.Array], jax.Array]:
+def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Array]:
     """The update/param norms, and the new params' per-leaf norms (from the same sums)."""
     # Only the new params are read: reading the old ones after the update would make XLA
     # copy the donated params every step.
     leaf_sq = jnp.square(leaf_norms(new_params))
     param_norm = jnp.sqrt(jnp.sum(leaf_sq))
-    update_norm = tree_norm(updates)
     metrics = {
         "optim/update_norm": update_norm,
         "optim/update_param_ratio": update_norm / jnp.maximum(param_norm, 1e-12),
@@ -217,28 +216,48 @@ def make_train_step(
     zero = layout is not None and layout.stage > 0
     phases = zero_phases(tx, front) if zero else None
 
+    own_phases = cross_shard_phases(tx)
+
     def update(params, opt_state, grads, flags):
+        """(new params, optimizer state, cross_shard state, whether it is the optimizer's,
+        the update's norm where ``flags["with_stats"]`` holds)."""
+        norm_flag = flags["with_stats"]
+
+        def applied(updates):
+            norm = when(norm_flag, lambda: tree_norm(updates))
+            return optax.apply_updates(params, updates), norm
+
         if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
             if phases.own:
-                updates, opt_state = phases.finish(grads, opt_state, params, **flags)
-                return updates, opt_state, cross_shard_state(opt_state), True
+                new_params, opt_state, norm = phases.apply(
+                    grads, opt_state, params, update_norm=norm_flag, **flags
+                )
+                return new_params, opt_state, cross_shard_state(opt_state), True, norm
             check_unwrapped(opt_state)
             grads, cs = phases.finish(grads, front.init(params), params, **flags)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return updates, opt_state, cs, False
-        if has_cross_shard_state(opt_state):
+            return *applied(updates), opt_state, cs, False
+        if own_phases is not None and has_cross_shard_state(opt_state):
+            # The optimizer is cross_shard itself: the update applied in the guard's branch.
+            local = own_phases.reduce(grads, params, with_stats=norm_flag)
+            new_params, opt_state, norm = own_phases.apply(
+                local, opt_state, params, update_norm=norm_flag, **flags
+            )
+            return new_params, opt_state, cross_shard_state(opt_state), True, norm
+        if has_cross_shard_state(opt_state):  # cross_shard inside a chain
             updates, opt_state = tx.update(grads, opt_state, params, **flags)
-            return updates, opt_state, cross_shard_state(opt_state), True
+            new_params, norm = applied(updates)
+            return new_params, opt_state, cross_shard_state(opt_state), True, norm
         grads, cs = front.update(grads, front.init(params), params, **flags)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return updates, opt_state, cs, False
+        new_params, norm = applied(updates)
+        return new_params, opt_state, cs, False, norm
 
     def train_and_measure(params, opt_state, grads, level):
         flags = level_flags(level, levels)
         if zero:  # the update on each device's slice
             params, grads = constrain_for_update(layout, params, grads)
-        updates, opt_state, cs, own = update(params, opt_state, grads, flags)
-        new_params = optax.apply_updates(params, updates)
+        new_params, opt_state, cs, own, update_norm = update(params, opt_state, grads, flags)
         if zero:
             new_params = updated(layout, new_params)
         metrics, stats_only = state_metrics(
@@ -249,7 +268,7 @@ def make_train_step(
             batch_sizes=(per_shard_batch, spec.global_batch_size),
         )
         norms, param_leaf_norms = when(
-            flags["with_stats"], lambda: _norm_metrics(new_params, updates)
+            flags["with_stats"], lambda: _norm_metrics(new_params, update_norm)
         )
         metrics |= norms
         stats_keys.update(stats_only | set(norms))

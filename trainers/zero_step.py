@@ -153,13 +153,15 @@ class ZeroPhases:
     """The two phases a ZeRO step runs on the manual path.
 
     Attributes:
-      reduce, finish: `xshard.CrossShardPhases` of the optimizer (``own``) or, for a plain
-        optax optimizer, of the trainer's own reduction (then the optimizer's update follows).
+      reduce, finish, apply: `xshard.CrossShardPhases` of the optimizer (``own``) or, for a
+        plain optax optimizer, of the trainer's own reduction (then the optimizer's update
+        follows).
       own: whether they are the optimizer's.
     """
 
     reduce: Callable[..., LocalReduction]
     finish: Callable[..., Any]
+    apply: Callable[..., Any]
     own: bool
 
 
@@ -170,10 +172,10 @@ def zero_phases(
     reduction for a plain optax optimizer)."""
     own = cross_shard_phases(tx)
     if own is not None:
-        return ZeroPhases(own.reduce, own.finish, True)
+        return ZeroPhases(own.reduce, own.finish, own.apply, True)
     theirs = cross_shard_phases(front)
     assert theirs is not None
-    return ZeroPhases(theirs.reduce, theirs.finish, False)
+    return ZeroPhases(theirs.reduce, theirs.finish, theirs.apply, False)
 
 
 def check_unwrapped(opt_state: Any) -> None:

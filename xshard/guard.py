@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.stats import GradSummary, count_nonfinite, guard_summary, summarize, when
+from xshard.stats import (
+    Flag,
+    GradSummary,
+    count_nonfinite,
+    guard_summary,
+    summarize,
+    tree_norm,
+    when,
+)
 
 
 def empty_summary(params: Any = ()) -> GradSummary:
@@ -91,15 +99,64 @@ def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTran
 
         # A cond, not a select: XLA then updates the donated inner state in place.
         new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip, state.inner_state)
-        bad = jnp.where(finite, 0, 1).astype(jnp.int32)
-        return new_updates, SkipIfNonFiniteState(
-            jnp.where(finite, 0, state.notfinite_count + 1).astype(jnp.int32),
-            finite,
-            state.total_notfinite + bad,
-            new_inner,
-        )
+        return new_updates, _counted(state, finite, new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _counted(
+    state: SkipIfNonFiniteState, finite: jax.Array, new_inner: optax.OptState
+) -> SkipIfNonFiniteState:
+    """The guard's next state: the skip counters after an update that was (not) `finite`."""
+    bad = jnp.where(finite, 0, 1).astype(jnp.int32)
+    return SkipIfNonFiniteState(
+        jnp.where(finite, 0, state.notfinite_count + 1).astype(jnp.int32),
+        finite,
+        state.total_notfinite + bad,
+        new_inner,
+    )
+
+
+def guarded_apply(inner: optax.GradientTransformation, *, skip_nonfinite: bool):
+    """`skip_if_nonfinite` (or `apply_always`) and `optax.apply_updates` as one step.
+
+    The guard's cond is a fusion barrier for XLA: with the updates leaving it, their addition
+    to the params is a kernel (and a pass over the params) of its own per leaf. Here the
+    addition happens in the branch that computes the updates, so XLA fuses it with the inner
+    optimizer's update, as in a step without a guard; the skip branch returns the params
+    unchanged. The values are those of the guard's update followed by `optax.apply_updates`.
+
+    Args:
+      inner: the optimizer (extra arguments are forwarded to it).
+      skip_nonfinite: skip non-finite updates (`skip_if_nonfinite`), else always apply.
+
+    Returns:
+      ``apply(updates, state, params, *, nonfinite=None, update_norm=False, **extra) ->
+      (new_params, new_state, update_norm)`` for a `SkipIfNonFiniteState` `state`; the
+      update's global norm is computed where `update_norm` (a `when` flag) holds (0 for a
+      skipped update), NaN elsewhere.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def apply(updates, state, params, *, nonfinite=None, update_norm: Flag = False, **extra):
+        def step(inner_state):
+            new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
+            norm = when(update_norm, lambda: tree_norm(new_updates))
+            return optax.apply_updates(params, new_updates), new_inner, norm
+
+        if not skip_nonfinite:
+            new_params, new_inner, norm = step(state.inner_state)
+            return new_params, state._replace(inner_state=new_inner), norm
+        finite = (count_nonfinite(updates) if nonfinite is None else nonfinite) == 0
+
+        def skip(inner_state):
+            norm = jax.eval_shape(step, inner_state)[2]
+            return params, inner_state, _zeros_like_abstract(norm)
+
+        new_params, new_inner, norm = jax.lax.cond(finite, step, skip, state.inner_state)
+        return new_params, _counted(state, finite, new_inner), norm
+
+    return apply
 
 
 def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:

@@ -33,6 +33,7 @@ from xshard.guard import (
     SkipIfNonFiniteState,
     apply_always,
     empty_summary,
+    guarded_apply,
     skip_if_nonfinite,
 )
 from xshard.layer_stats import Histograms, summarize_histograms
@@ -106,11 +107,16 @@ class CrossShardPhases(NamedTuple):
     with_stats=None, histograms=None, **extra)`` runs the summary, the guard and the inner
     optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded slices, where
     norms over a sharded tensor are global): it returns ``(updates, new state)``. Their
-    composition is the optimizer's ``update``.
+    composition is the optimizer's ``update``. ``apply(local, state, params, *, with_stats=None,
+    histograms=None, update_norm=False, **extra)`` is ``finish`` followed by
+    `optax.apply_updates`, the addition done inside the non-finite guard's branch so that XLA
+    fuses it with the inner update (`xshard.guard.guarded_apply`): it returns ``(new params,
+    new state, the update's global norm where `update_norm` holds)``.
     """
 
     reduce: Any
     finish: Any
+    apply: Any
 
 
 def cross_shard_phases(tx: optax.GradientTransformation) -> CrossShardPhases | None:
@@ -199,6 +205,7 @@ def cross_shard(
     reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
     hists = summarize_histograms()
     guard = (skip_if_nonfinite if skip_nonfinite else apply_always)(inner)
+    apply_guard = guarded_apply(inner, skip_nonfinite=skip_nonfinite)
     empty = optax.EmptyState()
 
     def init_fn(params):
@@ -248,16 +255,8 @@ def cross_shard(
         )
         return LocalReduction(updates, clip_state, local, use_reduced)
 
-    def finish_fn(
-        local: LocalReduction,
-        state,
-        params=None,
-        *,
-        with_stats: Flag = None,
-        histograms: Flag = None,
-        **extra_args,
-    ):
-        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not)."""
+    def summarize_fn(local: LocalReduction, state, *, with_stats: Flag, histograms: Flag):
+        """Step 3 on the reduced gradient: its statistics, and the states they go to."""
         updates = local.updates
         clip_state = state.clip if clip is None else local.clip
         shards, histogram_state = state.shards, state.histograms
@@ -281,10 +280,50 @@ def cross_shard(
             reduced = state.reduced._replace(nonfinite=count_nonfinite(updates))
         else:
             reduced = state.reduced
+        return clip_state, shards, reduced, histogram_state
+
+    def finish_fn(
+        local: LocalReduction,
+        state,
+        params=None,
+        *,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        **extra_args,
+    ):
+        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not)."""
+        clip_state, shards, reduced, histogram_state = summarize_fn(
+            local, state, with_stats=with_stats, histograms=histograms
+        )
         updates, guarded = guard.update(
-            updates, state.guard, params, nonfinite=reduced.nonfinite, **extra_args
+            local.updates, state.guard, params, nonfinite=reduced.nonfinite, **extra_args
         )
         return updates, CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
+
+    def apply_fn(
+        local: LocalReduction,
+        state,
+        params,
+        *,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        update_norm: Flag = False,
+        **extra_args,
+    ):
+        """`finish_fn`, then the updates applied to `params` in the guard's branch."""
+        clip_state, shards, reduced, histogram_state = summarize_fn(
+            local, state, with_stats=with_stats, histograms=histograms
+        )
+        new_params, guarded, norm = apply_guard(
+            local.updates,
+            state.guard,
+            params,
+            nonfinite=reduced.nonfinite,
+            update_norm=update_norm,
+            **extra_args,
+        )
+        new_state = CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
+        return new_params, new_state, norm
 
     def update_fn(
         updates,
@@ -301,7 +340,7 @@ def cross_shard(
             local, state, params, with_stats=with_stats, histograms=histograms, **extra_args
         )
 
-    update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn)  # type: ignore[attr-defined]
+    update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn, apply_fn)  # type: ignore[attr-defined]
     update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
         Reduction.parse(reduction),
         axis_tuple(axis_name),

@@ -19,7 +19,7 @@ import tensorstore as ts
 from jax.sharding import AxisType, Mesh
 
 import xshard
-from tests.cli import scalars
+from tests.cli import load_events, scalars
 from trainers.checkpoint_io import (
     IOErrorsInOneLine,
     checkpoint_bytes,
@@ -166,6 +166,24 @@ def test_a_working_writer_writes_events(tmp_path):
     writer.close()
     assert writer.ok() and writer.failure is None
     assert scalars(tmp_path, "x") == {s: float(s) for s in range(1, 31)}
+
+
+def test_scalars_written_as_one_event_read_back_as_add_scalar_writes_them(tmp_path):
+    one, many = tmp_path / "one", tmp_path / "many"
+    values = [("a/x", 1.5), ("/b y", 2), ("c", float("nan"))]  # a tag to clean, an int, NaN
+    writer = SafeSummaryWriter(str(one), flush_secs=1)
+    for tag, value in values:
+        writer.add_scalar(tag, value, 7)
+    writer.close()
+    writer = SafeSummaryWriter(str(many), flush_secs=1)
+    writer.add_scalars(values, 7)
+    writer.add_scalars([], 8)  # nothing to write: no event
+    writer.close()
+    assert set(load_events(many).Tags()["scalars"]) == {"a/x", "b_y", "c"}
+    for tag in ("a/x", "b_y", "c"):
+        expected = scalars(one, tag)
+        assert scalars(many, tag).keys() == expected.keys() == {7}
+        np.testing.assert_equal(scalars(many, tag)[7], expected[7])
 
 
 # --------------------------------------------------------------------------------------------

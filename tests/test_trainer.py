@@ -8,8 +8,10 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import xshard
+from tests.cli import load_events
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
+from trainers.tb_logger import TensorBoardHook
 from trainers.trainer import Hook, Trainer
 
 BATCH = 32
@@ -180,3 +182,50 @@ def test_statistics_every_k_steps_share_one_executable_and_match(mlp, reference)
             ):
                 np.testing.assert_allclose(metrics[tag], reference[2].metrics[step][tag], rtol=1e-5)
     assert trainer.compiled is not None
+
+
+def test_tensorboard_gets_every_tag_of_each_logging_step_in_one_event(mlp, tmp_path):
+    steps, every = 8, 3
+    tb = TensorBoardHook(str(tmp_path), log_every=every, global_batch_size=BATCH, num_steps=steps)
+    tx = xshard.cross_shard(optax.adam(3e-3), "mean", skip_nonfinite=True)
+    trainer = Trainer(mlp, tx, mesh_of((8,), ("data",)), global_batch_size=BATCH)
+    first = next(iter(mlp.batches(BATCH, seed=0)))
+    rec = Recorder()
+    _, reason = trainer.fit(
+        trainer.init(trainer.init_params(first)),
+        mlp.batches(BATCH, seed=0),
+        num_steps=steps,
+        hooks=[rec, tb],
+        stats_every=2,
+        layer_stats_every=every,
+    )
+    assert reason == "done"
+    events = load_events(tmp_path)
+    logged = (3, 6, 8)  # every 3rd step and the last
+    for step, metrics in rec.metrics.items():
+        for tag, value in metrics.items():
+            if tag == "perf/compile_time_s":
+                continue  # written at the first step, logged or not
+            points = {e.step: e.value for e in events.Scalars(tag)}
+            if step in logged and (tag != "grad/noise_scale" or np.isfinite(value)):
+                np.testing.assert_allclose(points[step], value, rtol=1e-6)
+            else:
+                assert step not in points, (tag, step)
+    for step in logged:
+        for tag in ("perf/steps_per_sec", "perf/examples_per_sec"):
+            assert step in {e.step for e in events.Scalars(tag)}
+    for step, diag in rec.diagnostics.items():
+        assert step in (3, 6)
+        for name, value in diag["grad_norms"].items():
+            points = {e.step: e.value for e in events.Scalars(f"layers/grad_norm/{name}")}
+            np.testing.assert_allclose(points[step], value, rtol=1e-6)
+    # The scalars of a logging step are one event: one wall time (the per-layer norms another).
+    for step in logged:
+        times = {
+            e.wall_time
+            for tag in events.Tags()["scalars"]
+            if not tag.startswith(("layers/", "hparams/", "perf/compile"))
+            for e in events.Scalars(tag)
+            if e.step == step
+        }
+        assert len(times) == 1, (step, times)

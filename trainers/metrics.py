@@ -96,9 +96,14 @@ class StepMetrics(Mapping[str, float]):
             )
         return self._diagnostics
 
+    def host_values(self) -> dict[str, float]:
+        """The metrics as a new dict (fetched once): ``dict(metrics)`` without a lookup per
+        key, which `Trainer.fit` hands to its hooks every step."""
+        return dict(self._fetch())
+
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
-            device = np.asarray(jax.device_get(self.values)).tolist()
+            device = np.asarray(self.values).tolist()  # replicated: this process's copy
             self._device = dict(zip(self.keys_, device, strict=True))
             shown = {k: v for k, v in self._device.items() if k not in self.hidden}
             self._host = {**shown, **self._host}

@@ -164,9 +164,8 @@ class TensorBoardHook(Hook):
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
         self.last_step = step
-        now = time.perf_counter()
         if self._window_start is None:
-            self._window_start = (step, now)  # the first step includes compilation
+            self._window_start = (step, time.perf_counter())  # the first step: compilation
         if "grad/noise_trace" in metrics:  # every statistics step, logged or not
             self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "grad/clip_fired" in metrics:
@@ -175,36 +174,41 @@ class TensorBoardHook(Hook):
             self.writer.add_scalar("perf/compile_time_s", metrics["perf/compile_time_s"], step)
         if step % self.log_every and step != self.num_steps:
             return
-        for tag, value in metrics.items():
-            if tag == "grad/noise_scale" and not math.isfinite(value):
-                continue  # undefined on steps where the |G|^2 estimate is <= 0
-            self.writer.add_scalar(tag, value, step)
+        now = time.perf_counter()
+        # Everything of a logging step goes out as one event (`SafeSummaryWriter.add_scalars`).
+        scalars = [
+            (tag, value)
+            for tag, value in metrics.items()
+            # undefined on steps where the |G|^2 estimate is <= 0
+            if tag != "grad/noise_scale" or math.isfinite(value)
+        ]
         if self._clip_fired:  # how often the global clip fired since the last write
             rate = sum(self._clip_fired) / len(self._clip_fired)
-            self.writer.add_scalar("grad/clip_fired_rate", rate, step)
+            scalars.append(("grad/clip_fired_rate", rate))
             self._clip_fired = []
         if self.noise_ema.value is not None:
-            self.writer.add_scalar("grad/noise_scale_ema", self.noise_ema.value, step)
+            scalars.append(("grad/noise_scale_ema", self.noise_ema.value))
         start_step, start_time = self._window_start
         if step > start_step and now > start_time:
-            self._log_speed((step - start_step) / (now - start_time), step)
+            scalars += self._speed((step - start_step) / (now - start_time))
+        self.writer.add_scalars(scalars, step)
         self._window_start = (step, now)
         self._check()
 
-    def _log_speed(self, steps_per_sec: float, step: int) -> None:
+    def _speed(self, steps_per_sec: float) -> list[tuple[str, float]]:
         """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
         examples = steps_per_sec * self.global_batch_size
-        self.writer.add_scalar("perf/steps_per_sec", steps_per_sec, step)
-        self.writer.add_scalar("perf/examples_per_sec", examples, step)
+        out = [("perf/steps_per_sec", steps_per_sec), ("perf/examples_per_sec", examples)]
         if self.tokens_per_example:
-            self.writer.add_scalar("perf/tokens_per_sec", examples * self.tokens_per_example, step)
+            out.append(("perf/tokens_per_sec", examples * self.tokens_per_example))
         if self._flops is None and self._step_flops is not None:
             self._flops = self._step_flops()
         if self._flops:
             per_device = self._flops * steps_per_sec
-            self.writer.add_scalar("perf/flops_per_sec", per_device * self.num_devices, step)
+            out.append(("perf/flops_per_sec", per_device * self.num_devices))
             if self.peak_flops_per_device:
-                self.writer.add_scalar("perf/mfu", per_device / self.peak_flops_per_device, step)
+                out.append(("perf/mfu", per_device / self.peak_flops_per_device))
+        return out
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Writes an evaluation's metrics (``eval/<name>``) at `step` (an `EvalHook` sink)."""
@@ -214,10 +218,12 @@ class TensorBoardHook(Hook):
         self._check()
 
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
-        for name, value in diag.get("grad_norms", {}).items():
-            self.writer.add_scalar(f"layers/grad_norm/{name}", float(value), step)
-        for name, value in diag.get("param_norms", {}).items():
-            self.writer.add_scalar(f"layers/param_norm/{name}", float(value), step)
+        norms = [
+            (f"layers/{kind}/{name}", float(value))
+            for kind, key in (("grad_norm", "grad_norms"), ("param_norm", "param_norms"))
+            for name, value in diag.get(key, {}).items()
+        ]
+        self.writer.add_scalars(norms, step)
         for name, h in diag.get("grad_hist", {}).items():
             if float(h["num"]) > 0:
                 self.writer.add_histogram_raw(

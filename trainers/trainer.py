@@ -453,7 +453,7 @@ class Trainer:
     @staticmethod
     def _emit(pending: tuple[int, Any], hooks: Sequence[Hook]) -> None:
         step, metrics = pending
-        host = dict(metrics)  # waits for this step only
+        host = metrics.host_values()  # waits for this step only
         for h in hooks:
             h.on_step(step, host)
         diag = metrics.diagnostics  # None except on the steps that log them

@@ -4,12 +4,17 @@ On the smallest model (mlp), where a step is a few milliseconds and the host mat
 the loops share one `Trainer` (so one compiled step), each with its own state, fed the same
 host (NumPy) batches:
 
-* ``bare_loop`` — ``state, m = trainer.step(state, batch)``, blocking every 10 steps;
+* ``bare_loop`` — ``state, m = trainer.step(state, batch)``, blocking every 10 steps, at the
+  statistics level `fit` runs each step by default (its default ``stats_every``: statistics
+  on every ``stats_every``-th step and on the last step of each call);
 * ``bare_loop_device_batches`` — the same fed batches already on the devices: the difference
   to ``bare_loop`` is the host-to-device placement of each batch, which every loop pays;
 * ``fit_no_hooks`` — `Trainer.fit` with no hooks (it fetches each step's metrics one step late);
-* ``fit_hooks`` — `Trainer.fit` with the CLI's hooks: `TensorBoardHook` (log_every=10, to a
-  temporary directory), `ProgressHook` (enabled, drawing to /dev/null) and `NonFiniteMonitor`.
+* ``fit_hooks`` — `Trainer.fit` with the CLI's hooks, in the CLI's order: `RunSummary`,
+  `NonFiniteMonitor`, `TensorBoardHook` (log_every=10, to a temporary directory),
+  `ProgressHook` (enabled, drawing to /dev/null) and an idle `CheckpointHook` (the CLI's
+  checkpoint options from the composed config, to a temporary directory, ``every_steps``
+  beyond the run: it never saves while timed).
 
 A block is one `fit` call of `steps_per_block` steps (the bare loop: as many steps); hooks
 live across blocks (their `on_end` is not called per block), so only the loop's per-call
@@ -19,6 +24,8 @@ overhead (reading ``state.step`` at the start and end) is added, and it counts a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import itertools
 import os
 import tempfile
@@ -28,27 +35,43 @@ import jax
 
 from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
+from trainers.checkpointing import CheckpointHook, run_config
 from trainers.monitor import NonFiniteMonitor, ProgressHook
+from trainers.summary import RunSummary
 from trainers.tb_logger import TensorBoardHook
 from trainers.trainer import Hook, Trainer
+from xshard.config import CheckpointOptions
 
 TASK = "mlp"
 SYNC_EVERY = 10
+#: `fit`'s default statistics period, which the fit loops run and the bare loops copy.
+STATS_EVERY = inspect.signature(Trainer.fit).parameters["stats_every"].default
 
 
 class BareLoop:
-    """`Trainer.step` in a plain Python loop, blocking every `SYNC_EVERY` steps."""
+    """`Trainer.step` in a plain Python loop, blocking every `SYNC_EVERY` steps.
+
+    Each step runs at the level `fit` would run it with its default `STATS_EVERY` (a block
+    is one `fit` call, whose last step always computes the statistics).
+    """
 
     def __init__(self, name: str, trainer: Trainer, state: Any, batches: list[Any]):
         self.name, self.trainer, self.state = name, trainer, state
         self.batches = itertools.cycle(batches)
+        self.done = int(jax.device_get(state.step))
 
     def run(self, steps: int) -> None:
         metrics = None
+        end = self.done + steps
         for i in range(steps):
-            self.state, metrics = self.trainer.step(self.state, next(self.batches))
+            step = self.done + i + 1
+            with_stats = step == end or (STATS_EVERY > 0 and step % STATS_EVERY == 0)
+            self.state, metrics = self.trainer.step(
+                self.state, next(self.batches), with_stats=with_stats
+            )
             if (i + 1) % SYNC_EVERY == 0:
                 jax.block_until_ready(metrics)
+        self.done = end
         jax.block_until_ready((self.state, metrics))
 
 
@@ -96,7 +119,15 @@ def run(bench: Bench) -> dict[str, Any]:
     params = bench.initial_params(TASK)
     plan = bench.settings.plan(TASK, "host")
     total = plan.steps_per_block * (plan.warmup_blocks + plan.rounds) + 1
-    with tempfile.TemporaryDirectory() as tb_dir, open(os.devnull, "w") as devnull:
+    # The CLI's checkpoint options; saving only beyond the run keeps the hook idle.
+    ckpt_options = dataclasses.replace(
+        CheckpointOptions.from_config(wl.cfg.checkpoint), every_steps=total + 1
+    )
+    fit_state = trainer.init(params)
+    with contextlib.ExitStack() as stack:
+        tb_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        ckpt_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        devnull = stack.enter_context(open(os.devnull, "w"))
         tb = TensorBoardHook(
             tb_dir,
             log_every=int(wl.cfg.trainer.log_every),
@@ -104,13 +135,20 @@ def run(bench: Bench) -> dict[str, Any]:
             num_steps=total,
             flush_secs=int(wl.cfg.logger.flush_secs),
         )
+        stack.callback(tb.close)
         with contextlib.redirect_stderr(devnull):  # tqdm binds its stream at construction
             progress = ProgressHook(start_step=0, num_steps=total, enabled=True)
+        stack.callback(progress.bar.close)
         monitor = NonFiniteMonitor(
             skip_nonfinite=bool(wl.cfg.reduction.skip_nonfinite),
             max_consecutive=int(wl.cfg.trainer.max_consecutive_nonfinite),
         )
-        hooks = [KeepOpen(h) for h in (monitor, tb, progress)]
+        summary = RunSummary()
+        summary.begin(num_steps=total, start_step=0, checkpoint_dir=ckpt_dir)
+        checkpoints = CheckpointHook(ckpt_dir, ckpt_options, run_config(wl.cfg))
+        stack.callback(checkpoints.close)
+        checkpoints.prepare(fit_state)  # as train.py does
+        hooks = [KeepOpen(h) for h in (summary, monitor, tb, progress, checkpoints)]
         loops = [
             BareLoop("bare_loop", trainer, trainer.init(params), wl.host_batches),
             BareLoop(
@@ -120,13 +158,11 @@ def run(bench: Bench) -> dict[str, Any]:
                 [trainer.global_batch(b) for b in wl.host_batches],
             ),
             FitLoop("fit_no_hooks", trainer, trainer.init(params), wl.host_batches, []),
-            FitLoop("fit_hooks", trainer, trainer.init(params), wl.host_batches, hooks),
+            FitLoop("fit_hooks", trainer, fit_state, wl.host_batches, hooks),
         ]
-        try:
-            timings = interleave(loops, plan)
-        finally:
-            progress.bar.close()
-            tb.close()
+        timings = interleave(loops, plan)
+        if checkpoints.last_saved is not None:
+            raise RuntimeError(f"the idle checkpoint hook saved step {checkpoints.last_saved}")
     bare = timings["bare_loop"]
     med = {n: t.summary()["median_ms"] for n, t in timings.items()}
     return {

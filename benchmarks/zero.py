@@ -156,6 +156,7 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
                 "collectives": comm["counts"],
                 "sent_bytes_per_device": comm["sent_bytes"],
                 "ring_limit_bytes": int(2 * (n - 1) / n * grad_bytes),
+                "compile_s": round(trainer.compile_seconds or 0.0, 2),
             }
             loops.append(_Loop(name, trainer, state, batch))
     plan = Plan(1, 2, 1) if smoke else Plan(1, 8, 3)
@@ -193,9 +194,9 @@ def render(results: dict[str, Any]) -> str:
             (
                 "| variant | params KiB/dev | opt state KiB/dev | args KiB | temps KiB | "
                 "collectives (> 16 elements) | sent KiB/dev | ring limit KiB | step ms | "
-                "vs zero0 |"
+                "vs zero0 | compile s |"
             ),
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, v in sec["variants"].items():
             c = v.get("compiled") or {}
@@ -207,7 +208,8 @@ def render(results: dict[str, Any]) -> str:
                 f"{_kib(c.get('argument_size_in_bytes'))} | {_kib(c.get('temp_size_in_bytes'))} | "
                 f"{ops} | {_kib(v['sent_bytes_per_device'])} | {_kib(v['ring_limit_bytes'])} | "
                 f"{step.get('median_ms', '-')} | "
-                f"{v.get('vs_replicated', {}).get('paired_median', '-')} |"
+                f"{v.get('vs_replicated', {}).get('paired_median', '-')} | "
+                f"{v.get('compile_s', '-')} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -134,11 +134,18 @@ def test_a_killed_process_ends_the_other_in_bounded_time_and_the_rerun_resumes(t
     )
     procs[1].kill()  # kill -9
     killed = time.monotonic()
-    assert finish(procs, logs, timeout=60)[0] == EXIT_PEER_LOST, tail(logs[0])
+    status = finish(procs, logs, timeout=60)[0]
     assert time.monotonic() - killed < 5 + 15  # the heartbeat timeout, then a few polls
-    lines = [ln for ln in logs[0].read_text().splitlines() if ln.startswith("xshard: error:")]
-    assert len(lines) == 1 and "Lost process 1" in lines[0], tail(logs[0])
-    assert "no heartbeat for" in lines[0] and "Last complete checkpoint: step" in lines[0]
+    text = logs[0].read_text()
+    if status == -signal.SIGABRT:
+        # Gloo noticed first: the peer vanished in the middle of a collective's message, and
+        # gloo aborts the process itself (docs/multihost.md, known limits). Seen under load.
+        assert "[enforce fail at external/gloo" in text, tail(logs[0])
+    else:
+        assert status == EXIT_PEER_LOST, tail(logs[0])
+        lines = [ln for ln in text.splitlines() if ln.startswith("xshard: error:")]
+        assert len(lines) == 1 and "Lost process 1" in lines[0], tail(logs[0])
+        assert "no heartbeat for" in lines[0] and "Last complete checkpoint: step" in lines[0]
 
     last = complete_steps(run_dir / "checkpoints")[-1]
     load_arrays(run_dir / "checkpoints" / str(last))  # the last complete checkpoint is valid

@@ -43,10 +43,9 @@ from trainers.zero_step import (
 from xshard import Reduction
 from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
-from xshard.layer_stats import leaf_norms
 from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
 from xshard.slots import cross_shard_state, has_cross_shard_state
-from xshard.stats import Flag, tree_norm, when
+from xshard.stats import Flag, leaf_sq_norms, tree_norm, when
 from xshard.unit_batch import unit_batch
 
 __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
@@ -139,7 +138,7 @@ def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Ar
     """The update/param norms, and the new params' per-leaf norms (from the same sums)."""
     # Only the new params are read: reading the old ones after the update would make XLA
     # copy the donated params every step.
-    leaf_sq = jnp.square(leaf_norms(new_params))
+    leaf_sq = leaf_sq_norms(new_params)
     param_norm = jnp.sqrt(jnp.sum(leaf_sq))
     metrics = {
         "optim/update_norm": update_norm,
@@ -218,46 +217,50 @@ def make_train_step(
 
     own_phases = cross_shard_phases(tx)
 
+    def measure(new_params, updates, summary=None):
+        """What statistics steps measure of the update: `_norm_metrics`."""
+        del summary
+        return _norm_metrics(new_params, jnp.sqrt(jnp.sum(leaf_sq_norms(updates))))
+
     def update(params, opt_state, grads, flags):
         """(new params, optimizer state, cross_shard state, whether it is the optimizer's,
-        the update's norm where ``flags["with_stats"]`` holds)."""
-        norm_flag = flags["with_stats"]
+        `measure` where ``flags["with_stats"]`` holds, NaN elsewhere)."""
 
         def applied(updates):
-            norm = when(norm_flag, lambda: tree_norm(updates))
-            return optax.apply_updates(params, updates), norm
+            new_params = optax.apply_updates(params, updates)
+            return new_params, when(flags["with_stats"], lambda: measure(new_params, updates))
 
         if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
             if phases.own:
-                new_params, opt_state, norm = phases.apply(
-                    grads, opt_state, params, update_norm=norm_flag, **flags
+                new_params, opt_state, measured = phases.apply(
+                    grads, opt_state, params, measure=measure, **flags
                 )
-                return new_params, opt_state, cross_shard_state(opt_state), True, norm
+                return new_params, opt_state, cross_shard_state(opt_state), True, measured
             check_unwrapped(opt_state)
             grads, cs = phases.finish(grads, front.init(params), params, **flags)
             updates, opt_state = tx.update(grads, opt_state, params)
             return *applied(updates), opt_state, cs, False
         if own_phases is not None and has_cross_shard_state(opt_state):
             # The optimizer is cross_shard itself: the update applied in the guard's branch.
-            local = own_phases.reduce(grads, params, with_stats=norm_flag)
-            new_params, opt_state, norm = own_phases.apply(
-                local, opt_state, params, update_norm=norm_flag, **flags
+            local = own_phases.reduce(grads, params, with_stats=flags["with_stats"])
+            new_params, opt_state, measured = own_phases.apply(
+                local, opt_state, params, measure=measure, **flags
             )
-            return new_params, opt_state, cross_shard_state(opt_state), True, norm
+            return new_params, opt_state, cross_shard_state(opt_state), True, measured
         if has_cross_shard_state(opt_state):  # cross_shard inside a chain
             updates, opt_state = tx.update(grads, opt_state, params, **flags)
-            new_params, norm = applied(updates)
-            return new_params, opt_state, cross_shard_state(opt_state), True, norm
+            new_params, measured = applied(updates)
+            return new_params, opt_state, cross_shard_state(opt_state), True, measured
         grads, cs = front.update(grads, front.init(params), params, **flags)
         updates, opt_state = tx.update(grads, opt_state, params)
-        new_params, norm = applied(updates)
-        return new_params, opt_state, cs, False, norm
+        new_params, measured = applied(updates)
+        return new_params, opt_state, cs, False, measured
 
     def train_and_measure(params, opt_state, grads, level):
         flags = level_flags(level, levels)
         if zero:  # the update on each device's slice
             params, grads = constrain_for_update(layout, params, grads)
-        new_params, opt_state, cs, own, update_norm = update(params, opt_state, grads, flags)
+        new_params, opt_state, cs, own, measured = update(params, opt_state, grads, flags)
         if zero:
             new_params = updated(layout, new_params)
         metrics, stats_only = state_metrics(
@@ -267,9 +270,7 @@ def make_train_step(
             per_shard=per_shard,
             batch_sizes=(per_shard_batch, spec.global_batch_size),
         )
-        norms, param_leaf_norms = when(
-            flags["with_stats"], lambda: _norm_metrics(new_params, update_norm)
-        )
+        norms, param_leaf_norms = measured
         metrics |= norms
         stats_keys.update(stats_only | set(norms))
         diag = None

@@ -58,7 +58,7 @@ def constrain_for_update(layout: ZeroLayout, params: Any, grads: Any) -> tuple[A
         g = jax.lax.with_sharding_constraint(g, base)
     g = jax.lax.with_sharding_constraint(g, sharded)
     params = jax.lax.with_sharding_constraint(params, sharded)
-    return params, (local._replace(updates=g) if local is not None else g)
+    return params, (dataclasses.replace(local, updates=g) if local is not None else g)
 
 
 def data_spec(dim: int | None, axes: tuple[str, ...]) -> P:
@@ -132,6 +132,8 @@ def manual_zero_step(
             flags = level_flags(traced[0] if traced else levels[0], levels)
             loss, aux, grads, model_state = shard_grads(params, model_state, batch, rng)
             local = reduce_fn(grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
+            # Divided here: the reduction leaves the shard_map as the gradient itself.
+            local = dataclasses.replace(local, updates=local.gradient(), parts=None, mean_over=1)
             metrics = {"train/loss": jax.lax.pmean(loss, axes)}
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
             return local, model_state, metrics

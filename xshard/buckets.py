@@ -158,3 +158,43 @@ def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames, *, pack: bool | 
         return out
 
     return _packed(tree, dims, one, many, pack)
+
+
+def psum_tree(
+    tree: Any, axis_name: AxisNames, *, pack: bool | None = None
+) -> tuple[Any, list[jax.Array]]:
+    """``psum`` of every leaf, the leaves of one dtype packed into one flat buffer
+    (`packs_by_default`).
+
+    XLA:CPU combines per-leaf all-reduces into one collective itself, but that collective
+    carries a tuple of buffers; one packed buffer is faster to reduce across its in-process
+    devices, and a reduction over the whole gradient (a norm, a finiteness check) is then one
+    kernel over it instead of a few per leaf.
+
+    Args:
+      tree: per-shard arrays (None leaves pass through).
+      axis_name: the manual mesh axis, or axes, to reduce over.
+      pack: pack (True), one psum per leaf (False); None: `packs_by_default`.
+
+    Returns:
+      (a tree like `tree` of the sums, as ``jax.lax.psum(tree, axis_name)``; the summed
+      buffers that hold them: the packed ones and the leaves not packed, every element once).
+    """
+    dims = jax.tree.map(lambda _: 0, tree)
+    parts: list[jax.Array] = []
+
+    def one(x, _):
+        summed = jax.lax.psum(x, axis_name)
+        parts.append(summed)
+        return summed
+
+    def many(xs, _):
+        summed = jax.lax.psum(jnp.concatenate([x.reshape(-1) for x in xs]), axis_name)
+        parts.append(summed)
+        out, start = [], 0
+        for x in xs:
+            out.append(summed[start : start + x.size].reshape(x.shape))
+            start += x.size
+        return out
+
+    return _packed(tree, dims, one, many, pack), parts

@@ -1,30 +1,50 @@
-"""The two transforms after the reduction: a summary of the reduced gradient and the
-non-finite guard.
+"""Everything after the reduction: the non-finite guard, the inner optimizer, its application
+and the step's statistics, in as few branches as XLA needs.
 
-* `summarize_updates` records the norm, max |g|, non-finite count and per-leaf norms of the
-  updates passing through (`xshard.stats.GradSummary`), so the trainer logs them without a second pass.
-* `skip_if_nonfinite` applies the inner optimizer only when the updates are finite, like
-  `optax.apply_if_finite` (same state field names), but never gives up: the trainer decides
-  how many skipped steps in a row are too many. After the reduction the updates are identical
-  on every shard, so every shard takes the same decision.
+A `lax.cond` is a fusion barrier, and XLA:CPU runs every branch as a nested program: each
+cond a step takes costs about as much as a few kernels, and an update split over several conds
+(statistics, guard, histograms, norms) is split into kernels too. `guarded_update` decides
+with what is known before the update:
+
+* whether the reduced gradient's **squared norm is finite**. It is taken on every step (one
+  reduction over the packed gradient on CPU, what a finiteness check costs anyway), so the
+  gradient's global norm comes free. Finite: every element is finite, and the inner update
+  is computed and applied in one branch (XLA fuses them). Not finite: a NaN or Inf somewhere,
+  or (|g| ~ 1e19) squares that overflowed float32; with `skip_nonfinite` the update is skipped
+  and the state returned as it was (as `optax.apply_if_finite`), and the non-finite elements
+  are counted. The gradient is the same on every shard after the reduction, so every shard
+  takes the same branch. Exactly two branches carry the state: with a third, or a nested
+  cond that returns it, XLA:CPU copies the donated params and optimizer state every step.
+* the step's **level**, in a switch nested in the update's branch that returns statistics
+  only: statistics steps also compute max |g|, the per-leaf norms and the caller's
+  measurements of the result (e.g. the update's and the new params' norms), histogram steps
+  the per-leaf histograms. Flags that are Python bools prune the levels when tracing.
+
+Without `skip_nonfinite` the update is not in a branch at all (it compiles exactly as the
+inner optimizer alone); only the statistics are.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from xshard.layer_stats import HISTOGRAM_BINS, Histograms, leaf_histograms
 from xshard.stats import (
     Flag,
     GradSummary,
     count_nonfinite,
-    guard_summary,
-    summarize,
-    tree_norm,
-    when,
+    finite_values,
+    leaf_sq_norms,
+    nan_like,
+    tree_max_abs,
+    tree_sq_norm,
 )
 
 
@@ -39,26 +59,8 @@ def empty_summary(params: Any = ()) -> GradSummary:
     )
 
 
-def summarize_updates() -> optax.GradientTransformationExtraArgs:
-    """Records a `GradSummary` of the updates in its state; the updates pass unchanged.
-
-    The extra update argument ``with_stats`` (a bool, may be traced) limits the work: when
-    false only max |g| and the non-finite count are computed (the norms are NaN), saving a
-    reduction per leaf on steps that log nothing, in the same compiled program.
-    """
-
-    def init_fn(params):
-        return empty_summary(params)
-
-    def update_fn(updates, state, params=None, *, with_stats=None, **extra_args):
-        del state, params, extra_args
-        return updates, when(with_stats, lambda: summarize(updates), lambda: guard_summary(updates))
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
 class SkipIfNonFiniteState(NamedTuple):
-    """State of `skip_if_nonfinite` (field names as `optax.ApplyIfFiniteState`)."""
+    """State of the non-finite guard (field names as `optax.ApplyIfFiniteState`)."""
 
     notfinite_count: jax.Array  # int32: skipped updates in a row, reset by a finite one
     last_finite: jax.Array  # bool: whether the last update was finite
@@ -66,97 +68,69 @@ class SkipIfNonFiniteState(NamedTuple):
     inner_state: optax.OptState
 
 
-def skip_if_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Applies `inner` only to finite updates; otherwise zero updates and `inner`'s state kept.
-
-    Args:
-      inner: the optimizer to guard (extra arguments are forwarded to it).
-
-    Returns:
-      A transformation whose `update` accepts the extra argument ``nonfinite``: the number of
-      non-finite elements of the updates when the caller already counted them (e.g.
-      `summarize_updates`); otherwise they are counted here.
-    """
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params):
-        return SkipIfNonFiniteState(
-            jnp.zeros((), jnp.int32),
-            jnp.ones((), jnp.bool_),
-            jnp.zeros((), jnp.int32),
-            inner.init(params),
-        )
-
-    def update_fn(updates, state, params=None, *, nonfinite=None, **extra_args):
-        finite = (count_nonfinite(updates) if nonfinite is None else nonfinite) == 0
-
-        def apply_inner(inner_state):
-            return inner.update(updates, inner_state, params, **extra_args)
-
-        def skip(inner_state):
-            shapes = jax.eval_shape(apply_inner, inner_state)[0]
-            return jax.tree.map(_zeros_like_abstract, shapes), inner_state
-
-        # A cond, not a select: XLA then updates the donated inner state in place.
-        new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip, state.inner_state)
-        return new_updates, _counted(state, finite, new_inner)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _counted(
-    state: SkipIfNonFiniteState, finite: jax.Array, new_inner: optax.OptState
-) -> SkipIfNonFiniteState:
-    """The guard's next state: the skip counters after an update that was (not) `finite`."""
-    bad = jnp.where(finite, 0, 1).astype(jnp.int32)
+def init_guard(inner: optax.GradientTransformation, params: Any) -> SkipIfNonFiniteState:
+    """The guard's initial state around `inner`'s."""
     return SkipIfNonFiniteState(
-        jnp.where(finite, 0, state.notfinite_count + 1).astype(jnp.int32),
-        finite,
+        jnp.zeros((), jnp.int32),
+        jnp.ones((), jnp.bool_),
+        jnp.zeros((), jnp.int32),
+        inner.init(params),
+    )
+
+
+def counted(
+    state: SkipIfNonFiniteState, applied: jax.Array, new_inner: optax.OptState
+) -> SkipIfNonFiniteState:
+    """The guard's next state: the skip counters after an update that was (not) `applied`."""
+    bad = jnp.where(applied, 0, 1).astype(jnp.int32)
+    return SkipIfNonFiniteState(
+        jnp.where(applied, 0, state.notfinite_count + 1).astype(jnp.int32),
+        applied,
         state.total_notfinite + bad,
         new_inner,
     )
 
 
-def guarded_apply(inner: optax.GradientTransformation, *, skip_nonfinite: bool):
-    """`skip_if_nonfinite` (or `apply_always`) and `optax.apply_updates` as one step.
+class StepRecord(NamedTuple):
+    """What the branch a `guarded_update` took recorded.
 
-    The guard's cond is a fusion barrier for XLA: with the updates leaving it, their addition
-    to the params is a kernel (and a pass over the params) of its own per leaf. Here the
-    addition happens in the branch that computes the updates, so XLA fuses it with the inner
-    optimizer's update, as in a step without a guard; the skip branch returns the params
-    unchanged. The values are those of the guard's update followed by `optax.apply_updates`.
-
-    Args:
-      inner: the optimizer (extra arguments are forwarded to it).
-      skip_nonfinite: skip non-finite updates (`skip_if_nonfinite`), else always apply.
-
-    Returns:
-      ``apply(updates, state, params, *, nonfinite=None, update_norm=False, **extra) ->
-      (new_params, new_state, update_norm)`` for a `SkipIfNonFiniteState` `state`; the
-      update's global norm is computed where `update_norm` (a `when` flag) holds (0 for a
-      skipped update), NaN elsewhere.
+    Attributes:
+      summary: the reduced gradient's `GradSummary`: its norms (of its finite elements when
+        it has others), the non-finite count, and max |g| on statistics steps (else NaN).
+      histograms: per-leaf `Histograms` of the gradient on histogram steps (else NaN), or
+        `optax.EmptyState()` without statistics.
+      applied: bool scalar, whether the update was applied (False: skipped).
+      measured: the caller's ``measure`` on statistics steps (NaN elsewhere), or None.
     """
-    inner = optax.with_extra_args_support(inner)
 
-    def apply(updates, state, params, *, nonfinite=None, update_norm: Flag = False, **extra):
-        def step(inner_state):
-            new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
-            norm = when(update_norm, lambda: tree_norm(new_updates))
-            return optax.apply_updates(params, new_updates), new_inner, norm
+    summary: GradSummary
+    histograms: Histograms | optax.EmptyState
+    applied: jax.Array
+    measured: Any
 
-        if not skip_nonfinite:
-            new_params, new_inner, norm = step(state.inner_state)
-            return new_params, state._replace(inner_state=new_inner), norm
-        finite = (count_nonfinite(updates) if nonfinite is None else nonfinite) == 0
 
-        def skip(inner_state):
-            norm = jax.eval_shape(step, inner_state)[2]
-            return params, inner_state, _zeros_like_abstract(norm)
+def _values(flag: Flag) -> tuple[bool, ...]:
+    """The values `flag` may take at run time."""
+    if flag is None or flag is True:
+        return (True,)
+    if flag is False:
+        return (False,)
+    return (False, True)
 
-        new_params, new_inner, norm = jax.lax.cond(finite, step, skip, state.inner_state)
-        return new_params, _counted(state, finite, new_inner), norm
 
-    return apply
+def _position(flag: Flag, values: tuple[bool, ...]) -> jax.Array | int:
+    return 0 if len(values) == 1 else jnp.asarray(flag, jnp.int32)
+
+
+def _varying(x: Any) -> frozenset[str]:
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def _vary_like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """`x` cast to varying over the manual axes `ref` varies over and it does not."""
+    missing = tuple(sorted(_varying(ref) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:
@@ -167,17 +141,156 @@ def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-def apply_always(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """`skip_if_nonfinite`'s state layout without the guard: `inner` applies to every update.
+def guarded_update(
+    inner: optax.GradientTransformation,
+    *,
+    skip_nonfinite: bool,
+    track_stats: bool,
+    bins: int = HISTOGRAM_BINS,
+) -> Callable[..., tuple[Any, optax.OptState, StepRecord]]:
+    """The update of `inner` on a reduced gradient, guarded and measured in one branch.
 
-    Lets `cross_shard` keep one state structure whether or not it skips non-finite steps.
+    Args:
+      inner: the optimizer (extra arguments are forwarded to it).
+      skip_nonfinite: skip updates whose gradient holds a NaN or Inf (else apply them).
+      track_stats: compute max |g| on statistics steps and histograms on histogram steps.
+      bins: buckets of every histogram.
+
+    Returns:
+      ``run(gradient, sq_norm, inner_state, params, *, finalize, skipped=None,
+      with_stats=None, histograms=None, measure=None, **extra) -> (out, new inner state,
+      StepRecord)``. ``gradient()`` returns the reduced gradient; it is called in every
+      computation that reads it, so that what it computes (e.g. ``pmean``'s division) fuses
+      into its consumers there. ``sq_norm()`` returns its squared global norm (None:
+      computed from ``gradient()``). ``finalize(params, updates)`` turns the inner
+      optimizer's updates into `out` (`optax.apply_updates`, or the updates themselves);
+      ``skipped(params)`` is `out` for a skipped update (default: `finalize` of zero
+      updates). ``measure(out, updates, summary)`` returns a pytree of arrays computed on
+      statistics steps (for a skipped update `out` is the skipped one and the updates are
+      zeros). The flags are None, a Python bool or a traced bool; ``with_stats`` defaults to
+      every step, ``histograms`` to never.
     """
-    guarded = skip_if_nonfinite(inner)
     inner = optax.with_extra_args_support(inner)
 
-    def update_fn(updates, state, params=None, *, nonfinite=None, **extra_args):
-        del nonfinite
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
-        return new_updates, state._replace(inner_state=new_inner)
+    def run(
+        gradient: Callable[[], Any],
+        sq_norm: Callable[[], jax.Array] | None,
+        inner_state: optax.OptState,
+        params: Any,
+        *,
+        finalize: Callable[[Any, Any], Any],
+        skipped: Callable[[Any], Any] | None = None,
+        with_stats: Flag = None,
+        histograms: Flag = None,
+        measure: Callable[[Any, Any, GradSummary], Any] | None = None,
+        **extra: Any,
+    ):
+        total = tree_sq_norm(gradient()) if sq_norm is None else sq_norm()
+        n = len(jax.tree.leaves(jax.eval_shape(gradient)))
+        hist_flag = (False if histograms is None else histograms) if track_stats else False
+        stats_values, hist_values = _values(with_stats), _values(hist_flag)
+        levels = list(itertools.product(stats_values, hist_values))
 
-    return optax.GradientTransformationExtraArgs(guarded.init, update_fn)
+        def step(g, params, inner_state):
+            updates, new_inner = inner.update(g, inner_state, params, **extra)
+            return finalize(params, updates), new_inner, updates
+
+        def skip(g, params, inner_state):
+            shapes = jax.eval_shape(step, g, params, inner_state)[2]
+            updates = jax.tree.map(_zeros_like_abstract, shapes)
+            out = finalize(params, updates) if skipped is None else skipped(params)
+            return out, inner_state, updates
+
+        def statistics(g, seen, out, updates, summary, stats: bool, hist: bool):
+            """(max |g|, per-leaf norms, the caller's measurements, histograms) at a level."""
+            norms = summary.leaf_norms
+            if norms is None:  # finite gradient: the leaf norms are a statistic
+                norms = jnp.sqrt(leaf_sq_norms(g)) if stats else jnp.full((n,), jnp.nan)
+            max_abs = tree_max_abs(seen) if stats and track_stats else jnp.full((), jnp.nan)
+            measured = None
+            if measure is not None:
+                compute = lambda: measure(out, updates, summary._replace(leaf_norms=norms))  # noqa: E731
+                measured = compute() if stats else nan_like(jax.eval_shape(compute))
+            hists: Histograms | optax.EmptyState = optax.EmptyState()
+            if track_stats:
+                compute = lambda: leaf_histograms(g, bins)  # noqa: E731
+                hists = compute() if hist else nan_like(jax.eval_shape(compute))
+            return jnp.asarray(max_abs, jnp.float32), norms, measured, hists
+
+        def record(summary, applied, stats_out):
+            max_abs, norms, measured, hists = stats_out
+            summary = summary._replace(max_abs=max_abs, leaf_norms=norms)
+            # Constants vary like the gradient (over the axes it was not reduced over).
+            summary = jax.tree.map(lambda x: _vary_like(x, total), summary)
+            return StepRecord(summary, hists, applied, measured)
+
+        def finite_summary():
+            return GradSummary(jnp.sqrt(total), None, jnp.zeros((), jnp.int32), None)
+
+        def rare_summary(g):
+            nonfinite, seen = count_nonfinite(g), finite_values(g)
+            clean = leaf_sq_norms(seen)
+            return GradSummary(jnp.sqrt(jnp.sum(clean)), None, nonfinite, jnp.sqrt(clean)), seen
+
+        def finite_statistics(g, out, updates):
+            """The statistics of the step's level (a switch over the levels served)."""
+            summary = finite_summary()
+            per_level = [
+                functools.partial(statistics, g, g, out, updates, summary, s, h)
+                for s, h in levels
+            ]
+            stats_out = (
+                per_level[0]() if len(per_level) == 1 else jax.lax.switch(level, per_level)
+            )
+            return record(summary, jnp.ones((), jnp.bool_), stats_out)
+
+        def rare_statistics(g, out, updates, applied):
+            """Every statistic the program serves: a non-finite gradient is rare."""
+            summary, seen = rare_summary(g)
+            stats_out = statistics(
+                g, seen, out, updates, summary, max(stats_values), max(hist_values)
+            )
+            return record(summary, applied, stats_out)
+
+        level = _position(with_stats, stats_values) * len(hist_values) + _position(
+            hist_flag, hist_values
+        )
+        finite_sum = jnp.isfinite(total)  # False for a NaN or Inf, or an overflow of squares
+
+        if not skip_nonfinite:  # the update outside any branch: only statistics branch
+            g = gradient()
+            out, new_inner, updates = step(g, params, inner_state)
+            def at_level(stats: bool, hist: bool) -> StepRecord:
+                summary = finite_summary()
+                stats_out = statistics(g, g, out, updates, summary, stats, hist)
+                return record(summary, jnp.ones((), jnp.bool_), stats_out)
+
+            branches = [
+                lambda: rare_statistics(g, out, updates, jnp.ones((), jnp.bool_)),
+                *(functools.partial(at_level, s, h) for s, h in levels),
+            ]
+            rec = jax.lax.switch(jnp.where(finite_sum, 1 + level, 0), branches)
+            return out, new_inner, rec
+
+        def finite(operands):
+            """Every element is finite: update, then the statistics of the step's level."""
+            params, inner_state = operands
+            g = gradient()
+            out, new_inner, updates = step(g, params, inner_state)
+            # Only statistics leave the nested switch: a nested branch that returned the
+            # state would make XLA copy the donated state every step.
+            return out, new_inner, finite_statistics(g, out, updates)
+
+        def rare(operands):
+            """Skipped: the state as it was, with every statistic the program serves."""
+            params, inner_state = operands
+            g = gradient()
+            out, new_inner, updates = skip(g, params, inner_state)
+            return out, new_inner, rare_statistics(g, out, updates, jnp.zeros((), jnp.bool_))
+
+        # Two branches carry the state: with more (or a nested cond returning it), XLA:CPU
+        # copies the donated params and optimizer state on every step.
+        out, new_inner, rec = jax.lax.cond(finite_sum, finite, rare, (params, inner_state))
+        return out, new_inner, rec
+
+    return run

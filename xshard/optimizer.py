@@ -8,21 +8,24 @@ order in one update:
    shard's local gradient (the reason TF reduced late: one shard's huge gradient must not
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
-   (``shard_weight``); see `xshard.reduce` for where the reduction happens;
+   (``shard_weight``); see `xshard.reduce` for where the reduction happens. MEAN's division
+   is left to the consumers of the sum, where XLA fuses it (`LocalReduction.gradient`);
 3. statistics (``track_stats``), kept in the state for logging without a second pass: the
-   norm, max |g|, non-finite count and per-leaf norms of the reduced gradient
-   (`xshard.stats.summarize`, what `xshard.guard.summarize_updates` records), with the local
-   gradients' norms and the noise-scale terms (`xshard.shard_stats`) under the same
-   ``with_stats`` cond, and on the steps that ask for them per-leaf histograms
-   (`xshard.layer_stats.summarize_histograms`);
-4. `xshard.guard.skip_if_nonfinite` (``skip_nonfinite``): after the reduction, so every shard
-   takes the same decision;
+   norms and non-finite count of the reduced gradient on every update, its max |g| and the
+   local gradients' norms and noise-scale terms (`xshard.shard_stats`) on statistics updates
+   (``with_stats``), per-leaf histograms on the updates that ask for them;
+4. the non-finite guard (``skip_nonfinite``): after the reduction, so every shard takes the
+   same decision;
 5. the inner optimizer.
+
+Steps 3-5 (and, in `CrossShardPhases.apply`, the addition of the updates to the params) run
+in one branch of one `lax.switch` (`xshard.guard.guarded_update`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,12 +34,13 @@ import optax
 
 from xshard.guard import (
     SkipIfNonFiniteState,
-    apply_always,
+    StepRecord,
+    counted,
     empty_summary,
-    guarded_apply,
-    skip_if_nonfinite,
+    guarded_update,
+    init_guard,
 )
-from xshard.layer_stats import Histograms, summarize_histograms
+from xshard.layer_stats import Histograms, empty_histograms
 from xshard.reduce import (
     AxisNames,
     PerShardClipState,
@@ -45,6 +49,7 @@ from xshard.reduce import (
     _shards_in_context,
     all_reduce,
     axis_tuple,
+    divide,
     per_shard_clip,
 )
 from xshard.shard_stats import (
@@ -53,14 +58,7 @@ from xshard.shard_stats import (
     local_shard_stats,
     with_reduced_norm,
 )
-from xshard.stats import (
-    Flag,
-    GradSummary,
-    count_nonfinite,
-    guard_summary,
-    summarize,
-    when,
-)
+from xshard.stats import Flag, GradSummary, tree_sq_norm, when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,21 +78,40 @@ def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
     return getattr(tx.update, "cross_shard_spec", None)
 
 
-class LocalReduction(NamedTuple):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LocalReduction:
     """What the first phase of a `cross_shard` update leaves for the second (`CrossShardPhases`).
 
     Attributes:
-      updates: the reduced gradient (whole on every shard, or its slice after a scatter).
+      updates: the reduced gradient (whole on every shard, or its slice after a scatter), or,
+        where `mean_over` > 1, the sum whose mean it is.
       clip: the per-shard clip's new state (`optax.EmptyState()` without one).
       shards: the local gradients' statistics before the reduced norm is known (None where
         no per-shard gradients existed).
       use_reduced: from `xshard.shard_stats.local_shard_stats` (None with `shards`).
+      parts: the buffers holding `updates`, packed per dtype (`xshard.reduce.Reduced`), or
+        None: its leaves.
+      mean_over: the shard count MEAN still divides `updates` by (static; 1: reduced).
     """
 
     updates: Any
     clip: PerShardClipState | optax.EmptyState
     shards: ShardStats | None
     use_reduced: jax.Array | None
+    parts: tuple[jax.Array, ...] | None = None
+    mean_over: int = dataclasses.field(default=1, metadata={"static": True})
+
+    def gradient(self) -> Any:
+        """The reduced gradient, divided where it is read (``pmean``'s arithmetic): call it in
+        the computation that consumes it, so that XLA fuses the division there."""
+        return divide(self.updates, self.mean_over)
+
+    def sq_norm(self) -> jax.Array:
+        """The squared global norm of `gradient` (float32), read from the packed buffers."""
+        if self.parts is None:
+            return tree_sq_norm(self.gradient())
+        return tree_sq_norm(divide(list(self.parts), self.mean_over))
 
 
 class CrossShardPhases(NamedTuple):
@@ -107,11 +124,13 @@ class CrossShardPhases(NamedTuple):
     with_stats=None, histograms=None, **extra)`` runs the summary, the guard and the inner
     optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded slices, where
     norms over a sharded tensor are global): it returns ``(updates, new state)``. Their
-    composition is the optimizer's ``update``. ``apply(local, state, params, *, with_stats=None,
-    histograms=None, update_norm=False, **extra)`` is ``finish`` followed by
-    `optax.apply_updates`, the addition done inside the non-finite guard's branch so that XLA
-    fuses it with the inner update (`xshard.guard.guarded_apply`): it returns ``(new params,
-    new state, the update's global norm where `update_norm` holds)``.
+    composition is the optimizer's ``update``. ``apply(local, state, params, *,
+    with_stats=None, histograms=None, measure=None, **extra)`` is ``finish`` followed by
+    `optax.apply_updates`, the addition done in the branch that computes the updates
+    (`xshard.guard.guarded_update`), so that XLA fuses it with the inner update: it returns
+    ``(new params, new state, measured)``, where ``measure(new_params, updates, summary)``
+    (optional) is computed in that branch on statistics steps (NaN on the others; None
+    without `measure`).
     """
 
     reduce: Any
@@ -189,9 +208,10 @@ def cross_shard(
       An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keywords
       ``shard_weight`` (a scalar per shard) for a weighted reduction, and the statistics
       flags, each None, a Python bool or a traced bool (one executable for both values):
-      ``with_stats`` (default: on every update) — when false only max |g| and the non-finite
-      count of the reduced gradient are recorded, and nothing that needs a collective;
-      ``histograms`` (default: never) — per-leaf histograms of the reduced gradient.
+      ``with_stats`` (default: on every update) — when false only the norms and the
+      non-finite count of the reduced gradient are recorded (what the guard needs), and
+      nothing that needs a collective; ``histograms`` (default: never) — per-leaf histograms
+      of the reduced gradient.
       Statistics not computed on an update are NaN. Every other extra argument is forwarded
       to `inner`.
 
@@ -203,9 +223,8 @@ def cross_shard(
     mode = Reduction.parse(reduction)
     clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes)
     reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
-    hists = summarize_histograms()
-    guard = (skip_if_nonfinite if skip_nonfinite else apply_always)(inner)
-    apply_guard = guarded_apply(inner, skip_nonfinite=skip_nonfinite)
+    guarded = guarded_update(inner, skip_nonfinite=skip_nonfinite, track_stats=track_stats)
+    inner = optax.with_extra_args_support(inner)
     empty = optax.EmptyState()
 
     def init_fn(params):
@@ -213,8 +232,8 @@ def cross_shard(
             empty if clip is None else clip.init(params),
             empty_shard_stats() if track_stats else empty,
             empty_summary(params),
-            hists.init(params) if track_stats else empty,
-            guard.init(params),
+            empty_histograms(params) if track_stats else empty,
+            init_guard(inner, params),
         )
 
     def reduce_fn(
@@ -226,7 +245,6 @@ def cross_shard(
         scatter_dims: Any = None,
     ) -> LocalReduction:
         """Steps 1-2 and the local gradients' statistics: where the shards' gradients are."""
-        per_shard = track_stats and _manual_axes(axes)  # local gradients exist here
         raw = updates
         clip_state = empty if clip is None else None
         if clip is not None:
@@ -237,7 +255,7 @@ def cross_shard(
                 with_stats=with_stats if track_stats else False,
             )
         local = use_reduced = None
-        if per_shard:
+        if track_stats and _manual_axes(axes):  # local gradients exist here
             # Under the statistics flag; the local gradients are alive until here anyway, as
             # the reduction's input.
             local, use_reduced = when(
@@ -250,37 +268,74 @@ def cross_shard(
                 ),
                 lambda: (empty_shard_stats(), jnp.ones((), jnp.bool_)),
             )
-        updates, _ = reduce.update(
-            updates, empty, params, shard_weight=shard_weight, scatter_dims=scatter_dims
+        reduced = reduce.update.deferred(
+            updates, shard_weight=shard_weight, scatter_dims=scatter_dims
         )
-        return LocalReduction(updates, clip_state, local, use_reduced)
+        return LocalReduction(
+            reduced.tree, clip_state, local, use_reduced, reduced.parts, reduced.mean_over
+        )
 
-    def summarize_fn(local: LocalReduction, state, *, with_stats: Flag, histograms: Flag):
-        """Step 3 on the reduced gradient: its statistics, and the states they go to."""
-        updates = local.updates
+    def after_reduction(
+        local: LocalReduction,
+        state: CrossShardState,
+        params: Any,
+        *,
+        finalize: Callable[[Any, Any], Any],
+        skipped: Callable[[Any], Any] | None,
+        with_stats: Flag,
+        histograms: Flag,
+        measure: Callable[..., Any] | None,
+        **extra_args,
+    ):
+        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not): returns
+        (`finalize` of the updates, the new state, the caller's measurements)."""
         clip_state = state.clip if clip is None else local.clip
-        shards, histogram_state = state.shards, state.histograms
-        if track_stats:
+        if not (track_stats or skip_nonfinite):  # nothing to check or record: no branch
+            updates, new_inner = inner.update(
+                local.gradient(), state.guard.inner_state, params, **extra_args
+            )
+            out = finalize(params, updates)
+            measured = None
+            if measure is not None:
+                measured = when(with_stats, lambda: measure(out, updates, state.reduced))
+            guard_state = state.guard._replace(inner_state=new_inner)
+            new_state = state._replace(clip=clip_state, guard=guard_state)
+            return out, new_state, measured
 
-            def statistics():
-                reduced = summarize(updates)
-                if local.shards is None:
-                    return reduced, shards
+        def measured_with_shards(out, updates, summary: GradSummary):
+            shards = None
+            if local.shards is not None:  # the noise scale's big-batch term, from the norm
                 summed = _shards_in_context(axes, num_shards) if mode is Reduction.SUM else 1
-                return reduced, with_reduced_norm(
-                    local.shards, local.use_reduced, reduced.norm, summed
-                )
+                shards = with_reduced_norm(local.shards, local.use_reduced, summary.norm, summed)
+            return shards, (None if measure is None else measure(out, updates, summary))
 
-            def no_statistics():
-                return guard_summary(updates), shards if local.shards is None else local.shards
-
-            reduced, shards = when(with_stats, statistics, no_statistics)
-            _, histogram_state = hists.update(updates, state.histograms, histograms=histograms)
-        elif skip_nonfinite:
-            reduced = state.reduced._replace(nonfinite=count_nonfinite(updates))
-        else:
-            reduced = state.reduced
-        return clip_state, shards, reduced, histogram_state
+        out, new_inner, record = guarded(
+            local.gradient,
+            local.sq_norm,
+            state.guard.inner_state,
+            params,
+            finalize=finalize,
+            skipped=skipped,
+            with_stats=with_stats,
+            histograms=histograms,
+            measure=measured_with_shards,
+            **extra_args,
+        )
+        record: StepRecord
+        shards, measured = record.measured
+        guard_state = (
+            counted(state.guard, record.applied, new_inner)
+            if skip_nonfinite
+            else state.guard._replace(inner_state=new_inner)
+        )
+        new_state = CrossShardState(
+            clip_state,
+            state.shards if shards is None else shards,
+            record.summary,
+            record.histograms if track_stats else state.histograms,
+            guard_state,
+        )
+        return out, new_state, measured
 
     def finish_fn(
         local: LocalReduction,
@@ -291,14 +346,19 @@ def cross_shard(
         histograms: Flag = None,
         **extra_args,
     ):
-        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not)."""
-        clip_state, shards, reduced, histogram_state = summarize_fn(
-            local, state, with_stats=with_stats, histograms=histograms
+        """Steps 3-5 on the reduced gradient: (updates, new state)."""
+        updates, new_state, _ = after_reduction(
+            local,
+            state,
+            params,
+            finalize=lambda params, updates: updates,
+            skipped=None,
+            with_stats=with_stats,
+            histograms=histograms,
+            measure=None,
+            **extra_args,
         )
-        updates, guarded = guard.update(
-            local.updates, state.guard, params, nonfinite=reduced.nonfinite, **extra_args
-        )
-        return updates, CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
+        return updates, new_state
 
     def apply_fn(
         local: LocalReduction,
@@ -307,23 +367,21 @@ def cross_shard(
         *,
         with_stats: Flag = None,
         histograms: Flag = None,
-        update_norm: Flag = False,
+        measure: Callable[..., Any] | None = None,
         **extra_args,
     ):
-        """`finish_fn`, then the updates applied to `params` in the guard's branch."""
-        clip_state, shards, reduced, histogram_state = summarize_fn(
-            local, state, with_stats=with_stats, histograms=histograms
-        )
-        new_params, guarded, norm = apply_guard(
-            local.updates,
-            state.guard,
+        """`finish_fn`, then the updates applied to `params` in the same branch."""
+        return after_reduction(
+            local,
+            state,
             params,
-            nonfinite=reduced.nonfinite,
-            update_norm=update_norm,
+            finalize=optax.apply_updates,
+            skipped=lambda params: params,
+            with_stats=with_stats,
+            histograms=histograms,
+            measure=measure,
             **extra_args,
         )
-        new_state = CrossShardState(clip_state, shards, reduced, histogram_state, guarded)
-        return new_params, new_state, norm
 
     def update_fn(
         updates,
@@ -342,11 +400,6 @@ def cross_shard(
 
     update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn, apply_fn)  # type: ignore[attr-defined]
     update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
-        Reduction.parse(reduction),
-        axis_tuple(axis_name),
-        clip_per_shard,
-        comm_dtype,
-        skip_nonfinite,
-        track_stats,
+        mode, axes, clip_per_shard, comm_dtype, skip_nonfinite, track_stats
     )
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

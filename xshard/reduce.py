@@ -17,6 +17,7 @@ computed:
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.buckets import psum_scatter_tree
+from xshard.buckets import psum_scatter_tree, psum_tree
 from xshard.clipping import clip_recorded
 from xshard.stats import when
 
@@ -143,6 +144,22 @@ def _require_per_shard(grads: Any, axes: tuple[str, ...], what: str) -> None:
     _check_per_shard(grads, axes)
 
 
+class Reduced(NamedTuple):
+    """A reduction's result, possibly with MEAN's division left to its consumers.
+
+    Attributes:
+      tree: the reduced gradient, or where `mean_over` > 1 the sum whose mean it is.
+      mean_over: the shard count to divide `tree` by (`divide`, ``pmean``'s arithmetic), so
+        that XLA fuses the division into each consumer instead of a kernel per leaf; 1: none.
+      parts: the summed buffers holding `tree` (packed per dtype, `xshard.buckets.psum_tree`):
+        a reduction over the whole gradient reads these, not the leaves; None: the leaves.
+    """
+
+    tree: Any
+    mean_over: int = 1
+    parts: tuple[jax.Array, ...] | None = None
+
+
 def _all_reduce(
     grads: Any,
     mode: Reduction,
@@ -150,13 +167,18 @@ def _all_reduce(
     comm_dtype: Any,
     shard_weight: jax.Array | None,
     scatter_dims: Any = None,
-) -> Any:
+    defer_mean: bool = False,
+) -> Reduced:
     """psum/pmean (optionally weighted) of every non-None leaf, in `comm_dtype` if given.
 
     With `scatter_dims` (a tree like `grads` of ints or None), a leaf with an int is
     reduce-scattered along that dimension (``psum_scatter``, tiled: each shard keeps its
     1/N slice, in the order of `axes`) instead of all-reduced, the leaves of one dtype in one
     collective (`xshard.buckets.psum_scatter_tree`).
+
+    Returns:
+      The `Reduced` tree; with `defer_mean`, for a plain MEAN (no weights, no comm dtype, no
+      scatter), the psum with its divisor left to apply (`Reduced`).
     """
 
     def to_comm(g):
@@ -168,6 +190,9 @@ def _all_reduce(
         if w.ndim != 0:
             raise ValueError(f"shard_weight must be a scalar per shard, got shape {w.shape}.")
     scatter = scatter_dims is not None and bool(jax.tree.leaves(scatter_dims))
+    if defer_mean and mode is Reduction.MEAN and w is None and comm_dtype is None and not scatter:
+        summed, parts = psum_tree(grads, axes)
+        return Reduced(summed, _shards_in_context(axes, None), tuple(parts))
     if not scatter:
         psum, pmean = jax.lax.psum, jax.lax.pmean
     else:
@@ -176,8 +201,7 @@ def _all_reduce(
             return psum_scatter_tree(tree, scatter_dims, axes)
 
         def pmean(tree, axes):  # pmean's arithmetic: the sum over the shard count
-            n = _shards_in_context(axes, None)
-            return jax.tree.map(lambda r: r / jnp.asarray(n, r.dtype), psum(tree, axes))
+            return divide(psum(tree, axes), _shards_in_context(axes, None))
 
     if w is None:
         collective = psum if mode is Reduction.SUM else pmean
@@ -187,7 +211,15 @@ def _all_reduce(
         if mode is Reduction.MEAN:
             total = jax.lax.psum(w, axes)
             reduced = jax.tree.map(lambda g: g / total.astype(g.dtype), reduced)
-    return jax.tree.map(lambda r, g: r.astype(g.dtype), reduced, grads)
+    return Reduced(jax.tree.map(lambda r, g: r.astype(g.dtype), reduced, grads))
+
+
+def divide(tree: Any, n: int) -> Any:
+    """`tree` divided by the shard count `n` as ``jax.lax.pmean`` divides its psum (the
+    identity for 1)."""
+    if n == 1:
+        return tree
+    return jax.tree.map(lambda v: v / n, tree)
 
 
 def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
@@ -301,22 +333,33 @@ def all_reduce(
         del params
         return optax.EmptyState()
 
-    def update_fn(
-        updates, state, params=None, *, shard_weight=None, scatter_dims=None, **extra_args
-    ):
-        del params, extra_args
+    def reduced(
+        updates, *, shard_weight=None, scatter_dims=None, defer_mean: bool = False
+    ) -> Reduced:
         if shard_weight is not None:
             _require_per_shard(updates, axes, "shard_weight")
         if _manual_axes(axes):
             _check_per_shard(updates, axes)
-            return _all_reduce(updates, mode, axes, comm, shard_weight, scatter_dims), state
+            return _all_reduce(
+                updates, mode, axes, comm, shard_weight, scatter_dims, defer_mean=defer_mean
+            )
         if scatter_dims is not None and any(d is not None for d in jax.tree.leaves(scatter_dims)):
             raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
         if mode is Reduction.MEAN:
-            return updates, state
+            return Reduced(updates)
         n = _shards_in_context(axes, num_shards)
-        return jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates), state
+        return Reduced(jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates))
 
+    def update_fn(
+        updates, state, params=None, *, shard_weight=None, scatter_dims=None, **extra_args
+    ):
+        del params, extra_args
+        out = reduced(updates, shard_weight=shard_weight, scatter_dims=scatter_dims)
+        return divide(out.tree, out.mean_over), state
+
+    # The `Reduced` result: with a plain MEAN inside shard_map the psum and the shard count,
+    # the division left to the consumers (`divide`); what `cross_shard` reduces with.
+    update_fn.deferred = functools.partial(reduced, defer_mean=True)  # type: ignore[attr-defined]
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

@@ -2,7 +2,8 @@
 
 * `when` — a computation on statistics steps only: a Python bool decides at trace time (a
   separate executable per value), a traced bool under a `lax.cond` (one executable).
-* `summarize` — norm, max |g| and non-finite count of a gradient pytree (one fused pass).
+* `leaf_sq_norms`, `tree_max_abs`, `count_nonfinite` — what `xshard.guard` summarizes a
+  gradient pytree with (`GradSummary`).
 * `shard_norm_stats` — inside shard_map: each shard's local gradient norm, combined across the
   data axes (two scalar collectives, not the gradient) into mean/max/min/std.
 * `noise_scale` — the gradient noise scale B_simple of McCandlish et al. (2018), "An
@@ -72,57 +73,47 @@ def nan_like(shapes: Any) -> Any:
     return jax.tree.map(fill, shapes)
 
 
-def _no_leaves() -> GradSummary:
-    zero = jnp.zeros((), jnp.float32)
-    return GradSummary(zero, zero, jnp.zeros((), jnp.int32), jnp.zeros((0,), jnp.float32))
+def leaf_sq_norms(tree: Any) -> jax.Array:
+    """f32[L]: the sum of squares of every leaf of `tree` (in float32; `None` leaves are not
+    leaves). NaN or Inf where a leaf holds one, or where its squares overflow."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
 
 
-def summarize(tree: Any) -> GradSummary:
-    """Returns the global norm, max |g|, non-finite element count and leaf norms of `tree`.
+def tree_sq_norm(tree: Any) -> jax.Array:
+    """The squared global L2 norm of `tree` in float32 (0 for an empty tree).
 
-    The common, finite case costs one sum of squares and one max per leaf (the per-leaf
-    norms come from the same sums): a NaN or Inf anywhere makes the (NaN-propagating) max
-    non-finite, and only then does a second pass count the bad elements and recompute the
-    norms and max over the finite ones, so one NaN does not hide how large the rest of the
-    gradient is. `None` leaves are ignored.
+    Where reductions are kernels of their own (`xshard.buckets.packs_by_default`: XLA:CPU,
+    which also splits a small reduction into three), the leaves are flattened into one
+    buffer first: one concatenation and one reduction instead of up to three per leaf. Only
+    where every mesh axis is manual (inside shard_map) or there is no mesh: under GSPMD a
+    leaf may be sharded, and concatenating it would gather it.
     """
+    from xshard.buckets import packs_by_default
+
+    leaves = [_f32(x).reshape(-1) for x in jax.tree.leaves(tree)]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    mesh = jax.sharding.get_abstract_mesh()
+    local = mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names)
+    if packs_by_default() and local and len(leaves) > 1:
+        return jnp.sum(jnp.square(jnp.concatenate(leaves)))
+    return sum(jnp.sum(jnp.square(x)) for x in leaves)
+
+
+def tree_max_abs(tree: Any) -> jax.Array:
+    """Largest |x| over the leaves of `tree` (float32; 0 for an empty tree; NaN-propagating)."""
     leaves = jax.tree.leaves(tree)
     if not leaves:
-        return _no_leaves()
-    max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
-    sq = jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
-
-    def finite_case():
-        zero = jnp.zeros_like(max_abs, jnp.int32)
-        return GradSummary(jnp.sqrt(jnp.sum(sq)), max_abs, zero, jnp.sqrt(sq))
-
-    def nonfinite_case():
-        clean = [jnp.where(jnp.isfinite(g), _f32(g), 0.0) for g in leaves]
-        clean_sq = jnp.stack([jnp.sum(jnp.square(c)) for c in clean])
-        return GradSummary(
-            jnp.sqrt(jnp.sum(clean_sq)),
-            jnp.max(jnp.stack([jnp.max(jnp.abs(c), initial=0.0) for c in clean])),
-            count_nonfinite(leaves),
-            jnp.sqrt(clean_sq),
-        )
-
-    return jax.lax.cond(jnp.isfinite(max_abs), finite_case, nonfinite_case)
+        return jnp.zeros((), jnp.float32)
+    return jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
 
 
-def guard_summary(tree: Any) -> GradSummary:
-    """What the non-finite guard needs, at one max per leaf: max |g| and the non-finite count
-    (a second pass only when something is non-finite). The norms are NaN: not computed."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return _no_leaves()
-    max_abs = jnp.max(jnp.stack([jnp.max(jnp.abs(_f32(g)), initial=0.0) for g in leaves]))
-    nonfinite = jax.lax.cond(
-        jnp.isfinite(max_abs),
-        lambda: jnp.zeros_like(max_abs, jnp.int32),
-        lambda: count_nonfinite(leaves),
-    )
-    nan = jnp.full_like(max_abs, jnp.nan)
-    return GradSummary(nan, max_abs, nonfinite, jnp.full((len(leaves),), jnp.nan, jnp.float32))
+def finite_values(tree: Any) -> Any:
+    """`tree` with its NaN and Inf elements replaced by 0."""
+    return jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g)), tree)
 
 
 def count_nonfinite(tree: Any) -> jax.Array:
@@ -134,11 +125,8 @@ def count_nonfinite(tree: Any) -> jax.Array:
 
 
 def tree_norm(tree: Any) -> jax.Array:
-    """Global L2 norm of a pytree in float32 (0 for an empty tree)."""
-    leaves = jax.tree.leaves(tree)
-    if not leaves:
-        return jnp.zeros((), jnp.float32)
-    return jnp.sqrt(sum(jnp.sum(jnp.square(_f32(x))) for x in leaves))
+    """Global L2 norm of a pytree in float32 (0 for an empty tree; `tree_sq_norm`)."""
+    return jnp.sqrt(tree_sq_norm(tree))
 
 
 def shard_norm_stats(

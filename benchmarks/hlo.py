@@ -6,7 +6,9 @@ Each collective's result shape lists its operands (a combined all-reduce has a t
 and every operand is classified:
 
 * ``gradient`` — its dimensions are those of a parameter's per-device shard (in any order:
-  GSPMD may reduce a transposed gradient);
+  GSPMD may reduce a transposed gradient), or it is one flat buffer holding every parameter
+  of its dtype (`xshard.buckets.psum_tree` packs the gradient so on CPU), counted as the
+  parameters it carries;
 * ``scalar`` — at most `SCALAR_MAX_ELEMENTS` elements that match no parameter: the loss,
   per-shard norm statistics, non-finite counts;
 * ``other`` — anything else (activations, for instance, under model parallelism).
@@ -95,6 +97,26 @@ def _per_device_param_dims(params: Any, pmapped: bool) -> set[tuple[int, ...]]:
     return {tuple(sorted(np.shape(x)[1:])) for x in jax.tree.leaves(params) if np.ndim(x) > 1}
 
 
+_HLO_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
+def _packed_sizes(params: Any, pmapped: bool) -> dict[str, tuple[int, int]]:
+    """HLO dtype -> (elements, leaves) of the per-device parameter shards of that dtype: the
+    size of a flat buffer that packs all of them (`xshard.buckets.psum_tree`)."""
+    sizes: dict[str, tuple[int, int]] = {}
+    for x in jax.tree.leaves(params):
+        if pmapped:
+            shape = np.shape(x)[1:]
+        elif hasattr(x, "sharding"):
+            shape = tuple(x.sharding.shard_shape(x.shape))
+        else:
+            shape = np.shape(x)
+        dtype = _HLO_DTYPES.get(np.dtype(x.dtype).name, np.dtype(x.dtype).name)
+        n, k = sizes.get(dtype, (0, 0))
+        sizes[dtype] = (n + math.prod(shape), k + 1)
+    return {d: nk for d, nk in sizes.items() if nk[1] > 1}
+
+
 def collectives(compiled: jax.stages.Compiled, params: Any, *, pmapped: bool = False) -> dict:
     """Counts the collectives of `compiled` and classifies their operands.
 
@@ -110,6 +132,7 @@ def collectives(compiled: jax.stages.Compiled, params: Any, *, pmapped: bool = F
     """
     hlo = compiled.as_text()
     param_dims = _per_device_param_dims(params, pmapped)
+    packed = _packed_sizes(params, pmapped)
     ops = []
     for line in hlo.splitlines():
         m = _INSTRUCTION.match(line)
@@ -128,6 +151,8 @@ def collectives(compiled: jax.stages.Compiled, params: Any, *, pmapped: bool = F
             dtypes[dtype] += 1
             if len(dims) and n > 1 and tuple(sorted(dims)) in param_dims:
                 kinds["gradient"] += 1
+            elif len(dims) == 1 and packed.get(dtype, (0, 0))[0] == n:
+                kinds["gradient"] += packed[dtype][1]
             elif n <= SCALAR_MAX_ELEMENTS:
                 kinds["scalar"] += 1
             else:

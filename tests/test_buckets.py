@@ -14,6 +14,7 @@ from xshard.buckets import (
     all_gather_tree,
     packs_by_default,
     psum_scatter_tree,
+    psum_tree,
 )
 
 AXES = ("data", "fsdp")
@@ -146,6 +147,29 @@ def test_pack_false_issues_one_collective_per_leaf_with_the_same_values(mesh):
     got, want = per_leaf(tree), packed(tree)
     for k in ("w", "w_t", "b", "h", "g"):
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_psum_tree_equals_per_leaf_psum_and_unpacks_what_its_parts_become(mesh, pack):
+    tree, _ = tree_and_dims()
+    idx = lambda: jax.lax.axis_index(AXES)  # noqa: E731
+
+    def body(t):
+        packed = psum_tree(per_shard(t, idx()), AXES, pack=pack)
+        halves = packed.unpack([p / 2 for p in packed.parts])  # elementwise on the buffers
+        return packed.tree, halves, jax.lax.psum(per_shard(t, idx()), AXES)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P()))
+    got, halves, want = f(tree)
+    assert got["none"] is None and halves["none"] is None
+    for k in ("w", "w_t", "b", "h", "g"):
+        assert got[k].shape == tree[k].shape and got[k].dtype == tree[k].dtype
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+        np.testing.assert_array_equal(np.asarray(halves[k]), np.asarray(want[k]) / 2, err_msg=k)
+    reduced = f.lower(tree).compile().as_text()
+    # Packed: one flat buffer per dtype (float32: 384 + 120 + 5, float16: 32 + 32).
+    shapes = set(re.findall(r"(f32|f16)\[(\d+)\]", reduced))
+    assert (("f32", "509") in shapes and ("f16", "64") in shapes) == pack
 
 
 def test_packing_by_default_only_where_xla_does_not_combine_collectives():

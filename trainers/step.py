@@ -45,7 +45,7 @@ from xshard.config.run import GRAD_IMPLS
 from xshard.errors import ConfigError
 from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
 from xshard.slots import cross_shard_state, has_cross_shard_state
-from xshard.stats import Flag, leaf_sq_norms, tree_norm, when
+from xshard.stats import Flag, leaf_sq_norms, when
 from xshard.unit_batch import unit_batch
 
 __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]

@@ -133,7 +133,9 @@ def manual_zero_step(
             loss, aux, grads, model_state = shard_grads(params, model_state, batch, rng)
             local = reduce_fn(grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
             # Divided here: the reduction leaves the shard_map as the gradient itself.
-            local = dataclasses.replace(local, updates=local.gradient(), parts=None, mean_over=1)
+            local = dataclasses.replace(
+                local, updates=local.gradient(), parts=None, mean_over=1, unpack=None
+            )
             metrics = {"train/loss": jax.lax.pmean(loss, axes)}
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
             return local, model_state, metrics
@@ -143,7 +145,7 @@ def manual_zero_step(
             shard_step,
             mesh=mesh,
             in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=(LocalReduction(specs, P(), P(), P()), P(), P()),
+            out_specs=(LocalReduction(specs, P(), P()), P(), P()),
             axis_names=set(axes),
         )(params, model_state, batch, rng, *traced)
 

@@ -20,8 +20,8 @@ the packing changes no value, only how many collectives carry them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -160,9 +160,28 @@ def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames, *, pack: bool | 
     return _packed(tree, dims, one, many, pack)
 
 
-def psum_tree(
-    tree: Any, axis_name: AxisNames, *, pack: bool | None = None
-) -> tuple[Any, list[jax.Array]]:
+class Packed(NamedTuple):
+    """The result of `psum_tree`: summed buffers, and how to read the tree out of them.
+
+    Attributes:
+      parts: the summed buffers, every element of the tree once: one flat buffer per dtype
+        where packed, else one per leaf.
+      unpack: ``unpack(parts) -> tree``: the leaves sliced (and reshaped) out of `parts`, or
+        of buffers computed from them elementwise (e.g. divided by the shard count). Called
+        where the leaves are consumed, the slices fuse into the consumers' kernels (e.g.
+        inside a ``lax.cond`` branch, which operands would otherwise cross as leaves).
+    """
+
+    parts: tuple[jax.Array, ...]
+    unpack: Callable[[Sequence[jax.Array]], Any]
+
+    @property
+    def tree(self) -> Any:
+        """The summed tree, as ``jax.lax.psum(tree, axis_name)`` returns it."""
+        return self.unpack(self.parts)
+
+
+def psum_tree(tree: Any, axis_name: AxisNames, *, pack: bool | None = None) -> Packed:
     """``psum`` of every leaf, the leaves of one dtype packed into one flat buffer
     (`packs_by_default`).
 
@@ -177,24 +196,35 @@ def psum_tree(
       pack: pack (True), one psum per leaf (False); None: `packs_by_default`.
 
     Returns:
-      (a tree like `tree` of the sums, as ``jax.lax.psum(tree, axis_name)``; the summed
-      buffers that hold them: the packed ones and the leaves not packed, every element once).
+      The `Packed` sums: ``.tree`` is ``jax.lax.psum(tree, axis_name)``.
     """
-    dims = jax.tree.map(lambda _: 0, tree)
-    parts: list[jax.Array] = []
+    pack = packs_by_default() if pack is None else pack
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
+    groups = list(_by_dtype(leaves, [0] * len(leaves)).values())
+    if not pack:
+        groups = [[i] for idx in groups for i in idx]
+    shapes = [None if x is None else tuple(x.shape) for x in leaves]
+    parts = tuple(
+        jax.lax.psum(
+            leaves[idx[0]]
+            if len(idx) == 1
+            else jnp.concatenate([leaves[i].reshape(-1) for i in idx]),
+            axis_name,
+        )
+        for idx in groups
+    )
 
-    def one(x, _):
-        summed = jax.lax.psum(x, axis_name)
-        parts.append(summed)
-        return summed
+    def unpack(parts: Sequence[jax.Array]) -> Any:
+        out: list[Any] = [None] * len(leaves)
+        for idx, part in zip(groups, parts, strict=True):
+            if len(idx) == 1:
+                out[idx[0]] = part
+                continue
+            start = 0
+            for i in idx:
+                size = math.prod(shapes[i])
+                out[i] = part[start : start + size].reshape(shapes[i])
+                start += size
+        return treedef.unflatten(out)
 
-    def many(xs, _):
-        summed = jax.lax.psum(jnp.concatenate([x.reshape(-1) for x in xs]), axis_name)
-        parts.append(summed)
-        out, start = [], 0
-        for x in xs:
-            out.append(summed[start : start + x.size].reshape(x.shape))
-            start += x.size
-        return out
-
-    return _packed(tree, dims, one, many, pack), parts
+    return Packed(parts, unpack)

@@ -157,9 +157,10 @@ def guarded_update(
       bins: buckets of every histogram.
 
     Returns:
-      ``run(gradient, sq_norm, inner_state, params, *, finalize, skipped=None,
-      with_stats=None, histograms=None, measure=None, **extra) -> (out, new inner state,
-      StepRecord)``. ``gradient()`` returns the reduced gradient; it is called in every
+      ``run(gradient, sq_norm, guard_state, params, *, finalize, skipped=None,
+      with_stats=None, histograms=None, measure=None, **extra) -> (out, new guard state,
+      StepRecord)``, where the guard state is a `SkipIfNonFiniteState` around the inner
+      optimizer's (its counters advance in the branch taken, with `skip_nonfinite`). ``gradient()`` returns the reduced gradient; it is called in every
       computation that reads it, so that what it computes (e.g. ``pmean``'s division) fuses
       into its consumers there. ``sq_norm()`` returns its squared global norm (None:
       computed from ``gradient()``). ``finalize(params, updates)`` turns the inner
@@ -175,7 +176,7 @@ def guarded_update(
     def run(
         gradient: Callable[[], Any],
         sq_norm: Callable[[], jax.Array] | None,
-        inner_state: optax.OptState,
+        guard_state: SkipIfNonFiniteState,
         params: Any,
         *,
         finalize: Callable[[Any, Any], Any],
@@ -209,11 +210,11 @@ def guarded_update(
             max_abs = tree_max_abs(seen) if stats and track_stats else jnp.full((), jnp.nan)
             measured = None
             if measure is not None:
-                compute = lambda: measure(out, updates, summary._replace(leaf_norms=norms))  # noqa: E731
+                compute = lambda: measure(out, updates, summary._replace(leaf_norms=norms))
                 measured = compute() if stats else nan_like(jax.eval_shape(compute))
             hists: Histograms | optax.EmptyState = optax.EmptyState()
             if track_stats:
-                compute = lambda: leaf_histograms(g, bins)  # noqa: E731
+                compute = lambda: leaf_histograms(g, bins)
                 hists = compute() if hist else nan_like(jax.eval_shape(compute))
             return jnp.asarray(max_abs, jnp.float32), norms, measured, hists
 
@@ -236,12 +237,9 @@ def guarded_update(
             """The statistics of the step's level (a switch over the levels served)."""
             summary = finite_summary()
             per_level = [
-                functools.partial(statistics, g, g, out, updates, summary, s, h)
-                for s, h in levels
+                functools.partial(statistics, g, g, out, updates, summary, s, h) for s, h in levels
             ]
-            stats_out = (
-                per_level[0]() if len(per_level) == 1 else jax.lax.switch(level, per_level)
-            )
+            stats_out = per_level[0]() if len(per_level) == 1 else jax.lax.switch(level, per_level)
             return record(summary, jnp.ones((), jnp.bool_), stats_out)
 
         def rare_statistics(g, out, updates, applied):
@@ -259,7 +257,8 @@ def guarded_update(
 
         if not skip_nonfinite:  # the update outside any branch: only statistics branch
             g = gradient()
-            out, new_inner, updates = step(g, params, inner_state)
+            out, new_inner, updates = step(g, params, guard_state.inner_state)
+
             def at_level(stats: bool, hist: bool) -> StepRecord:
                 summary = finite_summary()
                 stats_out = statistics(g, g, out, updates, summary, stats, hist)
@@ -270,27 +269,30 @@ def guarded_update(
                 *(functools.partial(at_level, s, h) for s, h in levels),
             ]
             rec = jax.lax.switch(jnp.where(finite_sum, 1 + level, 0), branches)
-            return out, new_inner, rec
+            return out, guard_state._replace(inner_state=new_inner), rec
 
         def finite(operands):
             """Every element is finite: update, then the statistics of the step's level."""
-            params, inner_state = operands
+            params, state = operands
             g = gradient()
-            out, new_inner, updates = step(g, params, inner_state)
+            out, new_inner, updates = step(g, params, state.inner_state)
             # Only statistics leave the nested switch: a nested branch that returned the
             # state would make XLA copy the donated state every step.
-            return out, new_inner, finite_statistics(g, out, updates)
+            applied = jnp.ones((), jnp.bool_)
+            return out, counted(state, applied, new_inner), finite_statistics(g, out, updates)
 
         def rare(operands):
             """Skipped: the state as it was, with every statistic the program serves."""
-            params, inner_state = operands
+            params, state = operands
             g = gradient()
-            out, new_inner, updates = skip(g, params, inner_state)
-            return out, new_inner, rare_statistics(g, out, updates, jnp.zeros((), jnp.bool_))
+            out, new_inner, updates = skip(g, params, state.inner_state)
+            applied = jnp.zeros((), jnp.bool_)
+            record = rare_statistics(g, out, updates, applied)
+            return out, counted(state, applied, new_inner), record
 
-        # Two branches carry the state: with more (or a nested cond returning it), XLA:CPU
-        # copies the donated params and optimizer state on every step.
-        out, new_inner, rec = jax.lax.cond(finite_sum, finite, rare, (params, inner_state))
-        return out, new_inner, rec
+        # Two branches carry the state, and the counters advance in them: with more branches
+        # (or a nested cond returning it), or the counters read after the cond, XLA:CPU
+        # copies parts of the donated state on every step.
+        return jax.lax.cond(finite_sum, finite, rare, (params, guard_state))
 
     return run

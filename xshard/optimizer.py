@@ -35,7 +35,6 @@ import optax
 from xshard.guard import (
     SkipIfNonFiniteState,
     StepRecord,
-    counted,
     empty_summary,
     guarded_update,
     init_guard,
@@ -53,10 +52,11 @@ from xshard.reduce import (
     per_shard_clip,
 )
 from xshard.shard_stats import (
+    LocalNorms,
     ShardStats,
     empty_shard_stats,
-    local_shard_stats,
-    with_reduced_norm,
+    local_norms,
+    shard_stats,
 )
 from xshard.stats import Flag, GradSummary, tree_sq_norm, when
 
@@ -87,25 +87,30 @@ class LocalReduction:
       updates: the reduced gradient (whole on every shard, or its slice after a scatter), or,
         where `mean_over` > 1, the sum whose mean it is.
       clip: the per-shard clip's new state (`optax.EmptyState()` without one).
-      shards: the local gradients' statistics before the reduced norm is known (None where
-        no per-shard gradients existed).
-      use_reduced: from `xshard.shard_stats.local_shard_stats` (None with `shards`).
+      shards: the local gradients' norms (`xshard.shard_stats.local_norms`; None where no
+        per-shard gradients existed).
       parts: the buffers holding `updates`, packed per dtype (`xshard.reduce.Reduced`), or
         None: its leaves.
       mean_over: the shard count MEAN still divides `updates` by (static; 1: reduced).
+      unpack: ``unpack(parts) -> updates`` where `parts` is set (static): `gradient` slices
+        the leaves out of the buffers where it is called, so that the slices fuse into the
+        consumers (inside the guard's branch, not before it as the branch's operands).
     """
 
     updates: Any
     clip: PerShardClipState | optax.EmptyState
-    shards: ShardStats | None
-    use_reduced: jax.Array | None
+    shards: LocalNorms | None
     parts: tuple[jax.Array, ...] | None = None
     mean_over: int = dataclasses.field(default=1, metadata={"static": True})
+    unpack: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata={"static": True})
 
     def gradient(self) -> Any:
         """The reduced gradient, divided where it is read (``pmean``'s arithmetic): call it in
-        the computation that consumes it, so that XLA fuses the division there."""
-        return divide(self.updates, self.mean_over)
+        the computation that consumes it, so that XLA fuses the slicing and the division
+        there."""
+        if self.parts is None or self.unpack is None:
+            return divide(self.updates, self.mean_over)
+        return self.unpack(divide(list(self.parts), self.mean_over))
 
     def sq_norm(self) -> jax.Array:
         """The squared global norm of `gradient` (float32), read from the packed buffers."""
@@ -254,25 +259,20 @@ def cross_shard(
                 params,
                 with_stats=with_stats if track_stats else False,
             )
-        local = use_reduced = None
+        local = None
         if track_stats and _manual_axes(axes):  # local gradients exist here
-            # Under the statistics flag; the local gradients are alive until here anyway, as
-            # the reduction's input.
-            local, use_reduced = when(
-                with_stats,
-                lambda: local_shard_stats(
-                    raw,
-                    axes,
-                    clip_norm=clip_per_shard,
-                    weighted=shard_weight is not None,
-                ),
-                lambda: (empty_shard_stats(), jnp.ones((), jnp.bool_)),
+            local = local_norms(
+                raw,
+                axes,
+                with_stats=with_stats,
+                clip_norm=clip_per_shard,
+                weighted=shard_weight is not None,
             )
         reduced = reduce.update.deferred(
             updates, shard_weight=shard_weight, scatter_dims=scatter_dims
         )
         return LocalReduction(
-            reduced.tree, clip_state, local, use_reduced, reduced.parts, reduced.mean_over
+            reduced.tree, clip_state, local, reduced.parts, reduced.mean_over, reduced.unpack
         )
 
     def after_reduction(
@@ -306,13 +306,13 @@ def cross_shard(
             shards = None
             if local.shards is not None:  # the noise scale's big-batch term, from the norm
                 summed = _shards_in_context(axes, num_shards) if mode is Reduction.SUM else 1
-                shards = with_reduced_norm(local.shards, local.use_reduced, summary.norm, summed)
+                shards = shard_stats(local.shards, summary.norm, summed)
             return shards, (None if measure is None else measure(out, updates, summary))
 
-        out, new_inner, record = guarded(
+        out, guard_state, record = guarded(
             local.gradient,
             local.sq_norm,
-            state.guard.inner_state,
+            state.guard,
             params,
             finalize=finalize,
             skipped=skipped,
@@ -323,11 +323,6 @@ def cross_shard(
         )
         record: StepRecord
         shards, measured = record.measured
-        guard_state = (
-            counted(state.guard, record.applied, new_inner)
-            if skip_nonfinite
-            else state.guard._replace(inner_state=new_inner)
-        )
         new_state = CrossShardState(
             clip_state,
             state.shards if shards is None else shards,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -153,11 +153,14 @@ class Reduced(NamedTuple):
         that XLA fuses the division into each consumer instead of a kernel per leaf; 1: none.
       parts: the summed buffers holding `tree` (packed per dtype, `xshard.buckets.psum_tree`):
         a reduction over the whole gradient reads these, not the leaves; None: the leaves.
+      unpack: ``unpack(parts) -> tree`` (`xshard.buckets.Packed.unpack`) where `parts` is
+        set: called where the leaves are consumed, the slicing fuses into the consumers.
     """
 
     tree: Any
     mean_over: int = 1
     parts: tuple[jax.Array, ...] | None = None
+    unpack: Callable[[Sequence[jax.Array]], Any] | None = None
 
 
 def _all_reduce(
@@ -191,8 +194,9 @@ def _all_reduce(
             raise ValueError(f"shard_weight must be a scalar per shard, got shape {w.shape}.")
     scatter = scatter_dims is not None and bool(jax.tree.leaves(scatter_dims))
     if defer_mean and mode is Reduction.MEAN and w is None and comm_dtype is None and not scatter:
-        summed, parts = psum_tree(grads, axes)
-        return Reduced(summed, _shards_in_context(axes, None), tuple(parts))
+        packed = psum_tree(grads, axes)
+        n = _shards_in_context(axes, None)
+        return Reduced(packed.tree, n, packed.parts, packed.unpack)
     if not scatter:
         psum, pmean = jax.lax.psum, jax.lax.pmean
     else:

@@ -1,17 +1,19 @@
 """Per-shard statistics of the local gradients, for `cross_shard` to record in its state.
 
 Inside ``jax.shard_map``, each shard's local gradient norm, taken before per-shard clipping,
-is combined across the data axes (scalar collectives only) into `ShardStats`: the norms' mean/max/min/std and the two terms of the gradient noise scale of
-McCandlish et al. (2018), App. A, both taken where they are exact:
+is shared with every shard (`gather_norms`: a ``psum`` of each shard's norm at its own
+position, which XLA merges into the gradient's all-reduce, so no collective of its own), and
+summarized after the update (`ShardStats`): the norms' mean/max/min/std and the two terms of
+the gradient noise scale of McCandlish et al. (2018), App. A, both taken where they are exact:
 
 * |G_small|^2 — the mean over shards of the local squared norm, *before* clipping;
 * |G_big|^2 — the squared norm of the mean over shards of the *unclipped, unweighted*
   gradients. Without per-shard clipping or weighting that mean is the reduced gradient
-  (divided by the shard count under SUM): no extra communication (`with_reduced_norm` fills
-  it in after the reduction). With per-shard clipping, it is still the reduced gradient on a
-  step where no shard was clipped (known from the max of the norms, one scalar collective
-  already taken); only when some shard was clipped, or with ``shard_weight``, is the unclipped
-  gradient averaged once more (``pmean``), and only on statistics steps.
+  (divided by the shard count under SUM): no extra communication (`shard_stats` takes it from
+  the reduced norm). With per-shard clipping, it is still the reduced gradient on a step
+  where no shard was clipped (known from the largest norm); only when some shard was clipped,
+  or with ``shard_weight``, is the unclipped gradient averaged once more (``pmean``), and
+  only on statistics steps.
 
 The exact identity |mean g_i|^2 = (1/N^2) sum_ij <g_i, g_j> is no cheaper: the cross terms
 need every shard's gradient on every shard (an all-gather, N times the data of one pmean).
@@ -25,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xshard.stats import shard_norm_stats, tree_norm
+from xshard.stats import Flag, tree_sq_norm, when
 
 
 class ShardStats(NamedTuple):
@@ -39,75 +41,98 @@ class ShardStats(NamedTuple):
     mean_sq_norm: jax.Array  # |G_big|^2: squared norm of the unclipped, unweighted mean
 
 
+class LocalNorms(NamedTuple):
+    """What the reduction's side of a step knows of the local gradients.
+
+    Attributes:
+      norms: f32[N], every shard's local gradient norm before clipping (NaN on steps without
+        statistics), the same on every shard.
+      mean_sq_norm: |G_big|^2 where the reduced gradient does not give it (per-shard clipping
+        that fired, or weights), else NaN.
+      use_reduced: bool, whether |G_big|^2 is the reduced gradient's squared norm.
+    """
+
+    norms: jax.Array
+    mean_sq_norm: jax.Array
+    use_reduced: jax.Array
+
+
 def empty_shard_stats() -> ShardStats:
     """NaN `ShardStats` (distinct buffers: a donated state must not alias one twice)."""
     return ShardStats(*(jnp.full((), jnp.nan, jnp.float32) for _ in ShardStats._fields))
 
 
-def _sq_norm(tree: Any) -> jax.Array:
-    return jnp.square(tree_norm(tree))
+def gather_norms(norm: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """f32[N]: every shard's `norm`, in the order of its index over `axes`, on every shard.
+
+    A ``psum`` of each shard's norm at its own position: an all-reduce with add, like the
+    gradient's, which XLA combines with it into one collective.
+    """
+    axes = tuple(axes)
+    n = 1
+    for a in axes:
+        n *= jax.lax.axis_size(a)
+    onehot = jax.nn.one_hot(jax.lax.axis_index(axes), n, dtype=jnp.float32)
+    return jax.lax.psum(onehot * norm.astype(jnp.float32), axes)
 
 
-def local_shard_stats(
+def local_norms(
     local_grads: Any,
     axes: Sequence[str],
     *,
-    norm: jax.Array | None = None,
+    with_stats: Flag,
     clip_norm: float | None = None,
     weighted: bool = False,
-) -> tuple[ShardStats, jax.Array]:
-    """`ShardStats` of the local (unclipped) gradients, inside shard_map over `axes`.
+) -> LocalNorms:
+    """`LocalNorms` of this shard's (unclipped) gradients, inside shard_map over `axes`.
 
     Args:
       local_grads: this shard's gradient before clipping (varying over `axes`).
       axes: the manual data-parallel mesh axes.
-      norm: `tree_norm(local_grads)` if the caller already has it.
+      with_stats: whether this step computes statistics (`xshard.stats.when`): the norm is
+        taken under it, the collective outside (to merge with the gradient's).
       clip_norm: the per-shard clip norm, if the shards' gradients are clipped before the
         reduction.
       weighted: whether the reduction weights the shards (``shard_weight``).
-
-    Returns:
-      (stats, use_reduced): where `use_reduced` (a bool scalar) holds, ``mean_sq_norm`` is
-      NaN and the reduced gradient is the unclipped mean: pass it to `with_reduced_norm`.
     """
     axes = tuple(axes)
-    norms = shard_norm_stats(local_grads, axes, norm)
+    nan = lambda: jnp.full((), jnp.nan, jnp.float32)  # noqa: E731
+    norm = when(with_stats, lambda: jnp.sqrt(tree_sq_norm(local_grads)))  # NaN: varying
+    norms = gather_norms(norm, axes)
 
     def mean_sq_norm():
-        return _sq_norm(jax.lax.pmean(local_grads, axes))
+        return tree_sq_norm(jax.lax.pmean(local_grads, axes))
 
     if weighted:
-        mean_sq, use_reduced = mean_sq_norm(), jnp.zeros((), jnp.bool_)
+        use_reduced = jnp.zeros((), jnp.bool_)
+        mean_sq = when(with_stats, mean_sq_norm, nan)
     elif clip_norm is not None:
         # No shard was clipped iff the longest local gradient was not: then the reduced
-        # gradient is the unclipped mean. NaN norms take the pmean (and give NaN).
-        use_reduced = norms["shard_norm_max"] < clip_norm
-        mean_sq = jax.lax.cond(
-            use_reduced, lambda: jnp.full((), jnp.nan, jnp.float32), mean_sq_norm
-        )
+        # gradient is the unclipped mean. NaN norms (no statistics) take the reduced one.
+        use_reduced = ~(jnp.max(norms) >= clip_norm)
+        mean_sq = when(with_stats, lambda: jax.lax.cond(use_reduced, nan, mean_sq_norm), nan)
     else:
-        mean_sq, use_reduced = jnp.full((), jnp.nan, jnp.float32), jnp.ones((), jnp.bool_)
-    stats = ShardStats(
-        norms["shard_norm_mean"],
-        norms["shard_norm_max"],
-        norms["shard_norm_min"],
-        norms["shard_norm_std"],
-        norms["shard_sq_norm_mean"],
-        mean_sq,
-    )
-    return stats, use_reduced
+        mean_sq, use_reduced = nan(), jnp.ones((), jnp.bool_)
+    return LocalNorms(norms, mean_sq, use_reduced)
 
 
-def with_reduced_norm(
-    stats: ShardStats, use_reduced: jax.Array, reduced_norm: jax.Array, num_summed: int
-) -> ShardStats:
-    """Fills ``mean_sq_norm`` from the reduced gradient's norm where `use_reduced` holds.
+def shard_stats(local: LocalNorms, reduced_norm: jax.Array, num_summed: int) -> ShardStats:
+    """`ShardStats` from the gathered norms and the reduced gradient's norm.
 
     Args:
-      stats, use_reduced: from `local_shard_stats`.
+      local: from `local_norms`.
       reduced_norm: the global norm of the reduced gradient.
       num_summed: the reduced gradient is the mean times this (the shard count under SUM, 1
         under MEAN).
     """
+    norms = local.norms
+    mean, sq_mean = jnp.mean(norms), jnp.mean(jnp.square(norms))
     from_reduced = jnp.square(reduced_norm / num_summed)
-    return stats._replace(mean_sq_norm=jnp.where(use_reduced, from_reduced, stats.mean_sq_norm))
+    return ShardStats(
+        mean,
+        jnp.max(norms),
+        jnp.min(norms),
+        jnp.sqrt(jnp.maximum(sq_mean - jnp.square(mean), 0.0)),
+        sq_mean,
+        jnp.where(local.use_reduced, from_reduced, local.mean_sq_norm),
+    )

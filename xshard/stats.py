@@ -4,8 +4,6 @@
   separate executable per value), a traced bool under a `lax.cond` (one executable).
 * `leaf_sq_norms`, `tree_max_abs`, `count_nonfinite` — what `xshard.guard` summarizes a
   gradient pytree with (`GradSummary`).
-* `shard_norm_stats` — inside shard_map: each shard's local gradient norm, combined across the
-  data axes (two scalar collectives, not the gradient) into mean/max/min/std.
 * `noise_scale` — the gradient noise scale B_simple of McCandlish et al. (2018), "An
   Empirical Model of Large-Batch Training", Appendix A: from the squared norm of the gradient
   at a small batch (one shard's, b examples) and at the big batch (the mean over shards, B
@@ -129,34 +127,6 @@ def tree_norm(tree: Any) -> jax.Array:
     return jnp.sqrt(tree_sq_norm(tree))
 
 
-def shard_norm_stats(
-    local_grads: Any, axes: Sequence[str], norm: jax.Array | None = None
-) -> dict[str, jax.Array]:
-    """Per-shard gradient norms across `axes`, to be called inside shard_map.
-
-    Args:
-      local_grads: this shard's gradient (varying over `axes`), before any reduction.
-      axes: the manual data-parallel mesh axes.
-      norm: `tree_norm(local_grads)` if the caller already has it.
-
-    Returns:
-      ``shard_norm_{mean,max,min,std}`` and ``shard_sq_norm_mean`` (the mean of the squared
-      per-shard norms, the small-batch term of the noise scale), identical on every shard.
-    """
-    axes = tuple(axes)
-    norm = tree_norm(local_grads) if norm is None else norm
-    # Two scalar collectives: sums for the moments, a max for max and -min.
-    mean, sq_mean = jax.lax.pmean(jnp.stack([norm, jnp.square(norm)]), axes)
-    hi, neg_lo = jax.lax.pmax(jnp.stack([norm, -norm]), axes)
-    return {
-        "shard_norm_mean": mean,
-        "shard_norm_max": hi,
-        "shard_norm_min": -neg_lo,
-        "shard_norm_std": jnp.sqrt(jnp.maximum(sq_mean - jnp.square(mean), 0.0)),
-        "shard_sq_norm_mean": sq_mean,
-    }
-
-
 def noise_scale(
     small_sq_norm: jax.Array, big_sq_norm: jax.Array, b_small: int, b_big: int
 ) -> dict[str, jax.Array]:
@@ -199,16 +169,27 @@ def path_str(path: Sequence[Any]) -> str:
 
 
 def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
-    """A histogram of the finite values of `x`, in the fields TensorBoard's raw histogram needs."""
+    """A histogram of the finite values of `x`, in the fields TensorBoard's raw histogram needs.
+
+    `bins` equal buckets over [min, max] of the finite values. A value's bucket is computed
+    from its offset (one pass and a scatter-add), not searched among the edges as
+    `jnp.histogram` does (a binary search over them per value, several passes on XLA:CPU);
+    the last bucket includes the maximum.
+    """
     v = _f32(x).reshape(-1)
     finite = jnp.isfinite(v)
     lo = jnp.min(jnp.where(finite, v, jnp.inf), initial=jnp.inf)
     hi = jnp.max(jnp.where(finite, v, -jnp.inf), initial=-jnp.inf)
     lo, hi = jnp.where(lo <= hi, lo, 0.0), jnp.where(lo <= hi, hi, 0.0)
     hi = jnp.where(hi > lo, hi, lo + 1e-12)
-    counts, edges = jnp.histogram(
-        jnp.where(finite, v, lo), bins=bins, range=(lo, hi), weights=finite.astype(jnp.float32)
+    clean = jnp.where(finite, v, lo)
+    # One value (or lo + 1e-12 == lo in float32): everything in the first bucket.
+    scale = jnp.where(hi > lo, bins / (hi - lo), 0.0)
+    bucket = jnp.floor((clean - lo) * scale).astype(jnp.int32)
+    counts = jnp.zeros((bins,), jnp.float32).at[jnp.clip(bucket, 0, bins - 1)].add(
+        finite.astype(jnp.float32)
     )
+    limits = lo + (hi - lo) * (jnp.arange(1, bins + 1, dtype=jnp.float32) / bins)
     clean = jnp.where(finite, v, 0.0)
     return {
         "min": lo,
@@ -216,6 +197,6 @@ def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
         "num": jnp.sum(finite, dtype=jnp.float32),
         "sum": jnp.sum(clean),
         "sum_squares": jnp.sum(jnp.square(clean)),
-        "bucket_limits": edges[1:],
+        "bucket_limits": limits,
         "bucket_counts": counts,
     }

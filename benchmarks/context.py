@@ -86,7 +86,7 @@ class Bench:
         task: str,
         n: int | None = None,
         grad_impl: str = "manual",
-        step_executables: str = "one",
+        step_executables: str | None = None,
     ) -> Trainer:
         n = self.max_devices if n is None else n
         key = (task, n, grad_impl, step_executables)

@@ -107,9 +107,13 @@ class StepLoop:
 
 
 def make_trainer(
-    wl: Workload, mesh: Mesh, grad_impl: str = "manual", step_executables: str = "one"
+    wl: Workload,
+    mesh: Mesh,
+    grad_impl: str = "manual",
+    step_executables: str | None = None,
 ) -> Trainer:
-    """The `Trainer` the CLI would build for `wl` on `mesh`."""
+    """The `Trainer` the CLI would build for `wl` on `mesh` (`step_executables`: None, the
+    composed config's ``trainer.step_executables``)."""
     return Trainer(
         wl.task,
         wl.xshard_optimizer(mesh),
@@ -120,15 +124,15 @@ def make_trainer(
         grad_impl=grad_impl,
         reduction=wl.cfg.reduction.mode,
         seed=int(wl.cfg.seed),
-        step_executables=step_executables,
+        step_executables=step_executables or str(wl.cfg.trainer.step_executables),
     )
 
 
-def compiled_step(trainer: Trainer) -> jax.stages.Compiled:
-    """The trainer's AOT-compiled step (compiled on its first `step` call)."""
-    compiled = trainer.compiled
+def compiled_step(trainer: Trainer, level: int) -> jax.stages.Compiled:
+    """The trainer's AOT-compiled step for steps of `level`."""
+    compiled = trainer.executable_for(level)
     if compiled is None:
-        raise RuntimeError("the trainer has not compiled its step yet: call step() first")
+        raise RuntimeError(f"the trainer has not compiled level {level} yet: call step() first")
     return compiled
 
 
@@ -147,14 +151,19 @@ def trainer_loop(
       trainer: the trainer (several loops may share one, and so its compiled steps).
       params: initial params (host arrays).
       level: the level of every step, or a function of the step's 1-based count (e.g.
-        statistics on every 10th step). Steps that log per-layer statistics fetch them to the
-        host, as `Trainer.fit` does.
+        statistics on every 10th step, with a period dividing 100). Steps that log per-layer
+        statistics fetch them to the host, as `Trainer.fit` does. The first step compiles
+        the executables of every level the loop runs, as `Trainer.fit` does before its first.
     """
     level_of = level if callable(level) else (lambda _: level)
+    levels = {level_of(i) for i in range(1, 101)}
     count = iter(range(1, 1 << 62))
 
     def step(state, batch):
-        lv = level_of(next(count))
+        i = next(count)
+        if i == 1:
+            trainer.compile_levels(state, batch, levels)
+        lv = level_of(i)
         state, metrics = trainer.step(
             state,
             batch,
@@ -171,7 +180,7 @@ def trainer_loop(
         step=step,
         state=trainer.init(params),
         batches=[trainer.global_batch(b) for b in wl.host_batches],
-        compiled=lambda: compiled_step(trainer),
+        compiled=lambda: compiled_step(trainer, level_of(1)),
         params=lambda s: s.params,
         opt_state=lambda s: s.opt_state,
         trainer=trainer,

@@ -22,7 +22,7 @@ CONTRACT_TAGS = [
 ]
 
 
-def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_path):
+def test_300_step_run_logs_every_contract_tag_and_compiles_before_the_first_step(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_train(
         "task=mlp",
@@ -36,8 +36,16 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_pat
         env={"JAX_LOG_COMPILES": "1"},
     )
     log = proc.stdout + proc.stderr
-    # Plain, statistics and logging steps (layers, histograms) share one executable.
-    assert len(re.findall(r"Finished XLA compilation of jit\(train_step\)", log)) == 1
+    # One executable per kind of step the run meets (plain, statistics, per-layer norms at
+    # 150, histograms at 300), all compiled before the first step: their total is reported
+    # once, with step 1's metrics, and nothing compiles later.
+    assert len(re.findall(r"Finished XLA compilation of jit\(train_step\)", log)) == 4
+    assert re.findall(r"Compiled the train step for levels (\(\d,\))", log) == [
+        "(0,)",
+        "(1,)",
+        "(2,)",
+        "(3,)",
+    ]
     assert f"tensorboard --logdir {run_dir / 'tb'}" in log
 
     events = load_events(run_dir / "tb")
@@ -47,6 +55,7 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_the_step_once(tmp_pat
     assert sorted(loss) == list(range(25, 301, 25))
     assert loss[300] < loss[25]
     assert {"grad/noise_scale", "grad/noise_scale_ema", "perf/compile_time_s"} <= tags
+    assert [e.step for e in events.Scalars("perf/compile_time_s")] == [1]
     assert any(t.startswith("layers/grad_norm/layers/0/w") for t in tags)
     assert any(t.startswith("grad_hist/") for t in events.Tags()["histograms"])
     assert "config/text_summary" in events.Tags()["tensors"]

@@ -1,6 +1,6 @@
 """Statistics of the gradient a step applies, on 8 simulated CPU devices, checked against
 independent computations: per-layer norms and histograms, clipping statistics, the noise
-scale's invariance, a plain optax optimizer, and one compilation for every kind of step."""
+scale's invariance, a plain optax optimizer, and the compilations a run needs."""
 
 import jax
 import numpy as np
@@ -210,11 +210,14 @@ def test_noise_terms_do_not_depend_on_shard_weight(mesh):
 
 
 class Recorder(Hook):
-    def __init__(self):
-        self.metrics, self.diagnostics = {}, {}
+    def __init__(self, trainer=None):
+        self.metrics, self.diagnostics, self.compiled_at = {}, {}, {}
+        self.trainer = trainer
 
     def on_step(self, step, metrics):
         self.metrics[step] = metrics
+        if self.trainer is not None:  # the executables that existed at this step's end
+            self.compiled_at[step] = list(self.trainer.executables())
 
     def on_diagnostics(self, step, diag):
         self.diagnostics[step] = diag
@@ -224,7 +227,7 @@ def fit(task, mesh, tx, steps=6, **kwargs):
     trainer = Trainer(task, tx, mesh, global_batch_size=BATCH, **kwargs)
     first = next(iter(task.batches(BATCH, seed=0)))
     state = trainer.init(trainer.init_params(first))
-    rec = Recorder()
+    rec = Recorder(trainer)
     with CompileEvents() as events:
         state, reason = trainer.fit(
             state,
@@ -261,10 +264,28 @@ def test_plain_optax_optimizer_trains_like_cross_shard_mean(task, mesh, grad_imp
 # ------------------------------------------------------------------- compilations
 
 
-def test_every_kind_of_step_shares_one_executable(task, mesh):
+def test_every_program_the_run_needs_is_compiled_before_its_first_step(task, mesh):
     _, rec, trainer, events = fit(task, mesh, xshard.cross_shard(optax.adam(1e-3)), steps=8)
+    # The default, "per_level": one executable per level the run meets, all before step 1.
+    assert list(trainer.executables()) == [(0,), (1,), (2,), (3,)]
+    assert rec.compiled_at[1] == [(0,), (1,), (2,), (3,)]
+    assert events.compiles == 4 and events.traces == 4
+    _, rec, trainer, events = fit(
+        task, mesh, xshard.cross_shard(optax.adam(1e-3)), steps=8, step_executables="one"
+    )
     assert list(trainer.executables()) == [(0, 1, 2, 3)]
     assert events.compiles == 1 and events.traces == 1
     assert {s for s, m in rec.metrics.items() if "optim/update_norm" in m} == {2, 3, 4, 6, 8}
     assert rec.diagnostics.keys() == {3, 4, 6, 8}
     assert {s for s, d in rec.diagnostics.items() if "grad_hist" in d} == {4, 8}
+
+
+def test_a_run_compiles_only_the_levels_it_meets(task, mesh):
+    tx = xshard.cross_shard(optax.adam(1e-3))
+    trainer = Trainer(task, tx, mesh, global_batch_size=BATCH)
+    first = next(iter(task.batches(BATCH, seed=0)))
+    state = trainer.init(trainer.init_params(first))
+    with CompileEvents() as events:  # statistics every 5th step, no logging steps
+        trainer.fit(state, task.batches(BATCH, seed=0), num_steps=10, stats_every=5)
+    assert list(trainer.executables()) == [(0,), (1,)]
+    assert events.compiles == 2

@@ -196,6 +196,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         grad_impl=opts.grad_impl,
         reduction=spec.reduction,
         seed=seed,
+        step_executables=opts.step_executables,
         zero_stage=sharding.zero_stage,
     )
 

@@ -40,9 +40,11 @@ from trainers.step import (
     TrainState,
     make_train_step,
 )
+from trainers.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
 from trainers.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.zero import zero_layout
 from xshard import Reduction
+from xshard.config.run import STEP_EXECUTABLE_DESIGNS
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
 from xshard.mesh import check_batch_divisible
@@ -54,16 +56,6 @@ logger = logging.getLogger(__name__)
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
-
-#: How the step levels (plain, statistics, per-layer norms, histograms; `trainers.step`) map
-#: to compiled executables: levels in one group share an executable (a traced level under
-#: `lax.cond`s), each group is compiled on its first use. docs/benchmarks.md measures them.
-STEP_EXECUTABLES: dict[str, tuple[tuple[int, ...], ...]] = {
-    "one": (LEVELS,),
-    "two": ((PLAIN, STATS), (LAYERS, HISTOGRAMS)),
-    "per_level": tuple((lv,) for lv in LEVELS),
-}
-
 
 class Trainer:
     """Trains `task` with the optimizer `tx` on `mesh`.
@@ -83,10 +75,12 @@ class Trainer:
       reduction: how the trainer reduces the gradients for a plain optax `tx` (MEAN:
         ``pmean``); a `cross_shard` optimizer reduces as it was built, and this is unused.
       seed: the run's seed (step RNGs are derived from it and the step).
-      step_executables: how plain, statistics and logging steps map to compiled programs, a
-        key of `STEP_EXECUTABLES`: "one" (the default; every kind of step in one executable,
-        the differences under `lax.cond`), "two" (plain and statistics steps / per-layer
-        logging steps) or "per_level" (four). See docs/benchmarks.md for the measurement.
+      step_executables: ``trainer.step_executables``, how plain, statistics and logging
+        steps map to compiled programs (`trainers.step_levels.STEP_EXECUTABLES`):
+        "per_level" (the default: a program per level, those `fit` will need compiled before
+        its first step), "two" (plain and statistics steps / per-layer logging steps) or
+        "one" (every level in one program, the differences under `lax.cond`). See
+        docs/benchmarks.md for the measurement.
       agree_stop: whether the processes agree on stops within the steps (default: with more
         than one process); see `fit`. One process needs no vote: its step takes none.
       zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
@@ -110,7 +104,7 @@ class Trainer:
         grad_impl: str = "manual",
         reduction: Reduction | str = Reduction.MEAN,
         seed: int = 0,
-        step_executables: str = "one",
+        step_executables: str = STEP_EXECUTABLE_DESIGNS[0],
         agree_stop: bool | None = None,
         zero_stage: int = 0,
     ):
@@ -265,9 +259,26 @@ class Trainer:
 
     @property
     def compiled(self) -> jax.stages.Compiled | None:
-        """The compiled step that runs plain and statistics steps (for HLO, cost and memory
-        analysis); None before the first step."""
-        return self._executables.get(self._group(STATS))
+        """The compiled step of the lowest level compiled so far (plain steps, the most
+        frequent: for HLO, cost and memory analysis); None before the first compilation."""
+        return next(
+            (self._executables[g] for g in self._groups if g in self._executables), None
+        )
+
+    def executable_for(self, level: int) -> jax.stages.Compiled | None:
+        """The compiled step that runs steps of `level` (None: not compiled yet)."""
+        return self._executables.get(self._group(level))
+
+    def compile_levels(
+        self, state: TrainState, batch: dict[str, Any], levels: Iterable[int]
+    ) -> None:
+        """Compiles, ahead of time, the executables that run steps of `levels` (those not
+        compiled yet), for `state` and batches like `batch` (host-local or global)."""
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        for group in dict.fromkeys(self._group(lv) for lv in sorted(levels)):
+            if group not in self._executables:
+                self._compile(group, state, batch)
 
     def executables(self) -> dict[tuple[int, ...], jax.stages.Compiled]:
         """Every compiled step so far, by the levels it serves (see `STEP_EXECUTABLES`)."""
@@ -379,6 +390,12 @@ class Trainer:
           `on_end` is raised after all of them ran (the first one; later ones are logged).
         """
         step = int(jax.device_get(state.step))
+        periods = {
+            "stats_every": stats_every,
+            "layer_stats_every": layer_stats_every,
+            "histogram_every": histogram_every,
+        }
+        first_step = True
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
@@ -409,15 +426,16 @@ class Trainer:
                     reason = "data_exhausted"
                     break
                 step += 1
-                hist = histogram_every > 0 and step % histogram_every == 0
-                layers = hist or (layer_stats_every > 0 and step % layer_stats_every == 0)
-                with_stats = step == num_steps or (stats_every > 0 and step % stats_every == 0)
+                if first_step:  # every program the run needs, before its first step
+                    self.compile_levels(state, local, levels_in_run(step, num_steps, **periods))
+                    first_step = False
+                level = step_level(step, num_steps, **periods)
                 state, metrics = self.step(
                     state,
                     local,
-                    with_stats=with_stats,
-                    layer_stats=layers,
-                    histograms=hist,
+                    with_stats=level >= STATS,
+                    layer_stats=level >= LAYERS,
+                    histograms=level >= HISTOGRAMS,
                     stop_vote=vote() if agree else 0,
                 )
                 if self._report_compile:

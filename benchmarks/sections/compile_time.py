@@ -20,7 +20,6 @@ import numpy as np
 from benchmarks.compile_events import CompileEvents
 from benchmarks.context import Bench
 from benchmarks.sections.steps import STEP_VARIANTS
-from benchmarks.variants import compiled_step
 from benchmarks.workloads import TASKS
 
 
@@ -42,7 +41,8 @@ def run(bench: Bench) -> dict[str, Any]:
             if loop.jitted is not None:
                 entry["jit_cache_size"] = int(loop.jitted._cache_size())
             if loop.trainer is not None:
-                entry["executable_type"] = type(compiled_step(loop.trainer)).__qualname__
+                entry["executable_type"] = type(loop.executable()).__qualname__
+                entry["executables"] = len(loop.trainer.executables())
             per_variant[name] = entry
         out[task] = {
             "variants": per_variant,

@@ -1,0 +1,55 @@
+"""The schedule of step levels `Trainer.fit` follows, and the levels a run meets."""
+
+import itertools
+
+import pytest
+
+from trainers.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
+from trainers.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
+from xshard.config.run import STEP_EXECUTABLE_DESIGNS
+
+PERIODS = dict(stats_every=10, layer_stats_every=100, histogram_every=100)
+
+
+def test_levels_follow_the_periods_and_the_last_step_has_statistics():
+    level = lambda s, n=300, **kw: step_level(s, n, **(PERIODS | kw))  # noqa: E731
+    assert [level(s) for s in (1, 9, 10, 20, 99, 100, 200, 299, 300)] == [
+        PLAIN,
+        PLAIN,
+        STATS,
+        STATS,
+        PLAIN,
+        HISTOGRAMS,
+        HISTOGRAMS,
+        PLAIN,
+        HISTOGRAMS,
+    ]
+    assert level(50, histogram_every=0, layer_stats_every=50) == LAYERS
+    assert level(7, n=7) == STATS  # the last step always computes the statistics
+    assert level(10, stats_every=0) == PLAIN
+
+
+@pytest.mark.parametrize(
+    "first,num_steps,periods",
+    [
+        (1, 300, PERIODS),
+        (1, 9, PERIODS),
+        (101, 150, PERIODS),
+        (1, 1000, dict(stats_every=7, layer_stats_every=11, histogram_every=13)),
+        (5, 40, dict(stats_every=0, layer_stats_every=0, histogram_every=0)),
+        (3, 30, dict(stats_every=4, layer_stats_every=6, histogram_every=0)),
+    ],
+)
+def test_levels_in_run_are_exactly_those_of_its_steps(first, num_steps, periods):
+    every_step = {step_level(s, num_steps, **periods) for s in range(first, num_steps + 1)}
+    assert levels_in_run(first, num_steps, **periods) == every_step
+
+
+def test_levels_in_a_finished_run_are_none():
+    assert levels_in_run(11, 10, **PERIODS) == frozenset()
+
+
+def test_every_design_serves_every_level_once():
+    assert tuple(STEP_EXECUTABLES) == STEP_EXECUTABLE_DESIGNS
+    for groups in STEP_EXECUTABLES.values():
+        assert sorted(itertools.chain(*groups)) == list(LEVELS)

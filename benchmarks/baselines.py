@@ -7,8 +7,7 @@
   gradients and the loss, params and optimizer state donated.
 * `shard_map_step` — xshard without the trainer: per-shard gradients in ``jax.shard_map``
   reduced by `xshard.cross_shard` (with its statistics off), and nothing else. It separates
-  what the library's reduction costs from what the trainer's statistics cost. The gradient
-  is taken as the trainer takes it (`xshard.unit_batch`).
+  what the library's reduction costs from what the trainer's statistics cost.
 
 All take a task's ``loss(params, batch, rng)``; the built-in tasks are deterministic, so the
 RNG is None here (the trainer derives one per step, a negligible fold-in).
@@ -16,7 +15,6 @@ RNG is None here (the trainer derives one per step, a negligible fold-in).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,8 +23,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from xshard.unit_batch import unit_batch
 
 Step = Callable[..., Any]
 
@@ -143,7 +139,7 @@ def shard_map_step(
 
     def per_shard(params, opt_state, batch):
         local = jax.lax.pcast(params, data_axes, to="varying")
-        loss, grads = unit_batch(functools.partial(_loss_and_grad, task), (1,))(local, batch)
+        loss, grads = _loss_and_grad(task, local, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, jax.lax.pmean(loss, data_axes)

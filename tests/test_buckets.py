@@ -61,7 +61,7 @@ def run(mesh, body, tree, dims, in_specs, out_specs):
 def test_psum_scatter_tree_equals_per_leaf_psum_scatter(mesh):
     tree, dims = tree_and_dims()
     out_specs = jax.tree.map(spec, dims, is_leaf=lambda x: x is None)
-    idx = lambda: jax.lax.axis_index(AXES)  # noqa: E731
+    idx = lambda: jax.lax.axis_index(AXES)
 
     def packed(t):
         return psum_scatter_tree(per_shard(t, idx()), dims, AXES)
@@ -152,7 +152,7 @@ def test_pack_false_issues_one_collective_per_leaf_with_the_same_values(mesh):
 @pytest.mark.parametrize("pack", [True, False])
 def test_psum_tree_equals_per_leaf_psum_and_unpacks_what_its_parts_become(mesh, pack):
     tree, _ = tree_and_dims()
-    idx = lambda: jax.lax.axis_index(AXES)  # noqa: E731
+    idx = lambda: jax.lax.axis_index(AXES)
 
     def body(t):
         packed = psum_tree(per_shard(t, idx()), AXES, pack=pack)

@@ -8,11 +8,11 @@ from trainers.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
 from trainers.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
 from xshard.config.run import STEP_EXECUTABLE_DESIGNS
 
-PERIODS = dict(stats_every=10, layer_stats_every=100, histogram_every=100)
+PERIODS = {"stats_every": 10, "layer_stats_every": 100, "histogram_every": 100}
 
 
 def test_levels_follow_the_periods_and_the_last_step_has_statistics():
-    level = lambda s, n=300, **kw: step_level(s, n, **(PERIODS | kw))  # noqa: E731
+    level = lambda s, n=300, **kw: step_level(s, n, **(PERIODS | kw))
     assert [level(s) for s in (1, 9, 10, 20, 99, 100, 200, 299, 300)] == [
         PLAIN,
         PLAIN,
@@ -35,9 +35,9 @@ def test_levels_follow_the_periods_and_the_last_step_has_statistics():
         (1, 300, PERIODS),
         (1, 9, PERIODS),
         (101, 150, PERIODS),
-        (1, 1000, dict(stats_every=7, layer_stats_every=11, histogram_every=13)),
-        (5, 40, dict(stats_every=0, layer_stats_every=0, histogram_every=0)),
-        (3, 30, dict(stats_every=4, layer_stats_every=6, histogram_every=0)),
+        (1, 1000, {"stats_every": 7, "layer_stats_every": 11, "histogram_every": 13}),
+        (5, 40, {"stats_every": 0, "layer_stats_every": 0, "histogram_every": 0}),
+        (3, 30, {"stats_every": 4, "layer_stats_every": 6, "histogram_every": 0}),
     ],
 )
 def test_levels_in_run_are_exactly_those_of_its_steps(first, num_steps, periods):

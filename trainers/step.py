@@ -46,7 +46,6 @@ from xshard.errors import ConfigError
 from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
 from xshard.slots import cross_shard_state, has_cross_shard_state
 from xshard.stats import Flag, leaf_sq_norms, when
-from xshard.unit_batch import unit_batch
 
 __all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
 
@@ -96,15 +95,12 @@ def loss_and_grads(
     batch: Any,
     rng: jax.Array,
     k: int,
-    per_shard: bool = False,
 ):
     """Mean loss, mean aux, mean gradient and the new model state over `k` microbatches.
 
     `loss_fn` is `trainers.model_state.loss_fn` of the task. Gradients accumulate in float32
     across a `lax.scan` and are cast back to the params' dtypes once at the end; the model
     state passes through the microbatches in order. Nothing is reduced across shards here.
-    `per_shard`: the gradient is one shard's (inside shard_map), taken under
-    `xshard.unit_batch.unit_batch` so that XLA:CPU compiles its matmuls as it does GSPMD's.
     """
 
     def with_state(p, state, b, r):
@@ -112,8 +108,6 @@ def loss_and_grads(
         return loss, (aux, state)
 
     grad_fn = jax.value_and_grad(with_state, has_aux=True)
-    if per_shard:
-        grad_fn = unit_batch(grad_fn, batched_argnums=(2,))
     if k == 1:
         (loss, (aux, model_state)), grads = grad_fn(params, model_state, batch, rng)
         return loss, aux, grads, model_state
@@ -288,7 +282,7 @@ def make_train_step(
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
             loss, aux, grads, model_state = loss_and_grads(
-                task_loss, local, model_state, batch, rng, spec.microbatches, per_shard=True
+                task_loss, local, model_state, batch, rng, spec.microbatches
             )
             model_state = reduce_over_shards(model_state, axes)
             params, opt_state, metrics, diag = train_and_measure(params, opt_state, grads, level)
@@ -331,7 +325,7 @@ def make_train_step(
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
             loss, aux, grads, model_state = loss_and_grads(
-                task_loss, local, model_state, batch, rng, spec.microbatches, per_shard=True
+                task_loss, local, model_state, batch, rng, spec.microbatches
             )
             return loss, aux, grads, reduce_over_shards(model_state, axes)
 

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
 
+
 class Trainer:
     """Trains `task` with the optimizer `tx` on `mesh`.
 
@@ -261,9 +262,7 @@ class Trainer:
     def compiled(self) -> jax.stages.Compiled | None:
         """The compiled step of the lowest level compiled so far (plain steps, the most
         frequent: for HLO, cost and memory analysis); None before the first compilation."""
-        return next(
-            (self._executables[g] for g in self._groups if g in self._executables), None
-        )
+        return next((self._executables[g] for g in self._groups if g in self._executables), None)
 
     def executable_for(self, level: int) -> jax.stages.Compiled | None:
         """The compiled step that runs steps of `level` (None: not compiled yet)."""

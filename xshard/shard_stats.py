@@ -96,7 +96,7 @@ def local_norms(
       weighted: whether the reduction weights the shards (``shard_weight``).
     """
     axes = tuple(axes)
-    nan = lambda: jnp.full((), jnp.nan, jnp.float32)  # noqa: E731
+    nan = lambda: jnp.full((), jnp.nan, jnp.float32)
     norm = when(with_stats, lambda: jnp.sqrt(tree_sq_norm(local_grads)))  # NaN: varying
     norms = gather_norms(norm, axes)
 

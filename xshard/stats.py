@@ -186,8 +186,10 @@ def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
     # One value (or lo + 1e-12 == lo in float32): everything in the first bucket.
     scale = jnp.where(hi > lo, bins / (hi - lo), 0.0)
     bucket = jnp.floor((clean - lo) * scale).astype(jnp.int32)
-    counts = jnp.zeros((bins,), jnp.float32).at[jnp.clip(bucket, 0, bins - 1)].add(
-        finite.astype(jnp.float32)
+    counts = (
+        jnp.zeros((bins,), jnp.float32)
+        .at[jnp.clip(bucket, 0, bins - 1)]
+        .add(finite.astype(jnp.float32))
     )
     limits = lo + (hi - lo) * (jnp.arange(1, bins + 1, dtype=jnp.float32) / bins)
     clean = jnp.where(finite, v, 0.0)

@@ -104,6 +104,28 @@ def test_layer_norms_are_those_of_the_applied_gradient(task, mesh, params, batch
     )  # clipping changed the applied gradient, and the statistics saw it
 
 
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_statistics_steps_record_max_abs_and_leave_per_leaf_norms_to_logging_steps(
+    task, mesh, params, batch, skip_nonfinite
+):
+    applied = mean(shard_grads(task, params, batch))
+    max_abs = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(applied))
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean", skip_nonfinite=skip_nonfinite)
+    trainer = Trainer(task, tx, mesh, global_batch_size=BATCH)
+    for layer_stats in (False, True):
+        state, metrics = trainer.step(trainer.init(params), batch, layer_stats=layer_stats)
+        reduced = jax.device_get(state.opt_state.reduced)
+        np.testing.assert_allclose(metrics["grad/max_abs"], max_abs, rtol=1e-6)
+        np.testing.assert_allclose(reduced.norm, tree_norm(applied), rtol=1e-5)
+        if layer_stats:  # the per-leaf norms: a reduction per leaf, on logging steps only
+            want = list(leaf_norms(applied).values())
+            np.testing.assert_allclose(reduced.leaf_norms, want, rtol=1e-5)
+        else:
+            assert np.isnan(reduced.leaf_norms).all()
+    state, metrics = trainer.step(trainer.init(params), batch, with_stats=False)
+    assert np.isnan(jax.device_get(state.opt_state.reduced.max_abs))
+
+
 def test_histograms_and_param_norms_describe_the_step(task, mesh, params, batch):
     lr = 0.1
     applied = mean(shard_grads(task, params, batch))

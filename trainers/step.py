@@ -146,9 +146,10 @@ def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag
     """The statistics flags for a step of `level`, one of `levels`.
 
     A flag that holds on every level of `levels` is True, one that holds on none is False
-    (both decided when tracing); otherwise it is the traced comparison of `level`. Per-layer
-    norms (level 2) need no flag of their own: statistics steps compute them anyway (from the
-    sums of squares of the global norms), and level 2 only returns them.
+    (both decided when tracing); otherwise it is the traced comparison of `level`:
+    ``with_stats`` from level 1, ``layer_norms`` (the gradient's per-leaf norms, a reduction
+    per leaf, which statistics steps skip: their global norm and max |g| are one reduction
+    each over the packed gradient) from level 2, ``histograms`` at level 3.
     """
 
     def flag(threshold: int) -> Flag:
@@ -158,7 +159,11 @@ def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag
             return False
         return level >= threshold
 
-    return {"with_stats": flag(STATS), "histograms": flag(HISTOGRAMS)}
+    return {
+        "with_stats": flag(STATS),
+        "layer_norms": flag(LAYERS),
+        "histograms": flag(HISTOGRAMS),
+    }
 
 
 def make_train_step(
@@ -267,6 +272,8 @@ def make_train_step(
         norms, param_leaf_norms = measured
         metrics |= norms
         stats_keys.update(stats_only | set(norms))
+        if flags["with_stats"] is False:  # a plain program: no kernel for hidden metrics
+            metrics |= {k: jnp.full((), jnp.nan, jnp.float32) for k in stats_only | set(norms)}
         diag = None
         if diag_wanted:
             diag = {"grad_norms": cs.reduced.leaf_norms, "param_norms": param_leaf_norms}

@@ -158,18 +158,23 @@ def guarded_update(
 
     Returns:
       ``run(gradient, sq_norm, guard_state, params, *, finalize, skipped=None,
-      with_stats=None, histograms=None, measure=None, **extra) -> (out, new guard state,
-      StepRecord)``, where the guard state is a `SkipIfNonFiniteState` around the inner
-      optimizer's (its counters advance in the branch taken, with `skip_nonfinite`). ``gradient()`` returns the reduced gradient; it is called in every
-      computation that reads it, so that what it computes (e.g. ``pmean``'s division) fuses
-      into its consumers there. ``sq_norm()`` returns its squared global norm (None:
-      computed from ``gradient()``). ``finalize(params, updates)`` turns the inner
+      max_abs=None, shard_axes=None, with_stats=None, layer_norms=None, histograms=None,
+      measure=None, **extra) -> (out, new guard state, StepRecord)``, where the guard state is a
+      `SkipIfNonFiniteState` around the inner optimizer's (its counters advance in the
+      branch taken, with `skip_nonfinite`). ``gradient()`` returns the reduced gradient; it
+      is called in every computation that reads it, so that what it computes (slices of a
+      packed buffer, ``pmean``'s division) fuses into its consumers there. ``sq_norm()`` and
+      ``max_abs()`` return its squared global norm and its largest |g| (None: computed from
+      ``gradient()``, a reduction per leaf). ``shard_axes``: the manual mesh axes inside
+      ``shard_map`` (histograms are then split over the shards). ``finalize(params,
+      updates)`` turns the inner
       optimizer's updates into `out` (`optax.apply_updates`, or the updates themselves);
       ``skipped(params)`` is `out` for a skipped update (default: `finalize` of zero
       updates). ``measure(out, updates, summary)`` returns a pytree of arrays computed on
       statistics steps (for a skipped update `out` is the skipped one and the updates are
-      zeros). The flags are None, a Python bool or a traced bool; ``with_stats`` defaults to
-      every step, ``histograms`` to never.
+      zeros). The flags are None, a Python bool or a traced bool: ``with_stats`` (default:
+      every step) for max |g| and `measure`, ``layer_norms`` (default: with the statistics)
+      for the per-leaf norms of a finite gradient, ``histograms`` (default: never).
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -181,7 +186,10 @@ def guarded_update(
         *,
         finalize: Callable[[Any, Any], Any],
         skipped: Callable[[Any], Any] | None = None,
+        max_abs: Callable[[], jax.Array] | None = None,
+        shard_axes: tuple[str, ...] | None = None,
         with_stats: Flag = None,
+        layer_norms: Flag = None,
         histograms: Flag = None,
         measure: Callable[[Any, Any, GradSummary], Any] | None = None,
         **extra: Any,
@@ -189,8 +197,15 @@ def guarded_update(
         total = tree_sq_norm(gradient()) if sq_norm is None else sq_norm()
         n = len(jax.tree.leaves(jax.eval_shape(gradient)))
         hist_flag = (False if histograms is None else histograms) if track_stats else False
-        stats_values, hist_values = _values(with_stats), _values(hist_flag)
-        levels = list(itertools.product(stats_values, hist_values))
+        layer_flag = with_stats if layer_norms is None else layer_norms
+        flags = (with_stats, layer_flag, hist_flag)
+        values = [_values(f) for f in flags]
+        # The levels served, and the level of each combination of the flags' values: per-leaf
+        # norms are a statistic, no level has them without the statistics.
+        combinations = list(itertools.product(*values))
+        level_of = [(s, s and lv, h) for s, lv, h in combinations]
+        levels = list(dict.fromkeys(level_of))
+        served = tuple(max(v) for v in values)  # what a rare, non-finite step computes
 
         def step(g, params, inner_state):
             updates, new_inner = inner.update(g, inner_state, params, **extra)
@@ -202,21 +217,40 @@ def guarded_update(
             out = finalize(params, updates) if skipped is None else skipped(params)
             return out, inner_state, updates
 
-        def statistics(g, seen, out, updates, summary, stats: bool, hist: bool):
+        def statistics(g, seen, out, updates, summary, stats: bool, layers: bool, hist: bool):
             """(max |g|, per-leaf norms, the caller's measurements, histograms) at a level."""
+            # Inside shard_map the reduced gradient is the same on every shard: each reads
+            # its 1/N for the per-leaf statistics (a shard's own slice, after a scatter, is
+            # not split).
+            same = shard_axes and not any(_varying(x) & set(shard_axes) for x in jax.tree.leaves(g))
+            split = shard_axes if same else None
             norms = summary.leaf_norms
             if norms is None:  # finite gradient: the leaf norms are a statistic
-                norms = jnp.sqrt(leaf_sq_norms(g)) if stats else jnp.full((n,), jnp.nan)
-            max_abs = tree_max_abs(seen) if stats and track_stats else jnp.full((), jnp.nan)
+                norms = jnp.full((n,), jnp.nan)
+                if layers:
+                    norms = jnp.sqrt(leaf_sq_norms(g, split))
+            biggest = jnp.full((), jnp.nan)
+            if stats and track_stats:
+                biggest = tree_max_abs(seen) if max_abs is None or seen is not g else max_abs()
             measured = None
             if measure is not None:
-                compute = lambda: measure(out, updates, summary._replace(leaf_norms=norms))
-                measured = compute() if stats else nan_like(jax.eval_shape(compute))
+                summary = summary._replace(leaf_norms=norms)
+                measured = measure(out, updates, summary) if stats else unmeasured()
             hists: Histograms | optax.EmptyState = optax.EmptyState()
             if track_stats:
-                compute = lambda: leaf_histograms(g, bins)
+                compute = lambda: leaf_histograms(g, bins, split)
                 hists = compute() if hist else nan_like(jax.eval_shape(compute))
-            return jnp.asarray(max_abs, jnp.float32), norms, measured, hists
+            return jnp.asarray(biggest, jnp.float32), norms, measured, hists
+
+        def unmeasured():
+            """NaN like `measure`'s result (from shapes only: no update needs to exist)."""
+
+            def shapes(params, inner_state):
+                out, _, updates = step(gradient(), params, inner_state)
+                summary = finite_summary()._replace(leaf_norms=jnp.zeros((n,), jnp.float32))
+                return measure(out, updates, summary)
+
+            return nan_like(jax.eval_shape(shapes, params, guard_state.inner_state))
 
         def record(summary, applied, stats_out):
             max_abs, norms, measured, hists = stats_out
@@ -233,42 +267,47 @@ def guarded_update(
             clean = leaf_sq_norms(seen)
             return GradSummary(jnp.sqrt(jnp.sum(clean)), None, nonfinite, jnp.sqrt(clean)), seen
 
-        def finite_statistics(g, out, updates):
+        def finite_statistics(out, updates):
             """The statistics of the step's level (a switch over the levels served)."""
             summary = finite_summary()
-            per_level = [
-                functools.partial(statistics, g, g, out, updates, summary, s, h) for s, h in levels
-            ]
+
+            def at_level(stats: bool, layers: bool, hist: bool):
+                g = gradient()  # called in the branch: its slices fuse there
+                return statistics(g, g, out, updates, summary, stats, layers, hist)
+
+            per_level = [functools.partial(at_level, *lv) for lv in levels]
             stats_out = per_level[0]() if len(per_level) == 1 else jax.lax.switch(level, per_level)
             return record(summary, jnp.ones((), jnp.bool_), stats_out)
 
-        def rare_statistics(g, out, updates, applied):
+        def rare_statistics(out, updates, applied):
             """Every statistic the program serves: a non-finite gradient is rare."""
+            g = gradient()
             summary, seen = rare_summary(g)
-            stats_out = statistics(
-                g, seen, out, updates, summary, max(stats_values), max(hist_values)
-            )
-            return record(summary, applied, stats_out)
+            return record(summary, applied, statistics(g, seen, out, updates, summary, *served))
 
-        level = _position(with_stats, stats_values) * len(hist_values) + _position(
-            hist_flag, hist_values
-        )
+        level = 0  # the traced index of the step's level among `levels`
+        if len(levels) > 1:
+            position = 0
+            for flag, vals in zip(flags, values, strict=True):
+                position = position * len(vals) + _position(flag, vals)
+            table = [levels.index(lv) for lv in level_of]
+            level = jnp.asarray(table, jnp.int32)[position]
         finite_sum = jnp.isfinite(total)  # False for a NaN or Inf, or an overflow of squares
 
         if not skip_nonfinite:  # the update outside any branch: only statistics branch
-            g = gradient()
-            out, new_inner, updates = step(g, params, guard_state.inner_state)
+            out, new_inner, updates = step(gradient(), params, guard_state.inner_state)
+            applied = jnp.ones((), jnp.bool_)
+            if len(levels) == 1 and not levels[0][0]:  # no statistic reads the update
+                out_, updates_ = None, None
+            else:
+                out_, updates_ = out, updates
 
-            def at_level(stats: bool, hist: bool) -> StepRecord:
-                summary = finite_summary()
-                stats_out = statistics(g, g, out, updates, summary, stats, hist)
-                return record(summary, jnp.ones((), jnp.bool_), stats_out)
+            def finite_level():
+                return finite_statistics(out_, updates_)
 
-            branches = [
-                lambda: rare_statistics(g, out, updates, jnp.ones((), jnp.bool_)),
-                *(functools.partial(at_level, s, h) for s, h in levels),
-            ]
-            rec = jax.lax.switch(jnp.where(finite_sum, 1 + level, 0), branches)
+            rec = jax.lax.cond(
+                finite_sum, finite_level, lambda: rare_statistics(out_, updates_, applied)
+            )
             return out, guard_state._replace(inner_state=new_inner), rec
 
         def finite(operands):
@@ -279,7 +318,7 @@ def guarded_update(
             # Only statistics leave the nested switch: a nested branch that returned the
             # state would make XLA copy the donated state every step.
             applied = jnp.ones((), jnp.bool_)
-            return out, counted(state, applied, new_inner), finite_statistics(g, out, updates)
+            return out, counted(state, applied, new_inner), finite_statistics(out, updates)
 
         def rare(operands):
             """Skipped: the state as it was, with every statistic the program serves."""
@@ -287,7 +326,7 @@ def guarded_update(
             g = gradient()
             out, new_inner, updates = skip(g, params, state.inner_state)
             applied = jnp.zeros((), jnp.bool_)
-            record = rare_statistics(g, out, updates, applied)
+            record = rare_statistics(out, updates, applied)
             return out, counted(state, applied, new_inner), record
 
         # Two branches carry the state, and the counters advance in them: with more branches

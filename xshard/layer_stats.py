@@ -13,6 +13,7 @@ them for per-parameter state).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xshard.stats import histogram, nan_like, path_str, when
+from xshard.stats import (
+    bucket_limits,
+    finite_range,
+    histogram_buckets,
+    histogram_sums,
+    nan_like,
+    path_str,
+    split_over_shards,
+    when,
+)
 
 #: Buckets of every gradient histogram.
 HISTOGRAM_BINS = 64
@@ -77,16 +87,44 @@ def leaf_norms(tree: Any) -> jax.Array:
     return jnp.stack([jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves])
 
 
-def leaf_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
-    """`xshard.stats.histogram` of every leaf of `tree`, stacked into rows."""
-    leaves = jax.tree.leaves(tree)
+def leaf_histograms(
+    tree: Any, bins: int = HISTOGRAM_BINS, shard_axes: Sequence[str] | None = None
+) -> Histograms:
+    """`xshard.stats.histogram` of every leaf of `tree`, stacked into rows.
+
+    Args:
+      tree: the arrays.
+      bins: buckets of every histogram.
+      shard_axes: inside ``shard_map``, manual mesh axes over which `tree` is the same on
+        every shard (a reduced gradient): each shard reads its part of every leaf
+        (`xshard.stats.split_over_shards`), and two small collectives (the ranges, then the
+        sums) combine the parts. None: every shard computes every histogram whole.
+    """
+    leaves = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
     if not leaves:
         return nan_like(_shapes(0, bins))
+    if not shard_axes:
+        ranges = [histogram_buckets(*finite_range(v)) for v in leaves]
+        sums = [histogram_sums(v, lo, hi, bins) for v, (lo, hi) in zip(leaves, ranges)]
+    else:
+        axes = tuple(shard_axes)
+        parts, weights = split_over_shards(leaves, axes)
+        local = jnp.stack([jnp.stack(finite_range(p)) for p in parts]) * jnp.array([-1.0, 1.0])
+        neg_lo, hi = jax.lax.pmax(local, axes).T
+        ranges = [histogram_buckets(-a, b) for a, b in zip(neg_lo, hi)]
+        sums = jax.lax.psum(
+            jnp.stack(
+                [
+                    histogram_sums(p, lo, hi, bins, w)
+                    for p, (lo, hi), w in zip(parts, ranges, weights)
+                ]
+            ),
+            axes,
+        )
     rows = []
-    for x in leaves:
-        h = histogram(x, bins)
-        scalars = jnp.stack([h[name] for name in _SCALARS])
-        rows.append(jnp.concatenate([scalars, h["bucket_limits"], h["bucket_counts"]]))
+    for (lo, hi), row in zip(ranges, sums):
+        scalars = jnp.stack([lo, hi, row[0], row[1], row[2]])
+        rows.append(jnp.concatenate([scalars, bucket_limits(lo, hi, bins), row[3:]]))
     return Histograms(jnp.stack(rows))
 
 

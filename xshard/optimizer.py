@@ -13,7 +13,8 @@ order in one update:
 3. statistics (``track_stats``), kept in the state for logging without a second pass: the
    norms and non-finite count of the reduced gradient on every update, its max |g| and the
    local gradients' norms and noise-scale terms (`xshard.shard_stats`) on statistics updates
-   (``with_stats``), per-leaf histograms on the updates that ask for them;
+   (``with_stats``), per-leaf norms (``layer_norms``) and histograms on the updates that ask
+   for them;
 4. the non-finite guard (``skip_nonfinite``): after the reduction, so every shard takes the
    same decision;
 5. the inner optimizer.
@@ -57,7 +58,7 @@ from xshard.shard_stats import (
     local_norms,
     shard_stats,
 )
-from xshard.stats import Flag, GradSummary, tree_sq_norm, when
+from xshard.stats import Flag, GradSummary, tree_max_abs, tree_sq_norm, when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,13 @@ class LocalReduction:
             return tree_sq_norm(self.gradient())
         return tree_sq_norm(divide(list(self.parts), self.mean_over))
 
+    def max_abs(self) -> jax.Array:
+        """max |`gradient`| (float32, NaN-propagating), read from the packed buffers: one
+        reduction over them, not one per leaf."""
+        if self.parts is None:
+            return tree_max_abs(self.gradient())
+        return tree_max_abs(list(self.parts)) / self.mean_over
+
 
 class CrossShardPhases(NamedTuple):
     """A `cross_shard` update in two phases, for trainers that run them in different places.
@@ -125,11 +133,11 @@ class CrossShardPhases(NamedTuple):
     where the per-shard gradients are (inside ``shard_map``): per-shard clip, the local
     statistics and the reduction, optionally a reduce-scatter (`xshard.reduce.all_reduce`'s
     ``scatter_dims``); it returns a `LocalReduction`. ``finish(local, state, params, *,
-    with_stats=None, histograms=None, **extra)`` runs the summary, the guard and the inner
+    with_stats=None, layer_norms=None, histograms=None, **extra)`` runs the summary, the guard and the inner
     optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded slices, where
     norms over a sharded tensor are global): it returns ``(updates, new state)``. Their
     composition is the optimizer's ``update``. ``apply(local, state, params, *,
-    with_stats=None, histograms=None, measure=None, **extra)`` is ``finish`` followed by
+    with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is ``finish`` followed by
     `optax.apply_updates`, the addition done in the branch that computes the updates
     (`xshard.guard.guarded_update`), so that XLA fuses it with the inner update: it returns
     ``(new params, new state, measured)``, where ``measure(new_params, updates, summary)``
@@ -214,8 +222,10 @@ def cross_shard(
       flags, each None, a Python bool or a traced bool (one executable for both values):
       ``with_stats`` (default: on every update) — when false only the norms and the
       non-finite count of the reduced gradient are recorded (what the guard needs), and
-      nothing that needs a collective; ``histograms`` (default: never) — per-leaf histograms
-      of the reduced gradient.
+      nothing that needs a collective; ``layer_norms`` (default: with the statistics) —
+      the per-leaf norms of the reduced gradient (a reduction per leaf; the global norm
+      and max |g| are one reduction each over the packed gradient on CPU);
+      ``histograms`` (default: never) — per-leaf histograms of the reduced gradient.
       Statistics not computed on an update are NaN. Every other extra argument is forwarded
       to `inner`.
 
@@ -282,6 +292,7 @@ def cross_shard(
         finalize: Callable[[Any, Any], Any],
         skipped: Callable[[Any], Any] | None,
         with_stats: Flag,
+        layer_norms: Flag,
         histograms: Flag,
         measure: Callable[..., Any] | None,
         **extra_args,
@@ -315,7 +326,10 @@ def cross_shard(
             params,
             finalize=finalize,
             skipped=skipped,
+            max_abs=local.max_abs,
+            shard_axes=axes if _manual_axes(axes) else None,
             with_stats=with_stats,
+            layer_norms=layer_norms,
             histograms=histograms,
             measure=measured_with_shards,
             **extra_args,
@@ -337,6 +351,7 @@ def cross_shard(
         params=None,
         *,
         with_stats: Flag = None,
+        layer_norms: Flag = None,
         histograms: Flag = None,
         **extra_args,
     ):
@@ -348,6 +363,7 @@ def cross_shard(
             finalize=lambda params, updates: updates,
             skipped=None,
             with_stats=with_stats,
+            layer_norms=layer_norms,
             histograms=histograms,
             measure=None,
             **extra_args,
@@ -360,6 +376,7 @@ def cross_shard(
         params,
         *,
         with_stats: Flag = None,
+        layer_norms: Flag = None,
         histograms: Flag = None,
         measure: Callable[..., Any] | None = None,
         **extra_args,
@@ -372,6 +389,7 @@ def cross_shard(
             finalize=optax.apply_updates,
             skipped=lambda params: params,
             with_stats=with_stats,
+            layer_norms=layer_norms,
             histograms=histograms,
             measure=measure,
             **extra_args,
@@ -384,12 +402,19 @@ def cross_shard(
         *,
         shard_weight=None,
         with_stats: Flag = None,
+        layer_norms: Flag = None,
         histograms: Flag = None,
         **extra_args,
     ):
         local = reduce_fn(updates, params, shard_weight=shard_weight, with_stats=with_stats)
         return finish_fn(
-            local, state, params, with_stats=with_stats, histograms=histograms, **extra_args
+            local,
+            state,
+            params,
+            with_stats=with_stats,
+            layer_norms=layer_norms,
+            histograms=histograms,
+            **extra_args,
         )
 
     update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn, apply_fn)  # type: ignore[attr-defined]

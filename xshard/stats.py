@@ -3,7 +3,8 @@
 * `when` — a computation on statistics steps only: a Python bool decides at trace time (a
   separate executable per value), a traced bool under a `lax.cond` (one executable).
 * `leaf_sq_norms`, `tree_max_abs`, `count_nonfinite` — what `xshard.guard` summarizes a
-  gradient pytree with (`GradSummary`).
+  gradient pytree with (`GradSummary`); `split_over_shards` divides the work on a tensor
+  every shard holds (a reduced gradient) among the shards.
 * `noise_scale` — the gradient noise scale B_simple of McCandlish et al. (2018), "An
   Empirical Model of Large-Batch Training", Appendix A: from the squared norm of the gradient
   at a small batch (one shard's, b examples) and at the big batch (the mean over shards, B
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -71,13 +73,54 @@ def nan_like(shapes: Any) -> Any:
     return jax.tree.map(fill, shapes)
 
 
-def leaf_sq_norms(tree: Any) -> jax.Array:
+def split_over_shards(
+    tree: Any, axes: Sequence[str]
+) -> tuple[list[jax.Array], list[jax.Array | None]]:
+    """This shard's part of every leaf of `tree`, flat, for a tensor every shard holds alike.
+
+    Inside ``shard_map`` with `axes` manual, a statistic of a replicated tensor (a reduced
+    gradient) need not be computed N times: each shard reads its 1/N of every leaf whose size
+    divides by N, and a collective over `axes` adds up (or maxes) the parts. A leaf that does
+    not divide is read whole by every shard, with weight 1 on the first shard and 0 on the
+    others, so that sums count it once.
+
+    Returns:
+      (parts, weights): float32 vectors, and None (an even part) or a bool scalar weight.
+    """
+    axes = tuple(axes)
+    n = math.prod(jax.lax.axis_size(a) for a in axes)
+    me = jax.lax.axis_index(axes)
+    parts: list[jax.Array] = []
+    weights: list[jax.Array | None] = []
+    for x in jax.tree.leaves(tree):
+        v = _f32(x).reshape(-1)
+        if v.size % n == 0:
+            parts.append(jax.lax.dynamic_index_in_dim(v.reshape(n, -1), me, keepdims=False))
+            weights.append(None)
+        else:
+            parts.append(v)
+            weights.append(me == 0)
+    return parts, weights
+
+
+def leaf_sq_norms(tree: Any, shard_axes: Sequence[str] | None = None) -> jax.Array:
     """f32[L]: the sum of squares of every leaf of `tree` (in float32; `None` leaves are not
-    leaves). NaN or Inf where a leaf holds one, or where its squares overflow."""
+    leaves). NaN or Inf where a leaf holds one, or where its squares overflow.
+
+    `shard_axes`: inside ``shard_map``, axes over which `tree` is the same on every shard:
+    each shard sums its part (`split_over_shards`), one ``psum`` adds them up.
+    """
     leaves = jax.tree.leaves(tree)
     if not leaves:
         return jnp.zeros((0,), jnp.float32)
-    return jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
+    if not shard_axes:
+        return jnp.stack([jnp.sum(jnp.square(_f32(g))) for g in leaves])
+    parts, weights = split_over_shards(leaves, shard_axes)
+    sums = [
+        jnp.sum(jnp.square(p)) if w is None else jnp.where(w, jnp.sum(jnp.square(p)), 0.0)
+        for p, w in zip(parts, weights, strict=True)
+    ]
+    return jax.lax.psum(jnp.stack(sums), tuple(shard_axes))
 
 
 def tree_sq_norm(tree: Any) -> jax.Array:
@@ -168,37 +211,60 @@ def path_str(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
-def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
-    """A histogram of the finite values of `x`, in the fields TensorBoard's raw histogram needs.
-
-    `bins` equal buckets over [min, max] of the finite values. A value's bucket is computed
-    from its offset (one pass and a scatter-add), not searched among the edges as
-    `jnp.histogram` does (a binary search over them per value, several passes on XLA:CPU);
-    the last bucket includes the maximum.
-    """
-    v = _f32(x).reshape(-1)
+def finite_range(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(min, max) of the finite values of the flat `v` (+inf, -inf where there are none)."""
     finite = jnp.isfinite(v)
     lo = jnp.min(jnp.where(finite, v, jnp.inf), initial=jnp.inf)
     hi = jnp.max(jnp.where(finite, v, -jnp.inf), initial=-jnp.inf)
+    return lo, hi
+
+
+def histogram_buckets(lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The histogram's (min, max) from `finite_range`'s: 0 for no finite value, and a
+    nonempty interval for a single one."""
     lo, hi = jnp.where(lo <= hi, lo, 0.0), jnp.where(lo <= hi, hi, 0.0)
-    hi = jnp.where(hi > lo, hi, lo + 1e-12)
-    clean = jnp.where(finite, v, lo)
+    return lo, jnp.where(hi > lo, hi, lo + 1e-12)
+
+
+def histogram_sums(
+    v: jax.Array, lo: jax.Array, hi: jax.Array, bins: int, weight: jax.Array | None = None
+) -> jax.Array:
+    """f32[3 + bins]: the count, sum and sum of squares of the finite values of the flat `v`,
+    and their counts in `bins` equal buckets over [lo, hi] (from `histogram_buckets`); all
+    times `weight` (a 0/1 scalar) if given. Sums over parts of a tensor add up to its own.
+
+    A value's bucket is computed from its offset (one pass and a scatter-add), not searched
+    among the edges as `jnp.histogram` does (a binary search per value, several passes on
+    XLA:CPU); the last bucket includes the maximum.
+    """
+    finite = jnp.isfinite(v)
+    ones = finite.astype(jnp.float32) if weight is None else finite * weight.astype(jnp.float32)
     # One value (or lo + 1e-12 == lo in float32): everything in the first bucket.
     scale = jnp.where(hi > lo, bins / (hi - lo), 0.0)
-    bucket = jnp.floor((clean - lo) * scale).astype(jnp.int32)
-    counts = (
-        jnp.zeros((bins,), jnp.float32)
-        .at[jnp.clip(bucket, 0, bins - 1)]
-        .add(finite.astype(jnp.float32))
-    )
-    limits = lo + (hi - lo) * (jnp.arange(1, bins + 1, dtype=jnp.float32) / bins)
-    clean = jnp.where(finite, v, 0.0)
+    bucket = jnp.floor((jnp.where(finite, v, lo) - lo) * scale).astype(jnp.int32)
+    counts = jnp.zeros((bins,), jnp.float32).at[jnp.clip(bucket, 0, bins - 1)].add(ones)
+    clean = jnp.where(finite, v, 0.0) * (1.0 if weight is None else weight.astype(jnp.float32))
+    moments = jnp.stack([jnp.sum(ones), jnp.sum(clean), jnp.sum(clean * jnp.where(finite, v, 0.0))])
+    return jnp.concatenate([moments, counts])
+
+
+def bucket_limits(lo: jax.Array, hi: jax.Array, bins: int) -> jax.Array:
+    """f32[bins]: the upper edges of `bins` equal buckets over [lo, hi]."""
+    return lo + (hi - lo) * (jnp.arange(1, bins + 1, dtype=jnp.float32) / bins)
+
+
+def histogram(x: jax.Array, bins: int = 64) -> dict[str, jax.Array]:
+    """A histogram of the finite values of `x`, in the fields TensorBoard's raw histogram needs
+    (`histogram_sums` over `bins` equal buckets between the finite min and max)."""
+    v = _f32(x).reshape(-1)
+    lo, hi = histogram_buckets(*finite_range(v))
+    sums = histogram_sums(v, lo, hi, bins)
     return {
         "min": lo,
         "max": hi,
-        "num": jnp.sum(finite, dtype=jnp.float32),
-        "sum": jnp.sum(clean),
-        "sum_squares": jnp.sum(jnp.square(clean)),
-        "bucket_limits": limits,
-        "bucket_counts": counts,
+        "num": sums[0],
+        "sum": sums[1],
+        "sum_squares": sums[2],
+        "bucket_limits": bucket_limits(lo, hi, bins),
+        "bucket_counts": sums[3:],
     }

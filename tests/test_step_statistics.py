@@ -10,6 +10,7 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import xshard
+import xshard.stats
 from benchmarks.compile_events import CompileEvents
 from tests.cross_shard_helpers import make_problem, mse
 from trainers.tasks.mlp import MLPTask
@@ -82,7 +83,16 @@ def leaf_norms(tree):
 # ------------------------------------------------------------------- per-layer statistics
 
 
-def test_layer_norms_are_those_of_the_applied_gradient(task, mesh, params, batch):
+@pytest.fixture(params=["whole", "split"])
+def split(request, monkeypatch):
+    """Per-leaf statistics read whole on every shard (mlp's size), or split over the shards
+    (as for large models: `xshard.stats.SPLIT_MIN_ELEMENTS`)."""
+    if request.param == "split":
+        monkeypatch.setattr(xshard.stats, "SPLIT_MIN_ELEMENTS", {"sq_norms": 0, "histograms": 0})
+    return request.param
+
+
+def test_layer_norms_are_those_of_the_applied_gradient(task, mesh, params, batch, split):
     grads = shard_grads(task, params, batch)
     norms = sorted(tree_norm(g) for g in grads)
     max_norm = (norms[3] + norms[4]) / 2  # half of the shards are clipped
@@ -126,7 +136,7 @@ def test_statistics_steps_record_max_abs_and_leave_per_leaf_norms_to_logging_ste
     assert np.isnan(jax.device_get(state.opt_state.reduced.max_abs))
 
 
-def test_histograms_and_param_norms_describe_the_step(task, mesh, params, batch):
+def test_histograms_and_param_norms_describe_the_step(task, mesh, params, batch, split):
     lr = 0.1
     applied = mean(shard_grads(task, params, batch))
     new_params = jax.tree.map(lambda p, g: p - lr * g, params, applied)

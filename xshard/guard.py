@@ -45,6 +45,7 @@ from xshard.stats import (
     nan_like,
     tree_max_abs,
     tree_sq_norm,
+    worth_splitting,
 )
 
 
@@ -223,12 +224,15 @@ def guarded_update(
             # its 1/N for the per-leaf statistics (a shard's own slice, after a scatter, is
             # not split).
             same = shard_axes and not any(_varying(x) & set(shard_axes) for x in jax.tree.leaves(g))
-            split = shard_axes if same else None
+            split = {
+                statistic: shard_axes if same and worth_splitting(g, statistic) else None
+                for statistic in ("sq_norms", "histograms")
+            }
             norms = summary.leaf_norms
             if norms is None:  # finite gradient: the leaf norms are a statistic
                 norms = jnp.full((n,), jnp.nan)
                 if layers:
-                    norms = jnp.sqrt(leaf_sq_norms(g, split))
+                    norms = jnp.sqrt(leaf_sq_norms(g, split["sq_norms"]))
             biggest = jnp.full((), jnp.nan)
             if stats and track_stats:
                 biggest = tree_max_abs(seen) if max_abs is None or seen is not g else max_abs()
@@ -238,7 +242,7 @@ def guarded_update(
                 measured = measure(out, updates, summary) if stats else unmeasured()
             hists: Histograms | optax.EmptyState = optax.EmptyState()
             if track_stats:
-                compute = lambda: leaf_histograms(g, bins, split)
+                compute = lambda: leaf_histograms(g, bins, split["histograms"])
                 hists = compute() if hist else nan_like(jax.eval_shape(compute))
             return jnp.asarray(biggest, jnp.float32), norms, measured, hists
 

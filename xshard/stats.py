@@ -73,6 +73,21 @@ def nan_like(shapes: Any) -> Any:
     return jax.tree.map(fill, shapes)
 
 
+#: Fewest elements (all leaves together) for which splitting a statistic over the shards
+#: (`split_over_shards`) paid on 8 simulated CPU devices (docs/benchmarks.md): below them the
+#: collective that joins the parts costs more than reading the whole tensor on every shard.
+#: Per-leaf sums of squares: between tiny_gpt's 0.11M (slower split) and 6.3M (faster);
+#: histograms, a scatter-add per value: between mlp's 5.5K and tiny_gpt's 0.11M.
+SPLIT_MIN_ELEMENTS = {"sq_norms": 1 << 20, "histograms": 1 << 16}
+
+
+def worth_splitting(tree: Any, statistic: str) -> bool:
+    """Whether `statistic` (a key of `SPLIT_MIN_ELEMENTS`) of `tree` is worth splitting over
+    the shards: `tree` holds at least that many elements."""
+    size = sum(math.prod(jnp.shape(x)) for x in jax.tree.leaves(tree))
+    return size >= SPLIT_MIN_ELEMENTS[statistic]
+
+
 def split_over_shards(
     tree: Any, axes: Sequence[str]
 ) -> tuple[list[jax.Array], list[jax.Array | None]]:

@@ -37,6 +37,8 @@ from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
 from trainers.checkpointing import CheckpointHook, run_config
 from trainers.monitor import NonFiniteMonitor, ProgressHook
+from trainers.step import STATS
+from trainers.step_levels import step_level
 from trainers.summary import RunSummary
 from trainers.tb_logger import TensorBoardHook
 from trainers.trainer import Hook, Trainer
@@ -64,10 +66,15 @@ class BareLoop:
         metrics = None
         end = self.done + steps
         for i in range(steps):
-            step = self.done + i + 1
-            with_stats = step == end or (STATS_EVERY > 0 and step % STATS_EVERY == 0)
+            level = step_level(
+                self.done + i + 1,
+                end,
+                stats_every=STATS_EVERY,
+                layer_stats_every=0,
+                histogram_every=0,
+            )
             self.state, metrics = self.trainer.step(
-                self.state, next(self.batches), with_stats=with_stats
+                self.state, next(self.batches), with_stats=level >= STATS
             )
             if (i + 1) % SYNC_EVERY == 0:
                 jax.block_until_ready(metrics)

@@ -152,12 +152,14 @@ def trainer_loop(
       params: initial params (host arrays).
       level: the level of every step, or a function of the step's 1-based count (e.g.
         statistics on every 10th step, with a period dividing 100). Steps that log per-layer
-        statistics fetch them to the host, as `Trainer.fit` does. The first step compiles
+        statistics fetch them to the host as `Trainer.fit` does: one step late, after the
+        next step is dispatched (the last one's when its block ends). The first step compiles
         the executables of every level the loop runs, as `Trainer.fit` does before its first.
     """
     level_of = level if callable(level) else (lambda _: level)
     levels = {level_of(i) for i in range(1, 101)}
     count = iter(range(1, 1 << 62))
+    logged: list[Any] = []  # the previous step's metrics, if it logs per-layer statistics
 
     def step(state, batch):
         i = next(count)
@@ -171,8 +173,10 @@ def trainer_loop(
             layer_stats=lv >= LAYERS,
             histograms=lv >= HISTOGRAMS,
         )
+        while logged:
+            logged.pop().diagnostics  # noqa: B018 - fetched one step late, as fit does
         if lv >= LAYERS:
-            metrics.diagnostics  # noqa: B018 - fetched to the host, as Trainer.fit does
+            logged.append(metrics)
         return state, metrics
 
     return StepLoop(

@@ -110,6 +110,8 @@ def test_logging_step_gives_per_parameter_norms_and_histograms(mlp):
     state = trainer.init(trainer.init_params(batch))
     grads = jax.grad(lambda p: mlp.loss(p, batch, None)[0])(jax.device_get(state.params))
     _, metrics = trainer.step(state, batch, histograms=True)
+    (vector,) = jax.tree.leaves(metrics)  # metrics and per-layer statistics: one transfer
+    assert vector.ndim == 1 and vector.size > len(dict(metrics))
     diag = metrics.diagnostics
     expected = {
         xshard.stats.path_str(k): np.linalg.norm(v)

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xshard.clipping import GlobalClipState
-from xshard.layer_stats import as_diagnostics
+from xshard.layer_stats import Histograms, as_diagnostics
 from xshard.optimizer import CrossShardState
 from xshard.reduce import PerShardClipState
 from xshard.shard_stats import ShardStats
@@ -24,24 +25,39 @@ from xshard.slots import find_states, get_hyperparams
 from xshard.stats import noise_scale
 
 
+def pack_diagnostics(diag: dict[str, Any] | None) -> tuple[dict[str, tuple[int, ...]], jax.Array]:
+    """(shapes, vector): the step's per-layer statistics (``grad_norms``, ``param_norms`` and
+    ``grad_hist``'s table) as one float32 vector to append to its metrics, and their shapes
+    in that order (empty for None). Inside the compiled step."""
+    arrays = {}
+    for name, value in (diag or {}).items():
+        arrays[name] = value.table if isinstance(value, Histograms) else value
+    shapes = {name: tuple(x.shape) for name, x in arrays.items()}
+    flat = [jnp.ravel(x).astype(jnp.float32) for x in arrays.values()]
+    return shapes, jnp.concatenate(flat) if flat else jnp.zeros((0,), jnp.float32)
+
+
 @jax.tree_util.register_pytree_node_class
 class StepMetrics(Mapping[str, float]):
     """A step's scalar metrics: one device vector, fetched to the host once, on first read.
 
     Reading any key waits for the step to finish. Fetching one stacked vector instead of a
-    dict of ~20 scalars saves a device-to-host transfer per metric every step. It is a pytree
-    (of that vector and the per-layer arrays), so `jax.block_until_ready(metrics)` works.
+    dict of ~20 scalars saves a device-to-host transfer per metric every step; on the steps
+    that log per-layer statistics they follow the metrics in the same vector
+    (`pack_diagnostics`), one transfer too. It is a pytree (of that vector), so
+    `jax.block_until_ready(metrics)` works.
 
     Args:
-      keys: the names of `values`' entries.
-      values: float32 vector of the metrics.
+      keys: the names of `values`' first entries.
+      values: float32 vector of the metrics, and of the per-layer statistics after them.
       host: host-side values merged in (e.g. the compile time).
       hidden: names not computed on this step (statistics on a plain step).
-      diag: on steps that log per-layer statistics, their device arrays: ``grad_norms`` and
-        ``param_norms`` (per leaf) and, on histogram steps, ``grad_hist``
-        (`xshard.layer_stats.Histograms`); None on other steps.
-      diag_names: the leaf names of the rows of `diag`.
-      histograms: whether `diag` holds gradient histograms.
+      diag: on steps that log per-layer statistics, their shapes in `values` after the
+        metrics (`pack_diagnostics`): ``grad_norms`` and ``param_norms`` (per leaf) and, on
+        histogram steps, ``grad_hist`` (`xshard.layer_stats.Histograms`' table); None on
+        other steps.
+      diag_names: the leaf names of the rows of the per-layer statistics.
+      histograms: whether they hold gradient histograms.
     """
 
     def __init__(
@@ -63,6 +79,7 @@ class StepMetrics(Mapping[str, float]):
         self._host = dict(host or {})
         self._device: dict[str, float] = {}
         self._fetched = False
+        self._array: np.ndarray | None = None
         self._diagnostics: dict[str, Any] | None = None
 
     def with_host_values(self, **values: float) -> StepMetrics:
@@ -87,12 +104,17 @@ class StepMetrics(Mapping[str, float]):
         if self.diag is None:
             return None
         if self._diagnostics is None:
-            host = jax.device_get(self.diag)
+            self._fetch()
+            host, start = {}, len(self.keys_)
+            for name, shape in self.diag.items():
+                size = math.prod(shape)
+                host[name] = self._array[start : start + size].reshape(shape)
+                start += size
             self._diagnostics = as_diagnostics(
                 list(self.diag_names),
                 host["grad_norms"],
                 host["param_norms"],
-                host["grad_hist"] if self.histograms else None,
+                Histograms(host["grad_hist"]) if self.histograms else None,
             )
         return self._diagnostics
 
@@ -103,7 +125,8 @@ class StepMetrics(Mapping[str, float]):
 
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
-            device = np.asarray(self.values).tolist()  # replicated: this process's copy
+            self._array = np.asarray(self.values)  # replicated: this process's copy
+            device = self._array[: len(self.keys_)].tolist()
             self._device = dict(zip(self.keys_, device, strict=True))
             shown = {k: v for k, v in self._device.items() if k not in self.hidden}
             self._host = {**shown, **self._host}
@@ -120,15 +143,17 @@ class StepMetrics(Mapping[str, float]):
             self.keys_,
             tuple(self._host.items()),
             self.hidden,
+            None if self.diag is None else tuple(self.diag.items()),
             self.diag_names,
             self.histograms,
         )
-        return (self.values, self.diag), aux
+        return (self.values,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, host, hidden, names, histograms = aux
-        return cls(keys, children[0], dict(host), hidden, children[1], names, histograms)
+        keys, host, hidden, diag, names, histograms = aux
+        diag = None if diag is None else dict(diag)
+        return cls(keys, children[0], dict(host), hidden, diag, names, histograms)
 
     def __getitem__(self, key: str) -> float:
         return self._fetch()[key]

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.hook import Hook, StopTraining, end_hooks
-from trainers.metrics import StepMetrics, stack_metrics
+from trainers.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.model_state import init_fn
 from trainers.step import (
     HISTOGRAMS,
@@ -144,6 +144,8 @@ class Trainer:
             g: make_train_step(task, tx, mesh, self.spec, g, self.layout) for g in self._groups
         }
         self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        # Per executable: the shapes of the per-layer statistics after its metrics.
+        self._diag_layouts: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
         self._metric_keys: tuple[str, ...] = ()
         self._stats_keys: frozenset[str] = frozenset()
         self._leaf_names: tuple[str, ...] = ()
@@ -218,6 +220,7 @@ class Trainer:
     def _compile(self, group: tuple[int, ...], state: TrainState, batch: dict[str, jax.Array]):
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
+        layouts: list[dict[str, tuple[int, ...]]] = []
         step_fn = self._step_fns[group]
 
         def train_step(state, batch, level, *votes):
@@ -226,13 +229,16 @@ class Trainer:
                 metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
             names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
-            return state, values, diag
+            # The per-layer statistics travel in the same vector: one transfer to the host.
+            shapes, tail = pack_diagnostics(diag)
+            layouts.append(shapes)
+            return state, jnp.concatenate([values, tail])
 
         jitted = jax.jit(
             train_step,
             in_shardings=(shardings, self.batch_sharding, self._replicated)
             + ((self._vote_sharding,) if self.agree_stop else ()),
-            out_shardings=(shardings, None, None),
+            out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
         start = time.perf_counter()
@@ -253,6 +259,7 @@ class Trainer:
         if self._metric_keys and keys[0] != self._metric_keys:  # one metric layout for all
             raise AssertionError(f"metric keys differ between executables: {keys[0]}")
         self._metric_keys = keys[0]
+        self._diag_layouts[group] = layouts[0]
         self._stats_keys = frozenset(step_fn.stats_keys)
         self._leaf_names = tuple(leaf_names(state.params))
         self._report_compile = True
@@ -324,13 +331,13 @@ class Trainer:
         if group not in self._executables:
             self._compile(group, state, batch)
         executable = self._executables[group]
-        state, values, diag = executable(state, batch, self._levels[level], *self._votes(stop_vote))
+        state, values = executable(state, batch, self._levels[level], *self._votes(stop_vote))
         hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
         return state, StepMetrics(
             self._metric_keys,
             values,
             hidden=hidden,
-            diag=diag if level >= LAYERS else None,
+            diag=self._diag_layouts[group] if level >= LAYERS else None,
             diag_names=self._leaf_names,
             histograms=level == HISTOGRAMS,
         )

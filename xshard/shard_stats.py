@@ -29,16 +29,36 @@ import jax.numpy as jnp
 
 from xshard.stats import Flag, tree_sq_norm, when
 
+_SHARD_FIELDS = ("norm_mean", "norm_max", "norm_min", "norm_std", "sq_norm_mean", "mean_sq_norm")
+
 
 class ShardStats(NamedTuple):
-    """Per-shard gradient statistics of the last statistics step (float32; NaN otherwise)."""
+    """Per-shard gradient statistics of the last statistics step (float32; NaN otherwise),
+    packed into one f32[6] array: a step without statistics writes one buffer of NaN into
+    the donated state, not six. Read them through the properties:
 
-    norm_mean: jax.Array  # mean over shards of the local gradient norm, before clipping
-    norm_max: jax.Array
-    norm_min: jax.Array
-    norm_std: jax.Array
-    sq_norm_mean: jax.Array  # |G_small|^2: mean of the local squared norms, before clipping
-    mean_sq_norm: jax.Array  # |G_big|^2: squared norm of the unclipped, unweighted mean
+    * ``norm_mean``, ``norm_max``, ``norm_min``, ``norm_std`` — over shards, of the local
+      gradient norm before clipping;
+    * ``sq_norm_mean`` — |G_small|^2: the mean of the local squared norms, before clipping;
+    * ``mean_sq_norm`` — |G_big|^2: the squared norm of the unclipped, unweighted mean.
+    """
+
+    values: jax.Array  # f32[6], in the order of the properties above
+
+    @classmethod
+    def of(cls, *values: jax.Array) -> ShardStats:
+        """`ShardStats` of the six statistics, in the order of the properties."""
+        return cls(jnp.stack([jnp.asarray(v, jnp.float32) for v in values]))
+
+    def _field(self, name: str) -> jax.Array:
+        return self.values[..., _SHARD_FIELDS.index(name)]
+
+    norm_mean = property(lambda self: self._field("norm_mean"))
+    norm_max = property(lambda self: self._field("norm_max"))
+    norm_min = property(lambda self: self._field("norm_min"))
+    norm_std = property(lambda self: self._field("norm_std"))
+    sq_norm_mean = property(lambda self: self._field("sq_norm_mean"))
+    mean_sq_norm = property(lambda self: self._field("mean_sq_norm"))
 
 
 class LocalNorms(NamedTuple):
@@ -58,8 +78,8 @@ class LocalNorms(NamedTuple):
 
 
 def empty_shard_stats() -> ShardStats:
-    """NaN `ShardStats` (distinct buffers: a donated state must not alias one twice)."""
-    return ShardStats(*(jnp.full((), jnp.nan, jnp.float32) for _ in ShardStats._fields))
+    """NaN `ShardStats`."""
+    return ShardStats(jnp.full((len(_SHARD_FIELDS),), jnp.nan, jnp.float32))
 
 
 def gather_norms(norm: jax.Array, axes: Sequence[str]) -> jax.Array:
@@ -128,7 +148,7 @@ def shard_stats(local: LocalNorms, reduced_norm: jax.Array, num_summed: int) -> 
     norms = local.norms
     mean, sq_mean = jnp.mean(norms), jnp.mean(jnp.square(norms))
     from_reduced = jnp.square(reduced_norm / num_summed)
-    return ShardStats(
+    return ShardStats.of(
         mean,
         jnp.max(norms),
         jnp.min(norms),

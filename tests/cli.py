@@ -10,6 +10,8 @@ from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from trainers.preflight import EXIT_CONFIG_ERROR
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -39,6 +41,16 @@ def run_train(
             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc
+
+
+def refused(result, *fragments: str) -> str:
+    """Asserts exit 2 with one line on stderr that contains `fragments`; returns the line."""
+    assert result.returncode == EXIT_CONFIG_ERROR, result.stdout[-2000:] + result.stderr[-4000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
 
 
 def events_dir(tb_dir: Path) -> Path:

@@ -10,21 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import run_train
-from trainers.train import EXIT_CONFIG_ERROR
+from tests.cli import refused, run_train
 
 COMMON = ["task=mlp", "mesh=cpu8", "trainer.batch_size=16", "checkpoint=none"]
 WHOLE_PACKAGES = "+allowed_targets=[optax.,xshard.,trainers.]"
-
-
-def refused(result, *fragments: str) -> str:
-    """Asserts exit 2 with one line on stderr that contains `fragments`; returns the line."""
-    assert result.returncode == EXIT_CONFIG_ERROR, result.stdout[-2000:] + result.stderr[-4000:]
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
 
 
 @pytest.mark.slow
@@ -151,8 +140,8 @@ def test_composed_experiment_file_cannot_widen_the_allowlist(tmp_path):
     )
     refused(
         result,
-        "allowed_targets: 'os.'",
-        "only the primary config or the command line may widen the allowlist",
+        f"config file {conf / 'experiment' / 'evil.yaml'} sets allowed_targets",
+        "may widen the allowlist",
     )
     assert not pwned.exists()
 
@@ -172,6 +161,16 @@ def test_command_line_may_widen_the_allowlist(tmp_path, user_pkg):
     )
     assert "UserMLP built" in result.stdout
     assert "'trainers.tasks.', 'xs_mypkg.']" in logged_prefixes(run)
+
+
+@pytest.mark.slow
+def test_the_environment_may_widen_the_allowlist(tmp_path, user_pkg):
+    run = tmp_path / "run"
+    env = {**user_pkg, "XSHARD_ALLOWED_TARGETS": "xs_mypkg."}
+    args = [*COMMON, "task._target_=xs_mypkg.UserMLP", "trainer.steps=2", f"hydra.run.dir={run}"]
+    result = run_train(*args, cwd=tmp_path, env=env)
+    assert "UserMLP built" in result.stdout
+    assert "'xs_mypkg.'" in logged_prefixes(run)
 
 
 @pytest.mark.slow

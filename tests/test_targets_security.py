@@ -18,7 +18,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainers.allowlist import command_line_entries, primary_config_entries
+from trainers.allowlist import (
+    ALLOWED_TARGETS_ENV,
+    ENTRY_POINT_GROUP,
+    argv_overrides,
+    command_line_entries,
+    environment_entries,
+    export_command_line_entries,
+    installed_entries,
+    primary_config_entries,
+)
 from xshard.errors import ConfigError
 from xshard.targets import DEFAULT_ALLOWED_TARGETS, allowed_prefixes, is_allowed, resolve_target
 
@@ -314,3 +323,29 @@ def test_primary_config_entries_come_from_that_file_alone(tmp_path, monkeypatch)
     ]
     assert primary_config_entries("mine", sources) == {"mypkg.", "envpkg.", "local."}
     assert primary_config_entries("xshard_train", sources) == set()
+
+
+def test_command_line_entries_come_from_the_process_arguments():
+    argv = ["-m", "--config-dir", "conf", "task=mlp", "+allowed_targets=[a.]", "--cfg", "job"]
+    assert argv_overrides(argv) == ["task=mlp", "+allowed_targets=[a.]"]
+    assert command_line_entries(argv_overrides(argv)) == {"a."}
+    # a launcher's worker process runs with arguments that are not Hydra's
+    assert command_line_entries(argv_overrides(["/tmp/submitit/job_0", "--folder"])) == set()
+
+
+def test_environment_and_installed_packages_widen_the_allowlist(tmp_path, monkeypatch):
+    monkeypatch.setenv(ALLOWED_TARGETS_ENV, " envpkg., other.mod.fn ,, ")
+    assert environment_entries() == {"envpkg.", "other.mod.fn"}
+    dist = tmp_path / "xs_models-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: xs-models\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nxs_models = xs_models\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "xs_models." in installed_entries()
+
+
+def test_the_command_line_entries_reach_a_launchers_processes(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", "task=mlp", "+allowed_targets=[typed.]"])
+    monkeypatch.setenv(ALLOWED_TARGETS_ENV, "envpkg.")
+    export_command_line_entries()
+    assert environment_entries() == {"envpkg.", "typed."}

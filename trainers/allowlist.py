@@ -1,24 +1,34 @@
-"""Who may widen the ``_target_`` allowlist: the primary config file or the command line.
+"""Who may widen the ``_target_`` allowlist: sources no copied config file can write.
 
 `xshard.targets` decides what a ``_target_`` may resolve to, given the allowed entries; the
-config key ``allowed_targets`` adds entries. Experiment files, sweep files and other composed
-configs are copied between repos, so an entry that reaches the composed config from one of
-them (``allowed_targets: [os.]`` in ``experiment/evil.yaml``) is refused. In the Hydra app, an
-entry counts only if it is listed in:
+config key ``allowed_targets`` adds entries. Config files are copied between repos, so an entry
+that reaches the composed config from one of them (``allowed_targets: [os.]`` in
+``experiment/evil.yaml``) is refused. In the Hydra app, an entry counts only if it comes from:
 
 - the primary config file itself (``--config-name``, default ``xshard_train``), read alone from
-  the run's config search path, without its defaults list; or
-- a command-line override of ``allowed_targets`` (``+allowed_targets=[mypkg.]``), as parsed by
-  Hydra's own override parser from ``hydra.overrides.task``.
+  the run's config search path, without its defaults list;
+- the process's own command line (``+allowed_targets=[mypkg.]``), as parsed by Hydra's own
+  argument and override parsers from ``sys.argv``. Not from ``hydra.overrides.task``: Hydra
+  appends the real overrides to whatever a composed file wrote there;
+- the environment variable ``XSHARD_ALLOWED_TARGETS`` (comma-separated entries), which
+  `trainers.main` also uses to hand the command line's entries to a launcher's processes;
+- installed packages, through the entry point group ``xshard.allowed_targets`` (each entry
+  point's value is a module, whose whole package is then allowed): code a user installs is
+  trusted.
 
-Interpolations in those two places are resolved on their own (``${oc.env:...}`` works; a
-reference to a key that another file sets does not count). A plain Python caller of
-``trainers.train.train(cfg)`` is trusted: this check runs in the Hydra app only.
+`trainers.config_guard` refuses, before Hydra uses the config, any other file that sets
+``allowed_targets`` or ``hydra.overrides``; this module is the check at the job's start, which
+also covers apps built on plain ``@hydra.main``. Interpolations in the primary config are
+resolved on their own (``${oc.env:...}`` works; a reference to a key that another file sets
+does not count). A plain Python caller of ``trainers.train.train(cfg)`` is trusted: this
+check runs in the Hydra app only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,15 +66,22 @@ def command_line_entries(overrides: Iterable[str]) -> set[str]:
     """The ``allowed_targets`` entries set by command-line overrides.
 
     Args:
-      overrides: the run's task overrides (``HydraConfig.get().overrides.task``).
+      overrides: override strings as typed (`argv_overrides`); ones that do not parse as
+        overrides are skipped.
 
     Returns:
       Every string value given to ``allowed_targets`` or one of its elements.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
+    parser = OverridesParser.create()
     found: set[str] = set()
-    for override in OverridesParser.create().parse_overrides(list(overrides)):
+    for line in overrides:
+        try:
+            override = parser.parse_override(line)
+        except HydraException:
+            continue
         key = override.key_or_group
         if override.is_delete() or override.package is not None:
             continue
@@ -73,6 +90,63 @@ def command_line_entries(overrides: Iterable[str]) -> set[str]:
             if isinstance(value, str | list):
                 found |= _strings(value)
     return found
+
+
+def argv_overrides(argv: list[str] | None = None) -> list[str]:
+    """The overrides of this process's command line, parsed as Hydra's main parses them.
+
+    Args:
+      argv: the arguments (default ``sys.argv[1:]``).
+
+    Returns:
+      The positional overrides; none if `argv` is not a Hydra command line (a launcher's
+      worker process).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        args, _ = get_args_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit:  # not Hydra's arguments
+        return []
+    return [o for o in args.overrides if isinstance(o, str)]
+
+
+#: The environment variable whose comma-separated entries widen the allowlist.
+ALLOWED_TARGETS_ENV = "XSHARD_ALLOWED_TARGETS"
+#: The entry point group through which installed packages widen the allowlist.
+ENTRY_POINT_GROUP = "xshard.allowed_targets"
+
+
+def environment_entries() -> set[str]:
+    """The entries of ``XSHARD_ALLOWED_TARGETS`` (comma-separated; blanks ignored)."""
+    raw = os.environ.get(ALLOWED_TARGETS_ENV, "")
+    return {entry.strip() for entry in raw.split(",") if entry.strip()}
+
+
+def installed_entries() -> set[str]:
+    """The packages that installed distributions declare in ``xshard.allowed_targets``.
+
+    An entry point ``my_models = "my_models"`` allows ``my_models.`` (the whole package).
+    """
+    from importlib.metadata import entry_points
+
+    found = set()
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        module = point.value.split(":", 1)[0].strip()
+        if module:
+            found.add(module.rstrip(".") + ".")
+    return found
+
+
+def export_command_line_entries() -> None:
+    """Adds the command line's ``allowed_targets`` entries to ``XSHARD_ALLOWED_TARGETS``.
+
+    Processes that a Hydra launcher starts (submitit) run with another command line but the
+    same environment, so the entries the user typed still count there.
+    """
+    typed = command_line_entries(argv_overrides())
+    if typed:
+        os.environ[ALLOWED_TARGETS_ENV] = ",".join(sorted(environment_entries() | typed))
 
 
 def primary_config_entries(config_name: str | None, config_sources: Iterable[Any]) -> set[str]:
@@ -107,7 +181,7 @@ def primary_config_entries(config_name: str | None, config_sources: Iterable[Any
 
 
 def check_allowlist_sources(cfg: DictConfig) -> None:
-    """Refuses ``allowed_targets`` entries that come from neither the primary config nor the CLI.
+    """Refuses ``allowed_targets`` entries that come from no trusted source (module docstring).
 
     Call it from the Hydra task function only (it reads the running job's `HydraConfig`).
 
@@ -125,18 +199,38 @@ def check_allowlist_sources(cfg: DictConfig) -> None:
         return
     hydra_cfg = HydraConfig.get()
     config_name = hydra_cfg.job.config_name
-    trusted = command_line_entries(hydra_cfg.overrides.task) | primary_config_entries(
-        config_name, hydra_cfg.runtime.config_sources
+    trusted = (
+        command_line_entries(argv_overrides())
+        | primary_config_entries(config_name, hydra_cfg.runtime.config_sources)
+        | environment_entries()
+        | installed_entries()
     )
     for entry in composed:
         if entry not in trusted:
             raise ConfigError(
                 f"{ALLOWED_TARGETS_KEY}: {entry!r} was added by a composed config file, not "
-                f"by the primary config ({config_name!r}) or the command line; only the primary "
-                "config or the command line may widen the allowlist. If you trust it, add it "
-                f"to '{ALLOWED_TARGETS_KEY}' in your primary config or pass "
-                f"'+{ALLOWED_TARGETS_KEY}=[{entry}]' on the command line."
+                f"by the primary config ({config_name!r}), the command line, "
+                f"{ALLOWED_TARGETS_ENV} or an installed package; a copied config file may not "
+                f"widen the allowlist. If you trust it, add it to '{ALLOWED_TARGETS_KEY}' in "
+                f"your primary config or pass '+{ALLOWED_TARGETS_KEY}=[{entry}]' on the "
+                "command line."
             )
+
+
+def add_trusted_entries(cfg: DictConfig) -> None:
+    """Adds the entries of ``XSHARD_ALLOWED_TARGETS`` and of installed packages to `cfg`.
+
+    After this, ``cfg.allowed_targets`` is the run's whole list of extra entries, which every
+    builder reads (`xshard.factory`, `trainers.setup`).
+    """
+    from omegaconf import open_dict
+
+    extra = environment_entries() | installed_entries()
+    if not extra:
+        return
+    listed = section(cfg, ALLOWED_TARGETS_KEY, required=False) or []
+    with open_dict(cfg):
+        cfg[ALLOWED_TARGETS_KEY] = list(listed) + sorted(extra - set(listed))
 
 
 def log_active_prefixes(cfg: DictConfig) -> tuple[str, ...]:

@@ -17,14 +17,19 @@ files are removed, and a run dir it created stays only if it was asked for by na
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all, before JAX is imported (trainers.signal_latch)
+    from trainers import signal_latch
+
+    signal_latch.install()
+
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
+from trainers.app_main import main as xshard_main
 from trainers.multihost import Cluster, PeerError, exit_process, join_cluster
 from trainers.preflight import EXIT_CONFIG_ERROR
 from xshard.errors import ConfigError
@@ -214,7 +219,7 @@ def _remove_empty_up_to(path: Path, top: Path) -> None:
             return
 
 
-@hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
+@xshard_main(config_path="pkg://xshard.conf", config_name="xshard_train")
 def _main(cfg: DictConfig) -> None:
     logging.getLogger().setLevel(logging.WARNING)  # the report, not every module's INFO lines
     lines, problems, cluster = diagnose(cfg)
@@ -232,7 +237,12 @@ def _named_run_dir() -> bool:
 
 def main() -> None:
     """The command: Hydra's main with `QUIET_HYDRA` put before the user's overrides."""
-    sys.argv[1:1] = QUIET_HYDRA
+    from hydra._internal.utils import get_args_parser
+
+    args = sys.argv[1:]
+    overrides = get_args_parser().parse_known_args(args)[0].overrides
+    first = args.index(overrides[0]) if overrides else len(args)  # after the flags
+    sys.argv[1 + first : 1 + first] = QUIET_HYDRA
     _main()
 
 

@@ -62,7 +62,7 @@ def run(cfg: DictConfig) -> float | None:
       Exception: an unexpected error (a bug), with its traceback: exit status 1.
     """
     from trainers import summary as status
-    from trainers.allowlist import check_allowlist_sources
+    from trainers.allowlist import add_trusted_entries, check_allowlist_sources
     from trainers.checkpointing import CheckpointError
     from trainers.monitor import NonFiniteError
     from trainers.preemption import Preempted
@@ -80,7 +80,8 @@ def run(cfg: DictConfig) -> float | None:
         return failed_job_value(record, cfg.trainer.get("failed_objective"))
 
     try:
-        check_allowlist_sources(cfg)  # only the primary config or the CLI widen the allowlist
+        check_allowlist_sources(cfg)  # no copied config file widens the allowlist
+        add_trusted_entries(cfg)  # XSHARD_ALLOWED_TARGETS, installed packages
         train(cfg, summary)
     except Preempted as e:  # stops a multirun too: the machine is going away
         finish_job(cfg, summary, status.PREEMPTED, e)

@@ -3,8 +3,9 @@
 Preemptible machines (TPU spot VMs, Kubernetes, Slurm) send SIGTERM some seconds before they
 kill a job; Ctrl-C sends SIGINT; SLURM jobs submitted through submitit get SIGUSR2 some
 time before their time limit. ``trainer.stop_signals`` lists the signals handled (default
-all three). `train.py` installs `StopOnSignal` when `train()` starts, so
-the first such signal at any time after that, start-up included, only sets a flag:
+all three). `train.py` installs `StopOnSignal` when `train()` starts and takes over a signal
+that `trainers.signal_latch` recorded before (during imports or composition), so the first
+such signal at any time, start-up included, only sets a flag:
 `Trainer.fit(should_stop=...)` polls it before the first step and after every step, so the run
 ends with reason "stopped", its checkpoint hook saves that step, and `train.py` exits with
 `EXIT_PREEMPTED`. A signal during start-up (compilation, restore) stops the run before its
@@ -55,6 +56,12 @@ def stop_signals(cfg: DictConfig) -> tuple[signal.Signals, ...]:
     if OmegaConf.is_config(names):
         names = OmegaConf.to_container(names, resolve=True)
     return tuple(signal.Signals[name] for name in check_stop_signals(names))
+
+
+def _raise_default(sig: signal.Signals) -> None:
+    """Delivers `sig` with its default action (SIGINT: KeyboardInterrupt; SIGTERM: death)."""
+    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.raise_signal(sig)
 
 
 class Preempted(Exception):
@@ -122,7 +129,7 @@ class StopOnSignal:
             return
         logger.warning("Received %s again: exiting immediately.", sig.name)
         self._restore()
-        signal.raise_signal(sig)
+        _raise_default(sig)
 
     def __enter__(self) -> Self:
         if threading.current_thread() is not threading.main_thread():
@@ -135,7 +142,24 @@ class StopOnSignal:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
+        self._take_latched()
         return self
+
+    def _take_latched(self) -> None:
+        """Takes over a signal `trainers.signal_latch` recorded before this context began.
+
+        One of `signals` stops the run before its first step; any other gets the action it
+        would have had without the latch (SIGINT raises KeyboardInterrupt, SIGTERM kills).
+        """
+        from trainers import signal_latch
+
+        sig = signal_latch.take()
+        if sig is None:
+            return
+        if sig in self.signals:
+            self._handle(sig, None)
+            return
+        _raise_default(sig)
 
     def _restore(self) -> None:
         for sig, previous in self._previous.items():

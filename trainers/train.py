@@ -30,11 +30,16 @@ goes on (`trainers.sweep`, docs/sweeps.md); a signal still stops the sweep (75).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first of all, before JAX is imported (trainers.signal_latch)
+    from trainers import signal_latch
+
+    signal_latch.install()
+
 import logging
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.app_main import main as xshard_main
 from trainers.cli_help import register_help_resolver
 from trainers.entry import run
 from trainers.multihost import current, join_cluster
@@ -349,7 +354,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     return final
 
 
-@hydra.main(config_path="pkg://xshard.conf", config_name="xshard_train", version_base="1.3")
+@xshard_main(config_path="pkg://xshard.conf", config_name="xshard_train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra main of ``python -m trainers.train``: `trainers.entry.run` on the composed config."""
     return run(cfg)

@@ -5,15 +5,14 @@
     python train.py -m --config-name sweep   # the 2x2 grid of conf/sweep.yaml
 
 `trainers.run` keeps xshard's exit statuses (0 done, 2 bad config with one line, 3 non-finite,
-75 preempted after saving) and returns `trainer.objective` to optimizing sweepers.
+75 preempted after saving) and returns `trainer.objective` to optimizing sweepers;
+`trainers.main` is `hydra.main` with xshard's guards (copied config files, early signals).
 """
-
-import hydra
 
 import trainers
 
 
-@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+@trainers.main(config_path="conf", config_name="train")
 def main(cfg) -> float | None:
     """Trains the composed config; returns the objective (the final eval/loss)."""
     return trainers.run(cfg)

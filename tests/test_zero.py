@@ -10,6 +10,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 from hydra import compose, initialize_config_module
 from jax.sharding import AxisType, Mesh
@@ -98,6 +99,29 @@ def assert_same_training(overrides, impl, stage, **kwargs):
 
 
 # ------------------------------------------------------------------------------ exactness
+
+
+def train_plain_optax(stage: int, impl: str, steps: int = 5):
+    """A plain optax optimizer (no `cross_shard`: the trainer reduces), as a library user
+    passes it; returns the final params and optimizer state."""
+    trainer = Trainer(
+        TASK, optax.adam(1e-2), MESH8, global_batch_size=BATCH, grad_impl=impl, zero_stage=stage
+    )
+    batches = iter(TASK.batches(BATCH, seed=0))
+    state = trainer.init(trainer.init_params(next(iter(TASK.batches(BATCH, seed=0)))))
+    for _ in range(steps):
+        state, metrics = trainer.step(state, next(batches), with_stats=False)
+        metrics.device_value("train/loss")
+    return jax.device_get((state.params, state.opt_state))
+
+
+@pytest.mark.parametrize("impl", ["manual", "gspmd"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_plain_optax_optimizer_trains_as_replicated_under_every_zero_stage(stage, impl):
+    expected = train_plain_optax(0, impl)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(train_plain_optax(stage, impl))):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+
 
 
 @pytest.mark.parametrize("impl", ["manual", "gspmd"])

@@ -238,7 +238,8 @@ def make_train_step(
             check_unwrapped(opt_state)
             grads, cs = phases.finish(grads, front.init(params), params, **flags)
             updates, opt_state = tx.update(grads, opt_state, params)
-            return *applied(updates), opt_state, cs, False
+            new_params, measured = applied(updates)
+            return new_params, opt_state, cs, False, measured
         if own_phases is not None and has_cross_shard_state(opt_state):
             # The optimizer is cross_shard itself: the update applied in the guard's branch.
             local = own_phases.reduce(grads, params, with_stats=flags["with_stats"])

@@ -20,7 +20,7 @@ the others are decided when tracing (see `Trainer`, ``step_executables``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,7 +47,15 @@ from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
 from xshard.slots import cross_shard_state, has_cross_shard_state
 from xshard.stats import Flag, leaf_sq_norms, when
 
-__all__ = ["StepMetrics", "StepSpec", "TrainState", "make_train_step", "stack_metrics"]
+__all__ = [
+    "StepMetrics",
+    "StepResult",
+    "StepSpec",
+    "TrainState",
+    "TrainStep",
+    "make_train_step",
+    "stack_metrics",
+]
 
 #: Step levels: what a step computes besides the update (each includes the ones below).
 PLAIN, STATS, LAYERS, HISTOGRAMS = 0, 1, 2, 3
@@ -63,6 +71,56 @@ class TrainState(NamedTuple):
     #: Variables that change but are not trained (BatchNorm statistics, RNG counters):
     #: ``{}`` for a plain task (`trainers.model_state`).
     model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
+
+
+class LossAndGrads(NamedTuple):
+    """`loss_and_grads`' result: means over the microbatches, and the new model state."""
+
+    loss: jax.Array
+    aux: dict[str, jax.Array]
+    grads: Any
+    model_state: Any
+
+
+class Updated(NamedTuple):
+    """What the update of one step produced (`make_train_step`'s ``update``)."""
+
+    params: Any
+    opt_state: optax.OptState
+    #: The `cross_shard` state this step recorded (the optimizer's, or the trainer's own).
+    cross_shard: Any
+    #: Whether `cross_shard` is the optimizer's own state (it counts skipped steps).
+    own_optimizer: bool
+    #: (update/param norm metrics, the new params' per-leaf norms), NaN off statistics steps.
+    measured: Any
+
+
+class Trained(NamedTuple):
+    """The update and its measurements (`make_train_step`'s ``train_and_measure``)."""
+
+    params: Any
+    opt_state: optax.OptState
+    metrics: dict[str, jax.Array]
+    diag: dict[str, Any] | None
+
+
+class StepResult(NamedTuple):
+    """One train step's result."""
+
+    state: TrainState
+    #: Scalars; the statistics-only ones are NaN below level 1 (`TrainStep.stats_keys`).
+    metrics: dict[str, jax.Array]
+    #: Per-layer statistics when a level >= 2 is served, else None.
+    diag: dict[str, Any] | None
+
+
+class TrainStep(NamedTuple):
+    """`make_train_step`'s result: the step function and what its metrics mean."""
+
+    fn: Callable[[TrainState, Any, Any], StepResult]
+    #: The metrics computed on statistics steps only (NaN below level 1); filled when `fn` is
+    #: traced.
+    stats_keys: set[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +153,7 @@ def loss_and_grads(
     batch: Any,
     rng: jax.Array,
     k: int,
-):
+) -> LossAndGrads:
     """Mean loss, mean aux, mean gradient and the new model state over `k` microbatches.
 
     `loss_fn` is `trainers.model_state.loss_fn` of the task. Gradients accumulate in float32
@@ -110,7 +168,7 @@ def loss_and_grads(
     grad_fn = jax.value_and_grad(with_state, has_aux=True)
     if k == 1:
         (loss, (aux, model_state)), grads = grad_fn(params, model_state, batch, rng)
-        return loss, aux, grads, model_state
+        return LossAndGrads(loss, aux, grads, model_state)
 
     def body(carry, xs):
         acc, state = carry
@@ -125,7 +183,7 @@ def loss_and_grads(
     )
     grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
     aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-    return jnp.mean(losses), aux, grads, model_state
+    return LossAndGrads(jnp.mean(losses), aux, grads, model_state)
 
 
 def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -173,8 +231,8 @@ def make_train_step(
     spec: StepSpec,
     levels: Sequence[int] = LEVELS,
     layout: ZeroLayout | None = None,
-):
-    """Returns ``step(state, batch, level) -> (state, metrics, diag)``, to be jitted.
+) -> TrainStep:
+    """Returns ``step(state, batch, level) -> StepResult``, to be jitted, in a `TrainStep`.
 
     Args:
       task, tx, mesh, spec: the task, the optimizer (with extra-args support), the mesh and
@@ -187,7 +245,7 @@ def make_train_step(
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
-      NaN below level 1, and the function's `stats_keys` (filled when it is traced) names
+      NaN below level 1, and `TrainStep.stats_keys` (filled when the step is traced) names
       them. `diag` (present when a level >= 2 is served) holds the per-layer statistics:
       ``grad_norms`` (the applied gradient's per-leaf norms), ``param_norms`` (the new
       params') and, when level 3 is served, ``grad_hist`` (`xshard.layer_stats.Histograms`).
@@ -221,88 +279,84 @@ def make_train_step(
         del summary
         return _norm_metrics(new_params, jnp.sqrt(jnp.sum(leaf_sq_norms(updates))))
 
-    def update(params, opt_state, grads, flags):
-        """(new params, optimizer state, cross_shard state, whether it is the optimizer's,
-        `measure` where ``flags["with_stats"]`` holds, NaN elsewhere)."""
+    def update(params, opt_state, grads, flags) -> Updated:
+        """The update; `measure` where ``flags["with_stats"]`` holds, NaN elsewhere."""
 
-        def applied(updates):
+        def applied(updates, opt_state, cs, own: bool) -> Updated:
             new_params = optax.apply_updates(params, updates)
-            return new_params, when(flags["with_stats"], lambda: measure(new_params, updates))
+            measured = when(flags["with_stats"], lambda: measure(new_params, updates))
+            return Updated(new_params, opt_state, cs, own, measured)
 
         if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
             if phases.own:
                 new_params, opt_state, measured = phases.apply(
                     grads, opt_state, params, measure=measure, **flags
                 )
-                return new_params, opt_state, cross_shard_state(opt_state), True, measured
+                return Updated(new_params, opt_state, cross_shard_state(opt_state), True, measured)
             check_unwrapped(opt_state)
             grads, cs = phases.finish(grads, front.init(params), params, **flags)
             updates, opt_state = tx.update(grads, opt_state, params)
-            new_params, measured = applied(updates)
-            return new_params, opt_state, cs, False, measured
+            return applied(updates, opt_state, cs, False)
         if own_phases is not None and has_cross_shard_state(opt_state):
             # The optimizer is cross_shard itself: the update applied in the guard's branch.
             local = own_phases.reduce(grads, params, with_stats=flags["with_stats"])
             new_params, opt_state, measured = own_phases.apply(
                 local, opt_state, params, measure=measure, **flags
             )
-            return new_params, opt_state, cross_shard_state(opt_state), True, measured
+            return Updated(new_params, opt_state, cross_shard_state(opt_state), True, measured)
         if has_cross_shard_state(opt_state):  # cross_shard inside a chain
             updates, opt_state = tx.update(grads, opt_state, params, **flags)
-            new_params, measured = applied(updates)
-            return new_params, opt_state, cross_shard_state(opt_state), True, measured
+            return applied(updates, opt_state, cross_shard_state(opt_state), True)
         grads, cs = front.update(grads, front.init(params), params, **flags)
         updates, opt_state = tx.update(grads, opt_state, params)
-        new_params, measured = applied(updates)
-        return new_params, opt_state, cs, False, measured
+        return applied(updates, opt_state, cs, False)
 
-    def train_and_measure(params, opt_state, grads, level):
+    def train_and_measure(params, opt_state, grads, level) -> Trained:
         flags = level_flags(level, levels)
         if zero:  # the update on each device's slice
             params, grads = constrain_for_update(layout, params, grads)
-        new_params, opt_state, cs, own, measured = update(params, opt_state, grads, flags)
-        if zero:
-            new_params = updated(layout, new_params)
+        done = update(params, opt_state, grads, flags)
+        new_params = updated(layout, done.params) if zero else done.params
         metrics, stats_only = state_metrics(
-            cs,
-            opt_state,
-            own_optimizer=own,
+            done.cross_shard,
+            done.opt_state,
+            own_optimizer=done.own_optimizer,
             per_shard=per_shard,
             batch_sizes=(per_shard_batch, spec.global_batch_size),
         )
-        norms, param_leaf_norms = measured
+        norms, param_leaf_norms = done.measured
         metrics |= norms
         stats_keys.update(stats_only | set(norms))
         if flags["with_stats"] is False:  # a plain program: no kernel for hidden metrics
             metrics |= {k: jnp.full((), jnp.nan, jnp.float32) for k in stats_only | set(norms)}
         diag = None
         if diag_wanted:
+            cs = done.cross_shard
             diag = {"grad_norms": cs.reduced.leaf_norms, "param_norms": param_leaf_norms}
             if flags["histograms"] is not False:
                 diag["grad_hist"] = cs.histograms
-        return new_params, opt_state, metrics, diag
+        return Trained(new_params, done.opt_state, metrics, diag)
 
-    def manual(state: TrainState, batch, level):
+    def manual(state: TrainState, batch, level) -> StepResult:
         traced = () if len(levels) == 1 else (level,)  # a single level is static
 
         def shard_step(params, opt_state, model_state, batch, rng, *traced):
             level = traced[0] if traced else levels[0]
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
-            loss, aux, grads, model_state = loss_and_grads(
-                task_loss, local, model_state, batch, rng, spec.microbatches
+            out = loss_and_grads(task_loss, local, model_state, batch, rng, spec.microbatches)
+            trained = train_and_measure(params, opt_state, out.grads, level)
+            trained.metrics["train/loss"] = jax.lax.pmean(out.loss, axes)
+            trained.metrics.update(
+                {f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()}
             )
-            model_state = reduce_over_shards(model_state, axes)
-            params, opt_state, metrics, diag = train_and_measure(params, opt_state, grads, level)
-            metrics["train/loss"] = jax.lax.pmean(loss, axes)
-            metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
-            return params, opt_state, model_state, metrics, diag
+            return trained, reduce_over_shards(out.model_state, axes)
 
-        params, opt_state, model_state, metrics, diag = jax.shard_map(
+        trained, model_state = jax.shard_map(
             shard_step,
             mesh=mesh,
             in_specs=(P(), P(), P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=(P(), P(), P(), P(), P()),
+            out_specs=P(),
             axis_names=set(axes),
         )(
             state.params,
@@ -312,48 +366,39 @@ def make_train_step(
             step_rng(spec.seed, state.step),
             *traced,
         )
-        return TrainState(state.step + 1, params, opt_state, model_state), metrics, diag
+        new_state = TrainState(state.step + 1, trained.params, trained.opt_state, model_state)
+        return StepResult(new_state, trained.metrics, trained.diag)
 
-    def gspmd(state: TrainState, batch, level):
+    def gspmd(state: TrainState, batch, level) -> StepResult:
         rng = step_rng(spec.seed, state.step)
         params = gathered(layout, state.params) if zero else state.params
-        loss, aux, grads, model_state = loss_and_grads(
-            task_loss, params, state.model_state, batch, rng, spec.microbatches
-        )
+        out = loss_and_grads(task_loss, params, state.model_state, batch, rng, spec.microbatches)
         level = level if len(levels) > 1 else levels[0]
-        params, opt_state, metrics, diag = train_and_measure(
-            state.params, state.opt_state, grads, level
-        )
-        metrics["train/loss"] = loss
-        metrics |= {f"train/{k}": v for k, v in aux.items()}
-        return TrainState(state.step + 1, params, opt_state, model_state), metrics, diag
+        trained = train_and_measure(state.params, state.opt_state, out.grads, level)
+        metrics = trained.metrics | {"train/loss": out.loss}
+        metrics |= {f"train/{k}": v for k, v in out.aux.items()}
+        new_state = TrainState(state.step + 1, trained.params, trained.opt_state, out.model_state)
+        return StepResult(new_state, metrics, trained.diag)
 
-    def manual_zero(state: TrainState, batch, level):
-        def shard_grads(params, model_state, batch, rng):
+    def manual_zero(state: TrainState, batch, level) -> StepResult:
+        def shard_grads(params, model_state, batch, rng) -> LossAndGrads:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
             local = jax.lax.pcast(params, axes, to="varying")
-            loss, aux, grads, model_state = loss_and_grads(
-                task_loss, local, model_state, batch, rng, spec.microbatches
-            )
-            return loss, aux, grads, reduce_over_shards(model_state, axes)
+            out = loss_and_grads(task_loss, local, model_state, batch, rng, spec.microbatches)
+            return out._replace(model_state=reduce_over_shards(out.model_state, axes))
 
         reduce = manual_zero_step(
             layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
         )
         rng = step_rng(spec.seed, state.step)
-        local, model_state, loss_metrics = reduce(
-            gathered(layout, state.params), state.model_state, batch, rng, level
-        )
+        reduced = reduce(gathered(layout, state.params), state.model_state, batch, rng, level)
         level = level if len(levels) > 1 else levels[0]
-        params, opt_state, metrics, diag = train_and_measure(
-            state.params, state.opt_state, local, level
+        trained = train_and_measure(state.params, state.opt_state, reduced.local, level)
+        new_state = TrainState(
+            state.step + 1, trained.params, trained.opt_state, reduced.model_state
         )
-        new_state = TrainState(state.step + 1, params, opt_state, model_state)
-        return new_state, metrics | loss_metrics, diag
+        return StepResult(new_state, trained.metrics | reduced.metrics, trained.diag)
 
     if zero and per_shard:
-        step = manual_zero
-    else:
-        step = manual if per_shard else gspmd
-    step.stats_keys = stats_keys
-    return step
+        return TrainStep(manual_zero, stats_keys)
+    return TrainStep(manual if per_shard else gspmd, stats_keys)

@@ -224,7 +224,7 @@ class Trainer:
         step_fn = self._step_fns[group]
 
         def train_step(state, batch, level, *votes):
-            state, metrics, diag = step_fn(state, batch, level)
+            state, metrics, diag = step_fn.fn(state, batch, level)
             if votes:  # agree_stop: the highest vote of all devices
                 metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
             names, values = stack_metrics(metrics)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -95,15 +95,26 @@ def updated(layout: ZeroLayout, params: Any) -> Any:
     return gather(layout, params) if layout.stage < 3 else params
 
 
+class ZeroReduced(NamedTuple):
+    """The reducing half of a ZeRO step, as global arrays (`manual_zero_step`)."""
+
+    #: The reduced (or reduce-scattered) gradient.
+    local: LocalReduction
+    #: The new model state, already reduced over the shards.
+    model_state: Any
+    #: The loss and the task's aux metrics, averaged over the shards.
+    metrics: dict[str, jax.Array]
+
+
 def manual_zero_step(
     layout: ZeroLayout,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
     levels: Sequence[int],
     reduce_fn: Callable[..., LocalReduction],
-    shard_grads: Callable[..., tuple[Any, Any, Any, Any]],
+    shard_grads: Callable[..., Any],
     level_flags: Callable[..., dict[str, Any]],
-) -> Callable[..., tuple[LocalReduction, dict[str, jax.Array]]]:
+) -> Callable[..., ZeroReduced]:
     """The reducing half of a ZeRO step on the manual path.
 
     Args:
@@ -111,15 +122,13 @@ def manual_zero_step(
       mesh, axes: the mesh and its data axes (manual in the shard_map).
       levels: the levels the step serves (a traced level when several).
       reduce_fn: the first phase of the cross-shard optimizer (`CrossShardPhases.reduce`).
-      shard_grads: ``(params, model_state, batch, rng) -> (loss, aux, grads, model_state)``
-        for one shard (params replicated, the gradient per shard, the new model state already
+      shard_grads: ``(params, model_state, batch, rng) -> trainers.step.LossAndGrads`` for
+        one shard (params replicated, the gradient per shard, the new model state already
         reduced over the shards), run inside the shard_map.
       level_flags: `trainers.step.level_flags`.
 
     Returns:
-      ``reduce(params, model_state, batch, rng, level) -> (LocalReduction, model_state,
-      metrics)``: the reduced (or reduce-scattered) gradient as global arrays, the new model
-      state, and the loss and aux metrics.
+      ``reduce(params, model_state, batch, rng, level) -> ZeroReduced``.
     """
     traced_level = len(levels) > 1
 
@@ -130,22 +139,22 @@ def manual_zero_step(
 
         def shard_step(params, model_state, batch, rng, *traced):
             flags = level_flags(traced[0] if traced else levels[0], levels)
-            loss, aux, grads, model_state = shard_grads(params, model_state, batch, rng)
-            local = reduce_fn(grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
+            out = shard_grads(params, model_state, batch, rng)
+            local = reduce_fn(out.grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
             # Divided here: the reduction leaves the shard_map as the gradient itself.
             local = dataclasses.replace(
                 local, updates=local.gradient(), parts=None, mean_over=1, unpack=None
             )
-            metrics = {"train/loss": jax.lax.pmean(loss, axes)}
-            metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in aux.items()}
-            return local, model_state, metrics
+            metrics = {"train/loss": jax.lax.pmean(out.loss, axes)}
+            metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()}
+            return ZeroReduced(local, out.model_state, metrics)
 
         traced = (level,) if traced_level else ()
         return jax.shard_map(
             shard_step,
             mesh=mesh,
             in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=(LocalReduction(specs, P(), P()), P(), P()),
+            out_specs=ZeroReduced(LocalReduction(specs, P(), P()), P(), P()),
             axis_names=set(axes),
         )(params, model_state, batch, rng, *traced)
 

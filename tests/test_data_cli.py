@@ -87,6 +87,26 @@ def test_tiny_gpt_trains_on_a_text_file(tmp_path):
         (["task.data.path=table.csv"], "unsupported file type .csv"),
         (["task.data.path=good.npz", "task.data.shuffle=maybe"], "task.data.shuffle='maybe'"),
         (["task=tiny_gpt", "task.data.path=latin.txt"], "token 195 at offset 3 is outside"),
+        # Untrusted files (tests/test_data_files.py write_untrusted_files).
+        (
+            ["task.data.path=forged.npz"],
+            (
+                "task.data.path='forged.npz': array 'x' declares shape (8589934592, 16) of float64 "
+                "(1 TiB), over the task.data.max_bytes=4294967296 (4 GiB)"
+            ),
+        ),
+        (
+            ["task=tiny_gpt", "task.data.path=ids_wide.npy"],
+            (
+                "task.data.path='ids_wide.npy': token 4294967301 at offset 7 is outside [0, "
+                "task.vocab_size=128)"
+            ),
+        ),
+        (["task.data.path=huge.npz"], "x (huge.npz:x) has 1e+300 at row 3 (index (3, 5))"),
+        (["task.data.path=random.npz"], "task.data.path='random.npz': not a .npz file"),
+        (["task.data.path=folder.npz"], "task.data.path='folder.npz' is a directory"),
+        (["task.data.path=pipe.npz"], "task.data.path='pipe.npz' is a FIFO (named pipe)"),
+        (["task=tiny_gpt", "task.data.path=zero.npy"], "'zero.npy' is a character device"),
     ],
 )
 def test_cli_bad_data_exits_2_with_one_line(tmp_path, overrides, message):
@@ -100,11 +120,13 @@ def test_cli_bad_data_exits_2_with_one_line(tmp_path, overrides, message):
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
         check=False,
+        timeout=300,  # a FIFO opened for reading would block: fail, never hang
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("xshard: error: "), proc.stderr[-3000:]
     assert message in lines[0] and len(lines[0]) < 600
+    assert "Traceback" not in proc.stderr + proc.stdout
 
 
 HOOK = '''

@@ -4,6 +4,8 @@
   `EpochData` (finite examples, shuffled per (seed, epoch), split per process, resumable).
 - `trainers.data.arrays`: `ArrayData`, NumPy arrays as examples.
 - `trainers.data.files`: the ``task.data`` node: a ``.npz``/``.npy``/``.txt`` file as data.
+- `trainers.data.file_io`: reading that file without trusting it (no pickle, no FIFO,
+  a byte budget for a ``.npz``).
 - `trainers.data.grain_source`: `GrainData`, a Grain `MapDataset` (optional extra ``grain``).
 
 docs/tasks.md ("Data options") shows the code a user writes for each.

@@ -22,6 +22,13 @@ from xshard.errors import ConfigError
 ARRAY_SUFFIXES = (".npz", ".npy")
 TEXT_SUFFIXES = (".txt",)
 
+#: Default ``task.data.max_bytes``: 4 GiB. A ``.npz`` is unpacked into host memory, whole, by
+#: every process on the host, and a few MB of zip can declare many GB (a decompression bomb);
+#: 4 GiB fits the memory of any machine that trains, a few times over on a host with several
+#: processes. A larger dataset belongs in a memory-mapped ``.npy`` or a `DataSource`; a
+#: trusted larger ``.npz`` raises the key.
+DEFAULT_MAX_BYTES = 4 * 2**30
+
 
 @dataclasses.dataclass(frozen=True)
 class DataOptions:
@@ -38,12 +45,17 @@ class DataOptions:
       num_epochs: passes over the data, after which the run ends cleanly
         (``data_exhausted``); null: endless. Each epoch has ``examples // batch_size``
         steps; the remainder of an epoch is left out (a different one each shuffled epoch).
+      max_bytes: the most bytes the arrays a task reads from a ``.npz`` may unpack to (their
+        uncompressed size, from each array's ``.npy`` header and the zip's declared size),
+        checked before anything is unpacked. A ``.npy`` or ``.txt`` is memory-mapped, not
+        unpacked, so it has no such limit.
     """
 
     path: str | None = None
     keys: dict[str, str] | None = None
     shuffle: bool = True
     num_epochs: int | None = None
+    max_bytes: int = DEFAULT_MAX_BYTES
 
     def __post_init__(self) -> None:
         if self.path is not None:
@@ -66,6 +78,9 @@ class DataOptions:
                 )
         if self.num_epochs is not None:
             check_int(self.num_epochs, "task.data.num_epochs", 1, ">= 1, or null (endless)")
+        check_int(
+            self.max_bytes, "task.data.max_bytes", 1, ">= 1 (bytes a .npz's arrays may unpack to)"
+        )
 
     @property
     def suffix(self) -> str:

@@ -357,6 +357,34 @@ def error_lines(log: Path) -> list[str]:
 
 
 @pytest.mark.slow
+def test_processes_with_different_learning_rates_refuse_to_start(tmp_path):
+    procs, logs = start_two(
+        tmp_path, ["optimizer.learning_rate=0.001"], ["optimizer.learning_rate=0.003"]
+    )
+    assert finish(procs, logs, timeout=180) == [2, 2], tail(logs[0]) + tail(logs[1])
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "given different configs: optimizer.learning_rate " in line, line
+        assert "(0.001 on process 0, 0.003 on process 1)" in line, line
+        assert "trainer.steps" not in line and "process_id" not in line.split(". Every")[0]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not complete_steps(
+        tmp_path / "run" / "checkpoints"
+    )
+
+
+@pytest.mark.slow
+def test_processes_with_different_steps_refuse_to_start_without_traceback_or_abort(tmp_path):
+    started = time.monotonic()
+    procs, logs = start_two(tmp_path, ["trainer.steps=4"], ["trainer.steps=6"])
+    assert finish(procs, logs, timeout=180) == [2, 2], tail(logs[0]) + tail(logs[1])
+    assert time.monotonic() - started < 150  # start-up (under load), then at once
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "trainer.steps (4 on process 0, 6 on process 1)" in line, line
+        assert "Run completed" not in log.read_text()
+
+
+@pytest.mark.slow
 def test_a_wrong_coordinator_address_is_one_line_naming_the_key_in_bounded_time(tmp_path):
     wrong = f"127.0.0.1:{free_port()}"  # nothing listens there
     common = ("distributed.initialization_timeout_s=5",)

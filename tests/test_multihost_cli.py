@@ -323,3 +323,82 @@ def test_sigusr2_stops_a_run_cleanly(tmp_path):
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(timeout=120) == EXIT_PREEMPTED, tail(log)
     assert re.search(r"preempted: Stopped by SIGUSR2 at step \d+ of 40", log.read_text())
+
+
+# ------------------------------------------------------------------ refused at start-up
+
+
+def start_two(tmp_path: Path, *per_process: list[str], common: tuple[str, ...] = ()) -> list:
+    """Starts two processes of a short run, each with its own extra overrides; returns
+    (procs, logs). The coordinator's port is the same for both unless an override sets it."""
+    port = free_port()
+    logs = [tmp_path / f"p{pid}.log" for pid in range(PROCESSES)]
+    args = [
+        [
+            *SMALL,
+            "trainer.steps=4",
+            "checkpoint.every_steps=2",
+            *common,
+            *distributed(port, pid),
+            f"hydra.run.dir={tmp_path / 'run'}",
+            *extra,
+        ]
+        for pid, extra in enumerate(per_process)
+    ]
+    return start(logs, args), logs
+
+
+def error_lines(log: Path) -> list[str]:
+    """The ``xshard: error:`` lines of a log; fails if it holds a traceback or an abort."""
+    text = log.read_text()
+    assert "Traceback" not in text and "stack trace" not in text, tail(log)
+    assert "enforce fail" not in text and "Terminating process" not in text, tail(log)
+    return [ln for ln in text.splitlines() if ln.startswith("xshard: error:")]
+
+
+@pytest.mark.slow
+def test_processes_with_different_learning_rates_refuse_to_start(tmp_path):
+    procs, logs = start_two(
+        tmp_path, ["optimizer.learning_rate=0.001"], ["optimizer.learning_rate=0.003"]
+    )
+    assert finish(procs, logs, timeout=180) == [2, 2], tail(logs[0]) + tail(logs[1])
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "given different configs: optimizer.learning_rate " in line, line
+        assert "(0.001 on process 0, 0.003 on process 1)" in line, line
+        assert "trainer.steps" not in line and "process_id" not in line.split(". Every")[0]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not complete_steps(
+        tmp_path / "run" / "checkpoints"
+    )
+
+
+@pytest.mark.slow
+def test_processes_with_different_steps_refuse_to_start_without_traceback_or_abort(tmp_path):
+    started = time.monotonic()
+    procs, logs = start_two(tmp_path, ["trainer.steps=4"], ["trainer.steps=6"])
+    assert finish(procs, logs, timeout=180) == [2, 2], tail(logs[0]) + tail(logs[1])
+    assert time.monotonic() - started < 150  # start-up (under load), then at once
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "trainer.steps (4 on process 0, 6 on process 1)" in line, line
+        assert "Run completed" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_wrong_coordinator_address_is_one_line_naming_the_key_in_bounded_time(tmp_path):
+    wrong = f"127.0.0.1:{free_port()}"  # nothing listens there
+    common = ("distributed.initialization_timeout_s=5",)
+    started = time.monotonic()
+    procs, logs = start_two(
+        tmp_path, [], [f"distributed.coordinator_address={wrong}"], common=common
+    )
+    # JAX alone would abort both (SIGABRT, a C++ stack trace) after its own timeout.
+    assert finish(procs, logs, timeout=180) == [2, 2], tail(logs[0]) + tail(logs[1])
+    assert time.monotonic() - started < 120  # start-up (under load), then 5 s (+5 s on 0)
+    (mine,) = error_lines(logs[1])
+    assert f"distributed.coordinator_address='{wrong}': nothing answered there" in mine, mine
+    assert "within distributed.initialization_timeout_s=5 s" in mine, mine
+    (lead,) = error_lines(logs[0])
+    assert "distributed.coordinator_address='127.0.0.1:" in lead, lead
+    assert "the cluster did not form within distributed.initialization_timeout_s=5 s" in lead
+    assert "not all distributed.num_processes=2 processes joined" in lead, lead

@@ -119,6 +119,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
     from trainers.run_dirs import check_same_checkpoints, check_shared_dir, share_run_dirs
+    from trainers.same_config import check_same_config
     from xshard.mesh import (
         build_mesh,
         check_batch_divisible,
@@ -129,6 +130,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
 
     cluster = join_cluster(dist)
     dirs = share_run_dirs(cfg, cluster)  # process 0's dirs; only it keeps train.log
+    check_same_config(cluster, cfg)  # every process, the same config: else all exit 2
     log_active_prefixes(cfg)
     configure_devices(cfg.mesh, num_processes=cluster.count)
 

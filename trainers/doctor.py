@@ -25,6 +25,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from trainers.cli_overrides import check_group_overrides
 from trainers.multihost import Cluster, PeerError, exit_process, join_cluster
 from trainers.preflight import EXIT_CONFIG_ERROR
 from xshard.errors import ConfigError
@@ -237,4 +238,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    check_group_overrides()  # schedule=null: one line and exit 2, not Hydra's traceback
     main()

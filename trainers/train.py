@@ -14,8 +14,9 @@ Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
-    2   bad config or input (ConfigError), an unusable or unwritable checkpoint
-        (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
+    2   bad config or input (ConfigError; a config group given no option name, such as
+        schedule=null, too), an unusable or unwritable checkpoint (CheckpointError: disk full
+        too), TensorBoard events unwritable (LoggerError)
     3   training went non-finite and was stopped (NonFiniteError); checkpoints written before
         stay valid (the run summary names the latest one, or says there is none)
     4   multi-process runs: another process was lost (killed, crashed, unreachable, or failed
@@ -36,6 +37,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.cli_help import register_help_resolver
+from trainers.cli_overrides import check_group_overrides
 from trainers.entry import run
 from trainers.multihost import current, join_cluster
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal, stop_signals
@@ -356,4 +358,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_group_overrides()  # schedule=null: one line and exit 2, not Hydra's traceback
     main()

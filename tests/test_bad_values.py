@@ -1,18 +1,32 @@
 """Every bad value of the run's own keys is one clear error (exit 2), never a traceback.
 
-The cases come from an adversarial audit: each of these used to crash with a traceback
-(exit 1), allocate terabytes, or be accepted although meaningless. In-process through Hydra's
-compose API for the message; through the real CLI for the exit status and the one line.
+The cases come from adversarial audits: each of these used to crash with a traceback
+(exit 1), allocate terabytes, be accepted although meaningless (optimizer.b1=2,
+task.noise_std=-1, mesh.axes=[]), or name neither key nor value. In-process through Hydra's
+compose API for the message, and every optimizer rule on every schema in one process; through
+the real CLI for the exit status and the one line; and the doctor, which must refuse what the
+run refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
+import subprocess
+import sys
+
 import pytest
 from cli import run_train
+from omegaconf import OmegaConf
 
+import xshard
+from trainers.cli_overrides import group_override_error
 from trainers.train import train
 from xshard.config import TrainerOptions, read_node
+from xshard.config.schemas import OPTIMIZER_RULES, SCHEMAS, check_optimizer_args
 from xshard.errors import ConfigError
+from xshard.mesh_config import mesh_spec
 
 LONG = "x" * 5000
 
@@ -58,6 +72,20 @@ LONG = "x" * 5000
             ["trainer.grad_impl=gspmd", "reduction=mean_clipped"],
             "trainer.grad_impl='gspmd' computes no per-shard gradients, but the optimizer",
         ),
+        (
+            ["trainer.profile_steps=[a,b]"],
+            "trainer.profile_steps=['a', 'b']: expected an integer at trainer.profile_steps[0]",
+        ),
+        (["optimizer=adam", "optimizer.b1=2"], "optimizer.b1=2.0: expected an exponential decay"),
+        (["optimizer=lion", "optimizer.b2=1"], "optimizer.b2=1.0: expected an exponential decay"),
+        (["optimizer.eps=-1"], "optimizer.eps=-1.0: expected a constant added for numerical"),
+        (["optimizer=rmsprop", "optimizer.decay=1.5"], "optimizer.decay=1.5: expected an exp"),
+        (["optimizer=momentum", "optimizer.momentum=1"], "optimizer.momentum=1.0: expected an"),
+        (["optimizer.weight_decay=-1"], "optimizer.weight_decay=-1.0: expected the weight-decay"),
+        (["task.noise_std=-1"], "task.noise_std=-1: expected a finite number >= 0"),
+        (["task.teacher_seed=-1"], "task.teacher_seed=-1: expected an integer, 0 <= task.teach"),
+        (["mesh.axes=[]"], "mesh.axes=[]: expected a non-empty list of axis names"),
+        (["mesh.data_axes=[]"], "mesh.data_axes=[]: expected a non-empty list of axis names"),
     ],
 )
 def test_bad_value_is_a_config_error_naming_key_and_value(compose_config, overrides, message):
@@ -90,6 +118,116 @@ def test_typed_node_reads_valid_values(compose_config):
     assert opts.stats_every == opts.log_every  # the interpolation is resolved
 
 
+# --------------------------------------------------------------------------------------------
+# Optimizer arguments: every rule of OPTIMIZER_RULES on every schema that has the argument, in
+# one process (the schemas check themselves; build_optimizer applies the same rules to a node).
+# --------------------------------------------------------------------------------------------
+
+OPTIMIZER_SCHEMAS = SCHEMAS["optimizer"]
+RULED = [
+    (name, schema, arg)
+    for name, schema in OPTIMIZER_SCHEMAS.items()
+    for arg in (f.name for f in dataclasses.fields(schema))
+    if arg in OPTIMIZER_RULES
+]
+
+
+def _bad_values(arg: str) -> list[object]:
+    rule = OPTIMIZER_RULES[arg]
+    bad: list[object] = [rule.low - 1, math.nan, math.inf, "x", True]
+    if rule.low_open:
+        bad.append(rule.low)
+    if rule.high is not None:
+        bad += [rule.high, rule.high + 1]
+    if rule.integer:
+        bad.append(rule.low + 0.5)
+    if not rule.nullable:
+        bad.append(None)
+    return bad
+
+
+def _good_values(arg: str) -> list[object]:
+    rule = OPTIMIZER_RULES[arg]
+    good: list[object] = [] if rule.low_open else [int(rule.low) if rule.integer else rule.low]
+    if rule.high is not None:
+        good.append(rule.high - 0.01)
+    return good + ([None] if rule.nullable else [])
+
+
+def test_every_optimizer_schema_has_a_rule_for_its_numbers():
+    """A new numeric argument in a schema needs its rule (or an entry here saying why not)."""
+    unruled = {"learning_rate"}  # the factory checks it, with the schedule that shapes it
+    for name, schema in OPTIMIZER_SCHEMAS.items():
+        for f in dataclasses.fields(schema):
+            if f.name not in unruled and f.type in ("float", "float | None", "int"):
+                assert f.name in OPTIMIZER_RULES, f"optimizer/{name}.{f.name} has no rule"
+
+
+@pytest.mark.parametrize("name, schema, arg", RULED, ids=[f"{n}.{a}" for n, _, a in RULED])
+def test_optimizer_schema_refuses_out_of_range_arguments(name, schema, arg):
+    schema(learning_rate=1e-3)  # the defaults obey the rules
+    for value in _good_values(arg):
+        schema(learning_rate=1e-3, **{arg: value})
+    for value in _bad_values(arg):
+        with pytest.raises(ConfigError) as err:
+            schema(learning_rate=1e-3, **{arg: value})
+        message = str(err.value)
+        assert message.startswith(f"optimizer.{arg}={value!r}: expected "), message
+        assert OPTIMIZER_RULES[arg].what in message
+
+
+@pytest.mark.parametrize(
+    "node, message",
+    [
+        ({"_target_": "optax.adamax", "b1": 1.5}, "optimizer.b1=1.5: expected"),
+        ({"_target_": "optax.adabelief", "eps": -1e-8}, "optimizer.eps=-1e-08: expected"),
+        ({"_target_": "optax.adamw", "weight_decay": -0.1}, "optimizer.weight_decay=-0.1: exp"),
+        ({"_target_": "optax.sgd", "momentum": -0.5}, "optimizer.momentum=-0.5: expected"),
+    ],
+)
+def test_build_optimizer_applies_the_rules_to_any_target(node, message):
+    """Also optimizers without a schema of their own: a rule is the argument's, by name."""
+    cfg = {"optimizer": {"learning_rate": 1e-3, **node}, "reduction": {"mode": "mean"}}
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        xshard.build_optimizer(OmegaConf.create(cfg))
+    check_optimizer_args({"b1": 0.0, "eps": 0.0, "momentum": None})  # boundaries are allowed
+
+
+def test_empty_mesh_axes_are_refused_and_null_is_the_default():
+    assert mesh_spec({"axes": None, "data_axes": None}) == mesh_spec({})
+    for key in ("axes", "data_axes", "axis_types"):
+        with pytest.raises(ConfigError, match=rf"^mesh\.{key}="):
+            mesh_spec({key: []})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["schedule=null"], "schedule=null: expected the name of an option of the 'schedule'"),
+        (["+schedule=null"], "schedule=null: expected the name of an option"),
+        (["-m", "schedule=cosine,null"], "schedule=null: expected the name of an option"),
+        (["optimizer=1"], "optimizer=1: expected the name of an option of the 'optimizer'"),
+        (["hydra/launcher=null"], "hydra/launcher=null: expected the name of an option"),
+        (["seed=5", "clip=null", "~schedule", "schedule=cosine", "optimizer=glob(*)"], None),
+    ],
+)
+def test_group_override_without_an_option_name(overrides, message):
+    error = group_override_error(overrides)
+    if message is None:
+        assert error is None
+        return
+    assert isinstance(error, ConfigError) and str(error).startswith(message)
+    if "schedule" in message:
+        assert "['constant', 'cosine', 'exponential', 'warmup_cosine', 'warmup_linear']" in str(
+            error
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Through the real CLI: exit 2, one line naming the key and the value, no traceback
+# --------------------------------------------------------------------------------------------
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
@@ -100,6 +238,20 @@ def test_typed_node_reads_valid_values(compose_config):
         ([f"trainer.grad_impl={LONG}"], "(5002 characters) is not allowed"),
         (["distributed.enabled=true"], "distributed.enabled=true: JAX could not set up"),
         (["trainer.grad_impl=gspmd", "reduction=mean_clipped"], "trainer.grad_impl='gspmd'"),
+        (["optimizer=adam", "optimizer.b1=2"], "optimizer.b1=2.0: expected an exponential decay"),
+        (["optimizer.eps=-1"], "optimizer.eps=-1.0: expected a constant added for numerical"),
+        (["optimizer.weight_decay=-1"], "optimizer.weight_decay=-1.0: expected the weight-decay"),
+        (["task.noise_std=-1"], "task.noise_std=-1: expected a finite number >= 0"),
+        (["mesh.axes=[]"], "mesh.axes=[]: expected a non-empty list of axis names"),
+        (
+            ["schedule=null"],
+            (
+                "schedule=null: expected the name of an option of the 'schedule' group, one of "
+                "['constant', 'cosine', 'exponential', 'warmup_cosine', 'warmup_linear']"
+            ),
+        ),
+        (["task.teacher_seed=-1"], "task.teacher_seed=-1: expected an integer, 0 <="),
+        (["trainer.profile_steps=[a,b]"], "trainer.profile_steps=['a', 'b']: expected an int"),
     ],
 )
 def test_cli_bad_value_exits_2_with_one_line(tmp_path, overrides, message):
@@ -107,6 +259,33 @@ def test_cli_bad_value_exits_2_with_one_line(tmp_path, overrides, message):
         "task=mlp", "checkpoint=none", "trainer.steps=2", *overrides, cwd=tmp_path, check=False
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("xshard: error: "), proc.stderr[-3000:]
     assert message in lines[0] and len(lines[0]) < 600
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("seed=abc", "seed='abc': expected an integer, 0 <= seed <= 4294967295"),
+        ("+task.foo=1", "task.foo: not an argument of trainers.tasks.mlp.MLPTask"),
+    ],
+)
+def test_doctor_refuses_what_train_refuses(tmp_path, override, message):
+    """The doctor runs train's start-up checks (the same code), so it fails where train does."""
+    args = ["task=mlp", override, f"hydra.run.dir={tmp_path / 'run'}"]
+    doctor = subprocess.run(
+        [sys.executable, "-m", "trainers.doctor", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert doctor.returncode == 2, doctor.stdout + doctor.stderr
+    assert "All checks passed" not in doctor.stdout and "Traceback" not in doctor.stderr
+    assert f"  - {message}" in doctor.stdout, doctor.stdout
+    train_run = run_train(*args, "trainer.steps=2", cwd=tmp_path, check=False)
+    assert train_run.returncode == 2 and message in train_run.stderr, train_run.stderr[-3000:]

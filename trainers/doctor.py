@@ -1,12 +1,14 @@
 """`python -m trainers.doctor [overrides]`: what a run would see, checked before it trains.
 
 Takes the same config and overrides as `trainers.train` and, on every process of the run,
-forms the cluster, sets up the devices and builds the mesh, then prints (process 0) one
-report: the cluster JAX detected and the process count, the local and global devices, the
-mesh and whether the batch divides over its data axes, the run, checkpoint and TensorBoard
-directories and whether every process can write them (the checkpoint dir must be one
-directory all processes share). Exit status 0 when all is well, 2 with the problems listed
-(one line each), as `trainers.train` would exit on them::
+checks the config as the run's start-up does (the same code: `trainers.setup.read_options`
+and `trainers.setup.build_run`), forms the cluster, sets up the devices and builds the mesh,
+the task, the optimizer and the trainer, then prints (process 0) one report: the cluster JAX
+detected and the process count, the local and global devices, the mesh and whether the batch
+divides over its data axes, what was built, the run, checkpoint and TensorBoard directories
+and whether every process can write them (the checkpoint dir must be one directory all
+processes share). Exit status 0 when all is well, 2 with the problems listed (one line each),
+as `trainers.train` would exit on them::
 
     python -m trainers.doctor mesh=cpu8 distributed.enabled=true   # on every host, like train
 
@@ -30,6 +32,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trainers.app_main import main as xshard_main
+from trainers.cli_overrides import check_group_overrides
 from trainers.multihost import Cluster, PeerError, exit_process, join_cluster
 from trainers.preflight import EXIT_CONFIG_ERROR
 from xshard.errors import ConfigError
@@ -51,14 +54,15 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
       only process 0's report lines are complete.
     """
     from trainers.multihost import current, detected_cluster
-    from xshard.config import DistributedOptions, TrainerOptions, read_node
+    from trainers.setup import read_options
 
     lines: list[tuple[str, str]] = []
     problems: list[str] = []
     try:
-        dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+        options = read_options(cfg)  # the run's own keys, as trainers.train reads them
     except ConfigError as e:
         return lines, [str(e)], current()
+    dist = options.distributed
     how = "one process (distributed.enabled=false)"
     if dist.enabled:
         explicit = None not in (dist.coordinator_address, dist.num_processes, dist.process_id)
@@ -73,12 +77,7 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
         address = distributed.global_state.coordinator_address
         how = f"{how}: {cluster.count} processes, coordinator {address}"
     lines.append(("cluster", how))
-    try:
-        opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
-    except ConfigError as e:
-        problems.append(str(e))
-        opts = None
-    problems += _devices_and_mesh(cfg, cluster, opts, lines)
+    problems += _devices_and_mesh(cfg, cluster, options, lines)
     problems += _directories(cfg, cluster, lines)
     everyone = cluster.all_gather("doctor/problems", problems)
     seen: dict[str, list[int]] = {}
@@ -93,8 +92,10 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
 
 
 def _devices_and_mesh(
-    cfg: DictConfig, cluster: Cluster, opts: Any, lines: list[tuple[str, str]]
+    cfg: DictConfig, cluster: Cluster, options: Any, lines: list[tuple[str, str]]
 ) -> list[str]:
+    """Devices, mesh and batch; then the task, optimizer and trainer as the run builds them."""
+    from trainers.setup import build_run
     from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
     from xshard.mesh_config import data_axes
 
@@ -117,8 +118,7 @@ def _devices_and_mesh(
         return [str(e)]
     name = cfg.mesh.get("name") or "<custom>"
     lines.append(("mesh", f"mesh={name}: {dict(mesh.shape)}, data axes {list(axes)}"))
-    if opts is None:
-        return []
+    opts = options.trainer
     try:
         per_shard = check_batch_divisible(opts.batch_size, mesh, axes)
     except ConfigError as e:
@@ -127,6 +127,13 @@ def _devices_and_mesh(
     lines.append(
         ("batch", f"trainer.batch_size={opts.batch_size}: {per_shard} per shard, {shards} shards")
     )
+    try:
+        parts = build_run(cfg, options, mesh, axes)  # the run's own start-up checks
+    except ConfigError as e:
+        return [str(e)]
+    task = type(parts.task)
+    target = cfg.optimizer.get("_target_")
+    lines.append(("build", f"task {task.__module__}.{task.__qualname__}, optimizer {target}: OK"))
     return []
 
 
@@ -247,4 +254,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    check_group_overrides()  # schedule=null: one line and exit 2, not Hydra's traceback
     main()

@@ -1,14 +1,122 @@
 """What `trainers.train` builds from the config before training: the task, the user's hooks,
 and the checks that join config nodes (HParams: `trainers.hparams`).
 
-Each builder reads the composed config and raises `xshard.ConfigError` naming the key.
+Each builder reads the composed config and raises `xshard.ConfigError` naming the key. The
+config checks of a run's start-up are two calls that `trainers.train` and `trainers.doctor`
+share, so the doctor refuses what a run would refuse: `read_options` (the run's own nodes,
+before any device or file is touched) and `build_run` (the task, hooks, optimizer and trainer
+on the mesh, before any state is allocated or step compiled).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from xshard.config import (
+        CheckpointOptions,
+        DistributedOptions,
+        LoggerOptions,
+        ShardingOptions,
+        TrainerOptions,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The run's own config nodes, read and checked (`read_options`)."""
+
+    seed: int
+    trainer: TrainerOptions
+    distributed: DistributedOptions
+    sharding: ShardingOptions
+    checkpoint: CheckpointOptions
+    logger: LoggerOptions
+
+
+def read_options(cfg: DictConfig) -> RunOptions:
+    """Reads the run's own nodes: ``seed``, ``trainer``, ``distributed``, ``paths``,
+    ``sharding``, ``checkpoint`` and ``logger`` (``paths`` is checked; `trainers.run_dirs`
+    reads it from `cfg`). Touches no device and no file.
+
+    Raises:
+      ConfigError: for the first bad value, naming the key, the value and what is allowed.
+    """
+    from xshard.config import (
+        CheckpointOptions,
+        DistributedOptions,
+        LoggerOptions,
+        PathsOptions,
+        ShardingOptions,
+        TrainerOptions,
+        check_seed,
+        read_node,
+    )
+
+    seed = check_seed(cfg.get("seed"))
+    trainer = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
+    distributed = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+    PathsOptions.from_config(cfg.get("paths"))
+    return RunOptions(
+        seed=seed,
+        trainer=trainer,
+        distributed=distributed,
+        sharding=ShardingOptions.from_config(cfg.get("sharding")),
+        checkpoint=CheckpointOptions.from_config(cfg.get("checkpoint")),
+        logger=LoggerOptions.from_config(cfg.get("logger")),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a run trains, built from the config (`build_run`)."""
+
+    task: Any
+    hooks: list[Any]  # the user's, from trainer.hooks
+    tx: Any  # the cross-shard optimizer
+    spec: Any  # its `xshard.optimizer.CrossShardSpec`: the reduction the trainer reads
+    trainer: Any  # a `trainers.Trainer`
+
+
+def build_run(
+    cfg: DictConfig, options: RunOptions, mesh: Any, data_axes: tuple[str, ...]
+) -> RunParts:
+    """Builds the task, the user's hooks, the optimizer and the `Trainer` on `mesh`.
+
+    Allocates no training state and compiles no step: what is left to check once the devices
+    and the mesh are known.
+
+    Raises:
+      ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
+        values that do not fit the mesh (naming the key, the value and what is allowed).
+    """
+    from trainers.trainer import Trainer
+    from xshard.factory import build_optimizer
+    from xshard.optimizer import cross_shard_spec
+
+    opts = options.trainer
+    task = build_task(cfg)
+    hooks = build_hooks(opts.hooks, allowed_targets(cfg))
+    tx = build_optimizer(cfg, mesh=mesh)
+    spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
+    check_reduction_axes(spec.axis_name, data_axes)
+    trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
+        task,
+        tx,
+        mesh,
+        data_axes=data_axes,
+        global_batch_size=opts.batch_size,
+        microbatches=opts.microbatches,
+        grad_impl=opts.grad_impl,
+        reduction=spec.reduction,
+        seed=options.seed,
+        step_executables=opts.step_executables,
+        zero_stage=options.sharding.zero_stage,
+    )
+    return RunParts(task=task, hooks=hooks, tx=tx, spec=spec, trainer=trainer)
 
 
 def build_task(cfg: DictConfig) -> Any:

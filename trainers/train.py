@@ -14,8 +14,9 @@ Exit status of a single run (see docs/reliability.md):
 
     0   finished: all trainer.steps done, or the data ran out (final checkpoint saved)
     1   a Hydra composition error (Hydra's message), or an unexpected error (traceback)
-    2   bad config or input (ConfigError), an unusable or unwritable checkpoint
-        (CheckpointError: disk full too), TensorBoard events unwritable (LoggerError)
+    2   bad config or input (ConfigError; a config group given no option name, such as
+        schedule=null, too), an unusable or unwritable checkpoint (CheckpointError: disk full
+        too), TensorBoard events unwritable (LoggerError)
     3   training went non-finite and was stopped (NonFiniteError); checkpoints written before
         stay valid (the run summary names the latest one, or says there is none)
     4   multi-process runs: another process was lost (killed, crashed, unreachable, or failed
@@ -41,16 +42,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainers.app_main import main as xshard_main
 from trainers.cli_help import register_help_resolver
+from trainers.cli_overrides import check_group_overrides
 from trainers.entry import run
 from trainers.multihost import current, join_cluster
 from trainers.preemption import EXIT_PREEMPTED, StopOnSignal, stop_signals
 from trainers.preflight import EXIT_CONFIG_ERROR
-from trainers.setup import (
-    allowed_targets,
-    build_hooks,
-    build_task,
-    check_reduction_axes,
-)
+from trainers.setup import build_run, read_options
 from trainers.summary import RunSummary
 from xshard.config.resolvers import register_resolvers
 
@@ -99,22 +96,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.allowlist import log_active_prefixes
 
     # ------------------------------------------------------------------ the run's own keys
-    from xshard.config import (
-        CheckpointOptions,
-        DistributedOptions,
-        LoggerOptions,
-        PathsOptions,
-        ShardingOptions,
-        TrainerOptions,
-        check_seed,
-        read_node,
-    )
-
-    seed = check_seed(cfg.get("seed"))
-    opts = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
-    dist = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
-    PathsOptions.from_config(cfg.get("paths"))  # trainers.run_dirs reads them from cfg
-    sharding = ShardingOptions.from_config(cfg.get("sharding"))
+    options = read_options(cfg)  # as trainers.doctor checks them
+    seed, opts, dist = options.seed, options.trainer, options.distributed
 
     # ------------------------------------------------------------------ processes, devices, mesh
     # Before any JAX computation: the simulated CPU device count is fixed at first use.
@@ -149,11 +132,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     from trainers.resume import find_resume_source, restore_checkpoint
     from trainers.tasks.base import tokens_per_example
     from trainers.tb_logger import TensorBoardHook
-    from trainers.trainer import Trainer
     from trainers.zero import state_report
     from xshard.errors import ConfigError
-    from xshard.factory import build_optimizer
-    from xshard.optimizer import cross_shard_spec
 
     mesh = build_mesh(cfg.mesh)
     data_axes = mesh_data_axes(cfg.mesh)
@@ -163,8 +143,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     # ------------------------------------------------------------------ outputs
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
-    ckpt = CheckpointOptions.from_config(cfg.checkpoint)
-    logger_opts = LoggerOptions.from_config(cfg.logger)
+    ckpt, logger_opts = options.checkpoint, options.logger
     # An error on one process is raised on all (`agreed`): none waits for a failed one.
     with cluster.agreed("checking the output dirs"):
         if cluster.lead:  # the only process that writes TensorBoard events
@@ -184,27 +163,11 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     check_same_checkpoints(cluster, source)
 
     # ------------------------------------------------------------------ task and optimizer
-    task = build_task(cfg)
-    user_hooks = build_hooks(opts.hooks, allowed_targets(cfg))
-    tx = build_optimizer(cfg, mesh=mesh)
-    spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
+    parts = build_run(cfg, options, mesh, data_axes)  # as trainers.doctor builds them
+    task, user_hooks, trainer, spec = parts.task, parts.hooks, parts.trainer, parts.spec
     monitor = NonFiniteMonitor(
         skip_nonfinite=spec.skip_nonfinite,
         max_consecutive=opts.max_consecutive_nonfinite,
-    )
-    check_reduction_axes(spec.axis_name, data_axes)
-    trainer = Trainer(  # validates trainer.* (ConfigError)
-        task,
-        tx,
-        mesh,
-        data_axes=data_axes,
-        global_batch_size=opts.batch_size,
-        microbatches=opts.microbatches,
-        grad_impl=opts.grad_impl,
-        reduction=spec.reduction,
-        seed=seed,
-        step_executables=opts.step_executables,
-        zero_stage=sharding.zero_stage,
     )
 
     # ------------------------------------------------------------------ state: new or restored
@@ -363,4 +326,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_group_overrides()  # schedule=null: one line and exit 2, not Hydra's traceback
     main()

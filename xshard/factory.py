@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
-from xshard.config.schemas import ReductionConf, reduction_kwargs
+from xshard.config.schemas import ReductionConf, check_optimizer_args, reduction_kwargs
 from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
 from xshard.errors import ConfigError
 from xshard.masks import resolve_mask
@@ -176,6 +176,7 @@ def _inner_optimizer(
         supplied=("learning_rate",),
         other_keys=("_target_", "learning_rate", *masks),
     )
+    check_optimizer_args(kwargs)  # b1, eps, weight_decay, ...: the schemas' rules, by name
     # Inject only the learning rate: other arguments may drive Python control flow or shapes
     # (adafactor's min_dim_size_to_factor) and must stay static.
     static = [

@@ -74,13 +74,16 @@ def _to_dict(cfg_mesh: Any) -> dict[str, Any]:
     )
 
 
-def _names(value: Any, key: str) -> tuple[str, ...]:
-    """Parses a list of axis names (a single string counts as one name)."""
+def _names(value: Any, key: str, null: str = "") -> tuple[str, ...]:
+    """Parses a list of axis names (a single string counts as one name); `null` says what
+    null means, for the error message. An empty list is refused, not taken for null: it would
+    silently mean the default."""
+    allowed = f"a non-empty list of axis names, e.g. [data] or [data, model]{null}"
     if not isinstance(value, str | Sequence):
-        raise MeshConfigError(f"{KEY}.{key}={value!r}: expected a list of names")
+        raise MeshConfigError(f"{KEY}.{key}={value!r}: expected {allowed}")
     names = (value,) if isinstance(value, str) else tuple(value)
     if not names or not all(isinstance(n, str) and n for n in names):
-        raise MeshConfigError(f"{KEY}.{key}={list(names)}: expected a non-empty list of names")
+        raise MeshConfigError(f"{KEY}.{key}={list(names)}: expected {allowed}")
     dups = sorted({n for n in names if names.count(n) > 1})
     if dups:
         raise MeshConfigError(
@@ -134,12 +137,19 @@ def _axis_types(value: Any, axes: tuple[str, ...]) -> tuple[AxisType, ...]:
     return tuple(out)
 
 
+def _given(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
+    """``cfg[key]``, or `default` if the key is missing or null (never for ``[]`` or ``""``)."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
 def mesh_spec(cfg_mesh: Any) -> MeshSpec:
     """Parses and statically validates a mesh config node.
 
-    Missing keys take defaults: ``axes=[data]``; ``ici`` -1 on the first axis and 1
+    Missing (or null) keys take defaults: ``axes=[data]``; ``ici`` -1 on the first axis and 1
     elsewhere; ``dcn`` all 1; ``data_axes`` the first axis; ``axis_types=auto``;
     ``num_devices=null``; ``simulate_on_cpu=false``. So ``{}`` puts every device on ``data``.
+    An empty list (``axes=[]``) is an error, not the default.
 
     Args:
       cfg_mesh: the ``mesh`` node: an OmegaConf ``DictConfig``, a mapping or a dataclass.
@@ -148,19 +158,19 @@ def mesh_spec(cfg_mesh: Any) -> MeshSpec:
       The parsed `MeshSpec`.
 
     Raises:
-      MeshConfigError: for an unknown key, duplicate axis names, groups whose lengths differ
-        from ``axes``, more than one -1 in a group, bad sizes or axis types, data axes that are
-        not mesh axes, or ``simulate_on_cpu`` without ``num_devices``.
+      MeshConfigError: for an unknown key, empty or duplicate axis names, groups whose
+        lengths differ from ``axes``, more than one -1 in a group, bad sizes or axis types,
+        data axes that are not mesh axes, or ``simulate_on_cpu`` without ``num_devices``.
     """
     cfg = _to_dict(cfg_mesh)
     unknown = sorted(set(cfg) - set(_KNOWN_KEYS))
     if unknown:
         raise MeshConfigError(f"{KEY}: unknown keys {unknown}. Allowed: {', '.join(_KNOWN_KEYS)}")
-    axes = _names(cfg.get("axes") or ("data",), "axes")
+    axes = _names(_given(cfg, "axes", ("data",)), "axes")
     ici_default = (-1,) + (1,) * (len(axes) - 1)
     ici = _sizes(cfg["ici"] if cfg.get("ici") is not None else ici_default, "ici", axes)
     dcn = _sizes(cfg["dcn"] if cfg.get("dcn") is not None else (1,) * len(axes), "dcn", axes)
-    data = _names(cfg.get("data_axes") or axes[:1], "data_axes")
+    data = _names(_given(cfg, "data_axes", axes[:1]), "data_axes", "; null: the first axis")
     missing = [a for a in data if a not in axes]
     if missing:
         raise MeshConfigError(
@@ -184,7 +194,7 @@ def mesh_spec(cfg_mesh: Any) -> MeshSpec:
         ici=ici,
         dcn=dcn,
         data_axes=data,
-        axis_types=_axis_types(cfg.get("axis_types") or "auto", axes),
+        axis_types=_axis_types(_given(cfg, "axis_types", "auto"), axes),
         num_devices=num_devices,
         simulate_on_cpu=simulate,
         name=cfg.get("name"),

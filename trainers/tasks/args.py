@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any
 
 
@@ -29,3 +30,19 @@ def positive_ints(values: Any, key: str) -> tuple[int, ...]:
     if not all(isinstance(v, Integral) and not isinstance(v, bool) and v >= 1 for v in values):
         raise ValueError(f"{key}={list(values)!r}: expected a list of integers >= 1.")
     return tuple(int(v) for v in values)
+
+
+def non_negative_number(value: Any, key: str) -> float:
+    """Returns `value` as a float if it is a finite number >= 0 (not a bool).
+
+    Raises:
+      ValueError: naming `key` (``task.noise_std``) and the value.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{key}={value!r}: expected a finite number >= 0.")
+    return float(value)

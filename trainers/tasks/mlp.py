@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from trainers.tasks.args import positive_int, positive_ints
+from trainers.tasks.args import non_negative_number, positive_int, positive_ints
 from trainers.tasks.base import Batch, Params
 from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
+from xshard.config.run import check_seed
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
@@ -125,8 +126,8 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         self.out_dim = positive_int(out_dim, "task.out_dim")
         self.activation = activation
         self.teacher_hidden = positive_ints(teacher_hidden, "task.teacher_hidden")
-        self.teacher_seed = int(teacher_seed)
-        self.noise_std = float(noise_std)
+        self.teacher_seed = check_seed(teacher_seed, "task.teacher_seed")
+        self.noise_std = non_negative_number(noise_std, "task.noise_std")
         self.nan_steps = _steps(nan_at_step)
         self.num_examples = None if num_examples is None else int(num_examples)
         self.name = name

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trainers.tasks import corpus
-from trainers.tasks.args import positive_int
+from trainers.tasks.args import non_negative_number, positive_int
 from trainers.tasks.base import Batch, Params
 from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
 
@@ -149,7 +149,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
             self.seq_len
         )  # predicted tokens per sequence (perf/tokens_per_sec)
         self.tie_embeddings = bool(tie_embeddings)
-        self.init_std = float(init_std)
+        self.init_std = non_negative_number(init_std, "task.init_std")
         self.corpus_max_chars = int(corpus_max_chars)
         self.name = name
         self.sharding_rules: list[tuple[str, P]] = list(SHARDING_RULES)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -75,9 +76,7 @@ def read_node(schema: type[T], node: Any, key: str) -> T:
     try:
         typed = OmegaConf.merge(OmegaConf.structured(schema), node)
     except ValidationError as e:
-        name = str(e.full_key or "").split(".")[-1]
-        value = node.get(name, "?") if isinstance(node, dict) else "?"
-        raise ConfigError(f"{key}.{name}={shown(value)}: {_type_hint(e)}") from e
+        raise ConfigError(_bad_value(key, node, str(e.full_key or ""), _type_hint(e))) from e
     except (ConfigKeyError, OmegaConfBaseException) as e:
         raise ConfigError(f"{key}: {_first_line(e)}") from e
     assert isinstance(typed, DictConfig)
@@ -104,6 +103,17 @@ def permissive(schema: type) -> type:
 def _required(schema: type, name: str) -> bool:
     field = next(f for f in dataclasses.fields(schema) if f.name == name)
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+
+
+def _bad_value(key: str, node: dict[str, Any], full_key: str, hint: str) -> str:
+    """``<key>.<field>=<its value>: <hint>``, where `full_key` (OmegaConf's, relative to the
+    node) may point inside the field: ``profile_steps[0]`` shows the whole list and says which
+    item is wrong."""
+    field = re.split(r"[.\[]", full_key, maxsplit=1)[0]
+    if field not in node:  # not expected: OmegaConf names a key of the node
+        return f"{key}.{full_key}: {hint}"
+    inside = f" at {key}.{full_key}" if full_key != field else ""
+    return f"{key}.{field}={shown(node[field])}: {hint}{inside}"
 
 
 def _type_hint(e: ValidationError) -> str:

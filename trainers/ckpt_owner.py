@@ -266,9 +266,16 @@ def _acquire(directory: Path, output_dir: Path, *, create: bool) -> CheckpointDi
             "another hydra.run.dir."
         ) from e
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**holder, "output_dir": str(output_dir)}).encode(), 0)
     lock = _HELD[directory] = CheckpointDirLock(directory, fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**holder, "output_dir": str(output_dir)}).encode(), 0)
+    except OSError as e:  # a full disk: one line, not a traceback
+        lock.release()
+        raise ConfigError(
+            f"paths.checkpoint_dir={str(directory)!r}: its lock file {path} cannot be written "
+            f"({e.strerror or e}). Free space there, or set paths.checkpoint_dir to another dir."
+        ) from e
     return lock
 
 

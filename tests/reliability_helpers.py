@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from trainers.ckpt_owner import LOCK_FILE, OWNER_FILE
 
@@ -63,3 +67,36 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int) -> Iterator[Path]:
+    """A tmpfs of `size` bytes mounted at `path` (skips the test if that is not possible)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], check=False, timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
+
+
+def resize(path: Path, size: int) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True, timeout=30)
+
+
+def fill(path: Path) -> None:
+    """Writes zeros into `path`/fill until the filesystem is full."""
+    with contextlib.suppress(OSError), open(path / "fill", "wb", buffering=0) as f:
+        while True:
+            f.write(b"\0" * 4096)

@@ -1,11 +1,15 @@
-"""I/O faults end to end, the real CLI in subprocesses (all slow): a full disk for checkpoints
-and for TensorBoard (small tmpfs mounts; the tests run as root, else they skip), bad
-``logger.*`` values, a stop signal during start-up. Each fault ends the run in bounded time
-with one line on stderr and the documented exit status, and leaves earlier checkpoints valid."""
+"""I/O faults end to end, the real CLI in subprocesses (all slow): a full disk for checkpoints,
+for TensorBoard and for the run dir itself (its log file and result.json; small tmpfs mounts:
+the tests run as root, else they skip), bad ``logger.*`` values, a stop signal during
+start-up. Each fault ends the run in bounded time with one line on stderr (a full run dir: at
+most two more, each saying what could not be written) and the documented exit status, and
+leaves earlier checkpoints valid."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import signal
@@ -17,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability_helpers import load_state, wait_until
+from tests.reliability_helpers import fill, load_state, resize, tmpfs, wait_until
 from trainers.checkpoint_io import complete_steps, unfinished_saves
+from trainers.console import RunLogFile
 from trainers.preemption import EXIT_PREEMPTED
+from trainers.sweep import write_result
 from trainers.train import EXIT_CONFIG_ERROR
 
 pytestmark = pytest.mark.slow
@@ -77,39 +83,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess, code: int, label:
     assert len(lines) == 1 and lines[0].startswith(f"xshard: {label}: "), output
     assert "Traceback" not in result.stdout + result.stderr, output
     return lines[0]
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: int) -> Iterator[Path]:
-    """A tmpfs of `size` bytes mounted at `path` (skips the test if that is not possible)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], check=False, timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=False, timeout=30)
-
-
-def resize(path: Path, size: int) -> None:
-    subprocess.run(["mount", "-o", f"remount,size={size}", str(path)], check=True, timeout=30)
-
-
-def fill(path: Path) -> None:
-    """Writes zeros into `path`/fill until the filesystem is full."""
-    with contextlib.suppress(OSError), open(path / "fill", "wb", buffering=0) as f:
-        while True:
-            f.write(b"\0" * 4096)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +179,116 @@ def test_bad_logger_values_are_one_line_config_errors(tmp_path, override, messag
         cli(tmp_path / "run", "trainer.steps=3", override), EXIT_CONFIG_ERROR, "error"
     )
     assert message in line
+
+
+# --------------------------------------------------------------------------------------------
+# The run dir itself on a full disk: its log file, result.json
+# --------------------------------------------------------------------------------------------
+
+FILLING_HOOK = """\
+import contextlib
+
+from trainers import Hook
+
+
+class FillDisk(Hook):
+    \"\"\"Fills the filesystem of `path` after step `at_step`, as another writer would.\"\"\"
+
+    def __init__(self, path: str, at_step: int):
+        self.path, self.at_step = path, at_step
+
+    def on_step(self, step, metrics):
+        if step == self.at_step:
+            with contextlib.suppress(OSError), open(self.path, "wb", buffering=0) as f:
+                while True:
+                    f.write(b"\\0" * 4096)
+"""
+
+
+def test_a_run_dir_that_fills_up_ends_in_a_few_lines_and_says_what_of_result_json(tmp_path):
+    (tmp_path / "xs_fill_disk.py").write_text(FILLING_HOOK)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))}
+    mnt = tmp_path / "mnt"
+    run = mnt / "run"
+    overrides = ["trainer.steps=8", "checkpoint.every_steps=2"]
+    with tmpfs(mnt, 1024 * 1024):  # room for the start-up checks and one checkpoint
+        filling = [
+            "+allowed_targets=[xs_fill_disk.]",
+            f"trainer.hooks=[{{_target_:xs_fill_disk.FillDisk,path:{mnt / 'fill'},at_step:3}}]",
+        ]
+        result = cli(run, *overrides, *filling, env=env)
+        output = result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.returncode == EXIT_CONFIG_ERROR, output
+        assert "Traceback" not in result.stdout + result.stderr, output
+        assert "Logging error" not in result.stdout + result.stderr, output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) <= 3, output  # the log file's line, result.json's, the error
+        assert lines[-1].startswith("xshard: error: ") and "No space left on device" in lines[-1]
+        log_line = f"xshard: warning: the log file {run / 'train.log'} cannot be written"
+        assert sum(line.startswith(log_line) for line in lines) == 1, output
+        if (run / "result.json").exists():
+            assert json.loads((run / "result.json").read_text())["status"] == "failed"
+        else:  # its absence explained, in one line
+            assert any("result.json could not be written" in line for line in lines[:-1]), output
+        assert not list(run.glob("*.tmp")), sorted(p.name for p in run.iterdir())
+
+        # Space freed: the same command trains to the end and writes its result.json.
+        (mnt / "fill").unlink()
+        rerun = cli(run, *overrides, env=env)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+        assert rerun.stderr.strip() == "", rerun.stderr[-3000:]
+        assert json.loads((run / "result.json").read_text())["status"] == "completed"
+        assert complete_steps(run / "checkpoints")[-1] == 8
+
+
+def test_a_full_run_dir_is_refused_in_one_line_before_hydra_writes_there(tmp_path):
+    mnt = tmp_path / "mnt"
+    with tmpfs(mnt, 64 * 1024):
+        fill(mnt)
+        line = assert_one_line_error(
+            cli(mnt / "run", "trainer.steps=4"), EXIT_CONFIG_ERROR, "error"
+        )
+        assert f"hydra.run.dir='{mnt / 'run'}' has too little free space" in line
+        assert "config dump (.hydra/), log file and result.json" in line
+        assert [p.name for p in (mnt / "run").iterdir()] == []
+
+
+def test_result_json_on_a_full_disk_replaces_an_earlier_one_or_is_absent_without_a_temp_file(
+    tmp_path,
+):
+    with tmpfs(tmp_path / "mnt", 64 * 1024) as mnt:
+        write_result(mnt, {"status": "completed", "run": 1})
+        fill(mnt)
+        # The earlier run's file is no outcome of this one: removed, and its space reused.
+        write_result(mnt, {"status": "failed", "run": 2})
+        assert json.loads((mnt / "result.json").read_text())["run"] == 2
+        (mnt / "result.json").unlink()
+        fill(mnt)
+        with pytest.raises(OSError, match="No space left"):
+            write_result(mnt, {"status": "failed", "run": 3})
+        assert sorted(p.name for p in mnt.iterdir()) == ["fill"]  # no result.json, no temp file
+
+
+def test_the_log_file_on_a_full_disk_says_so_once_and_stops(tmp_path, capfd):
+    with tmpfs(tmp_path / "mnt", 64 * 1024) as mnt:
+        fill(mnt)
+        handler = RunLogFile(mnt / "train.log")
+        logger = logging.getLogger("test_io_faults_cli.full_log")
+        logger.addHandler(handler)
+        try:
+            for i in range(50):
+                logger.warning("record %d", i)
+        finally:
+            logger.removeHandler(handler)
+            handler.close()
+        err = capfd.readouterr().err.strip().splitlines()
+        assert handler.problem == "No space left on device"
+        assert err == [
+            (
+                f"xshard: warning: the log file {mnt / 'train.log'} cannot be written (No space "
+                "left on device); the run goes on, logging to the console only."
+            )
+        ]
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any
 
 from trainers.checkpointing import CheckpointError
 from trainers.preflight import check_writable_dir
+from trainers.run_dir_links import write_file
 from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -232,8 +233,15 @@ def _acquire(directory: Path, output_dir: Path, *, create: bool) -> CheckpointDi
     path = directory / LOCK_FILE
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link: a copied run dir's lock file may point at any file.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(
+                f"paths.checkpoint_dir={str(directory)!r}: its lock file {path} is a symbolic "
+                f"link (to {os.readlink(path)}); the run never writes through one and wrote "
+                "nothing there. Remove the link."
+            ) from e
         if not create:  # only read from: a read-only copy of checkpoints is fine
             logger.info("Not locking %s (%s): this run writes no checkpoints.", directory, e)
             return None
@@ -258,9 +266,16 @@ def _acquire(directory: Path, output_dir: Path, *, create: bool) -> CheckpointDi
             "another hydra.run.dir."
         ) from e
     holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": _now()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({**holder, "output_dir": str(output_dir)}).encode(), 0)
     lock = _HELD[directory] = CheckpointDirLock(directory, fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**holder, "output_dir": str(output_dir)}).encode(), 0)
+    except OSError as e:  # a full disk: one line, not a traceback
+        lock.release()
+        raise ConfigError(
+            f"paths.checkpoint_dir={str(directory)!r}: its lock file {path} cannot be written "
+            f"({e.strerror or e}). Free space there, or set paths.checkpoint_dir to another dir."
+        ) from e
     return lock
 
 
@@ -285,7 +300,16 @@ def _write_owner(directory: Path, output_dir: Path) -> None:
         "host": socket.gethostname(),
         "updated": _now(),
     }
-    tmp = directory / f".{OWNER_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, directory / OWNER_FILE)
+    try:  # never through a link planted in a copied run dir
+        write_file(
+            directory / OWNER_FILE,
+            json.dumps(record, indent=1) + "\n",
+            tmp_name=f".{OWNER_FILE}.tmp-{os.getpid()}",
+        )
+    except OSError as e:
+        raise ConfigError(
+            f"paths.checkpoint_dir={str(directory)!r}: its owner record {OWNER_FILE} cannot be "
+            f"written ({e.strerror or e}). Free space there, or set paths.checkpoint_dir to "
+            "another dir."
+        ) from e
     logger.info("Checkpoint dir %s is owned by the run in %s.", directory, output_dir)

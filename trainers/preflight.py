@@ -6,7 +6,8 @@ with a traceback when it cannot. `OutputDirCheck` is a Hydra callback (registere
 one line and status 2; `check_writable_dir` does the same check for the run's own output
 paths (``paths.tb_dir``, ``paths.checkpoint_dir``) inside `train.py`. An empty file needs no
 space, so a full disk passes that check: `check_free_space` compares the free space with what
-the run will write (`trainers.checkpoint_io.check_checkpoint_space`).
+the run will write (`trainers.checkpoint_io.check_checkpoint_space`; `OutputDirCheck` asks for
+`OUTPUT_DIR_MIN_FREE` in the output dir).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from xshard.errors import ConfigError
 
 #: Exit status of a configuration or input error (as `train.py`'s EXIT_CONFIG_ERROR).
 EXIT_CONFIG_ERROR = 2
+#: Free bytes the output dir needs before Hydra writes there: its config dump (``.hydra/``,
+#: three files of a few KiB), the first lines of the log file, ``result.json``.
+OUTPUT_DIR_MIN_FREE = 64 * 1024
 
 
 def check_writable_dir(path: str | os.PathLike, key: str) -> Path:
@@ -110,6 +114,13 @@ class OutputDirCheck(Callback):
     def _check(path: str, key: str) -> None:
         try:
             check_writable_dir(path, key)
+            # A full disk: one line here, not Hydra's traceback when its config dump fails.
+            check_free_space(
+                path,
+                OUTPUT_DIR_MIN_FREE,
+                key,
+                what="its config dump (.hydra/), log file and result.json",
+            )
         except ConfigError as e:
             print(f"xshard: error: {e}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)

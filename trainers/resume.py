@@ -283,9 +283,14 @@ def check_compatible(
 def _move_aside(path: Path) -> Path:
     """Moves a corrupted step folder to ``<checkpoints>.corrupt/<step>``; returns where."""
     dest_dir = path.parent.with_name(path.parent.name + ".corrupt")
+    if dest_dir.is_symlink():  # the start-up check refuses links out of the run dir already
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupted, and {dest_dir} is a symbolic link (to "
+            f"{dest_dir.readlink()}): the step is not moved through it. Remove the link."
+        )
     dest = dest_dir / path.name
     n = 1
-    while dest.exists():
+    while dest.exists() or dest.is_symlink():
         dest, n = dest_dir / f"{path.name}-{n}", n + 1
     dest_dir.mkdir(parents=True, exist_ok=True)
     shutil.move(path, dest)

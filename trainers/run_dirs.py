@@ -30,7 +30,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.console import RunLogFile
 from trainers.multihost import Cluster
+from trainers.run_dir_links import write_file
 from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -158,7 +160,7 @@ def separate_log(index: int) -> None:
         if not isinstance(handler, logging.FileHandler):
             continue
         old = Path(handler.baseFilename)
-        new = logging.FileHandler(
+        new = RunLogFile(  # never written through a link (trainers/console.py)
             old.with_name(f"{old.stem}.process-{index}{old.suffix}"),
             mode="a",
             encoding=handler.encoding,
@@ -190,7 +192,7 @@ def rewrite_config_dump(cfg: DictConfig) -> None:
         ("hydra.yaml", hydra_cfg),
         ("overrides.yaml", hydra_cfg.hydra.overrides.task),
     ):
-        (out / name).write_text(OmegaConf.to_yaml(node))
+        write_file(out / name, OmegaConf.to_yaml(node))  # never through a link
 
 
 def check_same_checkpoints(cluster: Cluster, source: Any) -> None:

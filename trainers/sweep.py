@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from trainers.console import log_to_files
+from trainers.run_dir_links import write_file
 from trainers.summary import COMPLETED, RunSummary
 
 log = logging.getLogger("trainers.train")
@@ -79,17 +82,31 @@ def _job() -> dict[str, Any]:
 
 
 def write_result(output_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
-    """Writes `record` as ``<output_dir>/result.json`` (atomically: no half-written file).
+    """Writes `record` as ``<output_dir>/result.json``: atomically (no half-written file, no
+    temporary file left behind) and never through a symbolic link (`write_file`).
+
+    If it cannot be written (a full disk), a ``result.json`` already there (an earlier run's)
+    is removed, so that it is not taken for this run's outcome, and the write is tried once
+    more: the space that file held may be enough.
 
     Returns:
       The file's path.
+
+    Raises:
+      OSError: the first write's error, if the file could not be written; there is no
+        ``result.json`` then.
     """
     path = Path(output_dir) / RESULT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    tmp.replace(path)
-    return path
+    data = json.dumps(record, indent=2, default=str) + "\n"
+    try:
+        return write_file(path, data)
+    except OSError as first:
+        try:
+            path.unlink()
+            return write_file(path, data)
+        except OSError:
+            raise first from None
 
 
 def finish_job(
@@ -125,7 +142,14 @@ def finish_job(
             log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", tb, Path(tb).parent)
         write_result(cfg.paths.output_dir, record)
     except Exception as e:  # noqa: BLE001 - a full disk or a bad path must not hide the outcome
-        log.warning("Could not write the run's %s: %s", RESULT_FILE, one_line(str(e)))
+        # One line on stderr (scripts look for result.json), before the run's error line.
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(str(e))
+        message = (
+            f"The run's {RESULT_FILE} could not be written in {cfg.paths.output_dir} ({reason}): "
+            "there is none for this run."
+        )
+        log_to_files(log, logging.WARNING, message)
+        print(f"xshard: warning: {message}", file=sys.stderr, flush=True)
     return record
 
 
@@ -191,8 +215,8 @@ class SweepSummary(Callback):
         records = collect_results(sweep_dir, since=self._started)
         direction = config.hydra.sweeper.get("direction", "minimize")
         table = sweep_table(records, maximize=str(direction) == "maximize")
-        try:
-            (sweep_dir / SWEEP_SUMMARY_FILE).write_text(table + "\n")
+        try:  # never through a link planted in a copied sweep dir
+            write_file(sweep_dir / SWEEP_SUMMARY_FILE, table + "\n")
         except OSError as e:
             log.warning("Could not write %s: %s", sweep_dir / SWEEP_SUMMARY_FILE, e)
         print(table, flush=True)

@@ -144,6 +144,14 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
     ckpt, logger_opts = options.checkpoint, options.logger
+
+    # A run dir copied or moved from elsewhere is untrusted: before the run creates, locks or
+    # writes anything, refuse a path it writes that a link leads out of it (exit 2, one line).
+    from trainers.run_dir_links import check_run_dirs
+
+    with cluster.agreed("checking the run dir for links"):
+        check_run_dirs(dirs.output_dir, dirs.checkpoint_dir, dirs.tb_dir, lead=cluster.lead)
+
     # An error on one process is raised on all (`agreed`): none waits for a failed one.
     with cluster.agreed("checking the output dirs"):
         if cluster.lead:  # the only process that writes TensorBoard events

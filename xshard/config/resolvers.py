@@ -7,8 +7,8 @@ so that TensorBoard's run names read as the overrides.
   ``hydra.job.override_dirname``, less ``hydra.*`` and ``paths.*`` keys; the job's name when
   there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
   A rerun in the same output dir continues the same run (it resumes from its checkpoints),
-  so it writes to the folder already there (the latest, if several), whatever its own
-  overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
+  so it writes to the folder already there (the latest, if several; never a symbolic link),
+  whatever its own overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
 - a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
   job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
   its overrides;
@@ -36,9 +36,13 @@ def tb_dir(output_dir: str) -> str:
     if hc.mode == RunMode.MULTIRUN:
         return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
     root = Path(output_dir) / "tb"
-    existing = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    # Folders only, not links: a link in a copied run dir is no run's folder (and the run
+    # refuses one that leads out of its dir: trainers/run_dir_links.py).
+    existing = (
+        [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()] if root.is_dir() else []
+    )
     if existing:  # a rerun in the same dir: the run's own folder
-        return str(max(existing, key=lambda p: p.stat().st_mtime))
+        return str(max(existing, key=lambda p: p.lstat().st_mtime))
     return str(root / _safe(run_name(hc)))
 
 

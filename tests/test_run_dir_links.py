@@ -1,0 +1,314 @@
+"""Symbolic links planted in a copied run dir never redirect the run's writes out of it.
+
+A run dir copied or moved from elsewhere is untrusted (trainers/run_dir_links.py). Each slow
+test does what an attacker would: a real run, a copy of its dir, a link in the copy to a file
+or folder outside it that the test owns, a rerun in the copy with the real CLI. The rerun must
+exit 2 with one line naming the link, leave the target byte-for-byte unchanged (no new file
+in a target folder), and leave the original run's checkpoints valid. The fast tests check the
+pieces in-process: the check, the log file handler, the no-follow writes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.reliability_helpers import load_state, snapshot, steps_snapshot, truncate_data
+from trainers.ckpt_owner import LOCK_FILE, claim_checkpoint_dir
+from trainers.console import RunLogFile
+from trainers.run_dir_links import (
+    LinkOutOfRunDirError,
+    check_run_dir,
+    outside_link,
+    write_file,
+)
+from trainers.sweep import write_result
+from trainers.train import EXIT_CONFIG_ERROR
+from xshard.config import one_line
+from xshard.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "task=mlp",
+    "trainer.batch_size=16",
+    "trainer.layer_stats_every=0",
+    "trainer.histogram_every=0",
+    "checkpoint.every_steps=2",
+]
+FIRST = [*COMMON, "trainer.steps=4"]  # the original run: checkpoints 2 and 4
+RERUN = [*COMMON, "trainer.steps=6"]  # the rerun in the copy: train on to step 6
+SECRET = b"not the run's to write\n"
+
+
+def cli(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
+    """`python -m trainers.train` with `overrides` in `run_dir` (the sweep dir if `multirun`)."""
+    where = f"hydra.sweep.dir={run_dir}" if multirun else f"hydra.run.dir={run_dir}"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainers.train",
+            *(["-m"] if multirun else []),
+            "trainer.progress=false",
+            *overrides,
+            where,
+        ],
+        cwd=REPO,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,  # callers assert the exit status
+    )
+
+
+def refused(result: subprocess.CompletedProcess, link: Path) -> str:
+    """Exit 2, exactly one line on stderr (``xshard: error: ...``) naming `link`."""
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == EXIT_CONFIG_ERROR, output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xshard: error: "), output
+    assert f"{one_line(str(link))} is a symbolic link" in lines[0], lines[0]
+    assert "Traceback" not in result.stdout + result.stderr, output
+    return lines[0]
+
+
+def run_name(overrides: list[str]) -> str:
+    """The TensorBoard folder name of a run with `overrides` (`xshard.config.resolvers`)."""
+    return ",".join(sorted(overrides))
+
+
+# --------------------------------------------------------------------------------------------
+# In-process: the check, the log file, the writes
+# --------------------------------------------------------------------------------------------
+
+
+def test_links_out_of_the_run_dir_are_found_links_inside_it_are_not(tmp_path):
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "real_tb").mkdir()
+    outside.mkdir()
+    (run / "tb").symlink_to(run / "real_tb")  # inside: harmless
+    assert outside_link(run / "tb" / "x", [run]) is None
+    check_run_dir(run, tb_dir=run / "tb" / "x", checkpoint_dir=run / "checkpoints")
+
+    (run / "checkpoints.corrupt").symlink_to(outside)
+    assert outside_link(run / "checkpoints.corrupt" / "4", [run]) == (
+        str(run / "checkpoints.corrupt"),
+        str(outside),
+    )
+    with pytest.raises(LinkOutOfRunDirError, match="checkpoints.corrupt is a symbolic link to"):
+        check_run_dir(run, checkpoint_dir=run / "checkpoints")
+
+    # A dangling link leads out too; a path configured outside the run dir is not checked.
+    (run / "checkpoints.corrupt").unlink()
+    (run / "result.json").symlink_to(outside / "missing")
+    with pytest.raises(LinkOutOfRunDirError, match=r"result\.json is a symbolic link"):
+        check_run_dir(run)
+    (run / "result.json").unlink()
+    elsewhere = tmp_path / "ckpt"
+    (elsewhere / "0").parent.mkdir()
+    (elsewhere / "0").symlink_to(outside)
+    check_run_dir(run, checkpoint_dir=elsewhere)
+
+
+def test_the_log_file_is_never_written_through_a_link(tmp_path, capfd):
+    target = tmp_path / "target"
+    target.write_bytes(SECRET)
+    log = tmp_path / "run" / "train.log"
+    log.parent.mkdir()
+    log.symlink_to(target)
+    handler = RunLogFile(log)
+    logger = logging.getLogger("test_run_dir_links.link")
+    logger.addHandler(handler)
+    try:
+        logger.warning("one")
+        logger.warning("two")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert target.read_bytes() == SECRET and handler.problem is not None
+    assert capfd.readouterr().err == ""  # the start-up check names the link, not the handler
+    with pytest.raises(LinkOutOfRunDirError, match="train.log is a symbolic link"):
+        check_run_dir(log.parent, log_files=[log])
+
+
+def test_a_plain_log_file_is_appended_to(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("earlier\n")
+    handler = RunLogFile(log)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("test_run_dir_links.plain")
+    logger.addHandler(handler)
+    try:
+        logger.warning("later")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert log.read_text() == "earlier\nlater\n" and handler.problem is None
+
+
+def test_files_are_written_over_a_link_never_through_it(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(SECRET)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "result.json").symlink_to(target)
+    (run / "result.json.tmp").symlink_to(target)
+    write_result(run, {"status": "completed"})
+    assert target.read_bytes() == SECRET
+    assert (
+        not (run / "result.json").is_symlink()
+        and '"completed"' in (run / "result.json").read_text()
+    )
+    assert sorted(p.name for p in run.iterdir()) == ["result.json"]
+
+    (run / "note").symlink_to(target)
+    write_file(run / "note", "new")
+    assert target.read_bytes() == SECRET and (run / "note").read_text() == "new"
+
+
+def test_a_linked_lock_file_is_refused_and_its_target_left_alone(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(SECRET)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / LOCK_FILE).symlink_to(target)
+    with pytest.raises(ConfigError, match="its lock file .* is a symbolic link"):
+        claim_checkpoint_dir(run / "checkpoints", run)
+    assert target.read_bytes() == SECRET
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [LOCK_FILE]
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: a copied run dir with a planted link
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def original(tmp_path_factory) -> Path:
+    """A finished run with checkpoints 2 and 4."""
+    run = tmp_path_factory.mktemp("links") / "original"
+    result = cli(run, *FIRST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["2", "4"]
+    return run
+
+
+def outside_targets(tmp_path: Path) -> tuple[Path, Path]:
+    """A file and a folder (holding one file) outside any run dir, owned by the test."""
+    outside = tmp_path / "outside"
+    (outside / "folder").mkdir(parents=True)
+    (outside / "file").write_bytes(SECRET)
+    (outside / "folder" / "kept").write_bytes(SECRET)
+    return outside / "file", outside / "folder"
+
+
+def plant(link: Path, target: Path) -> None:
+    """Replaces whatever is at `link` by a symbolic link to `target`."""
+    if link.is_dir() and not link.is_symlink():
+        shutil.rmtree(link)
+    elif link.exists() or link.is_symlink():
+        link.unlink()
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target)
+
+
+def tb_folder(run: Path) -> str:
+    (folder,) = [p.name for p in (run / "tb").iterdir()]
+    return folder
+
+
+#: (id, the link in the copy, "file" or "folder" as its target, the rerun's extra overrides)
+ATTACKS = [
+    ("lock_file", f"checkpoints/{LOCK_FILE}", "file", []),
+    ("log_file", "train.log", "file", []),
+    ("tb_run_folder", f"tb/{run_name(RERUN)}", "folder", []),
+    ("tb", "tb", "folder", []),
+    ("checkpoints", "checkpoints", "folder", []),
+    ("config_dump", ".hydra", "folder", []),
+    ("config_dump_file", ".hydra/config.yaml", "file", []),
+    ("result", "result.json", "file", []),
+    ("result_tmp", "result.json.tmp", "file", []),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "relative, kind, extra", [a[1:] for a in ATTACKS], ids=[a[0] for a in ATTACKS]
+)
+def test_a_planted_link_is_refused_and_nothing_is_written_outside(
+    original, tmp_path, relative, kind, extra
+):
+    ours = steps_snapshot(original / "checkpoints")
+    file, folder = outside_targets(tmp_path)
+    outside = snapshot(file.parent)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)
+    if relative.startswith("tb/"):  # the link alone in tb/, named as the rerun's folder
+        shutil.rmtree(copy / "tb" / tb_folder(copy))
+    link = copy / relative
+    plant(link, file if kind == "file" else folder)
+
+    line = refused(cli(copy, *RERUN, *extra), link)
+    assert "outside the run dir" in line
+
+    assert snapshot(file.parent) == outside  # byte for byte, and no new file
+    assert link.is_symlink()
+    assert steps_snapshot(original / "checkpoints") == ours
+    assert load_state(original / "checkpoints" / "4")["['step']"] == 4
+
+
+@pytest.mark.slow
+def test_a_linked_corrupt_folder_is_refused_before_a_corrupted_step_is_moved(original, tmp_path):
+    ours = steps_snapshot(original / "checkpoints")
+    _, folder = outside_targets(tmp_path)
+    outside = snapshot(folder.parent)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)
+    truncate_data(copy / "checkpoints" / "4")  # the fallback would move step 4 aside...
+    plant(copy / "checkpoints.corrupt", folder)  # ...into this folder, outside the copy
+    corrupted = snapshot(copy / "checkpoints" / "4")
+
+    refused(cli(copy, *RERUN, "checkpoint.fallback_to_previous=true"), copy / "checkpoints.corrupt")
+
+    assert snapshot(folder.parent) == outside
+    assert snapshot(copy / "checkpoints" / "4") == corrupted  # not moved
+    assert steps_snapshot(original / "checkpoints") == ours
+    assert load_state(original / "checkpoints" / "4")["['step']"] == 4
+
+
+@pytest.mark.slow
+def test_a_link_in_tb_is_never_taken_for_the_runs_folder(original, tmp_path):
+    """A link in ``tb/`` under another name is not followed: the rerun writes a new folder."""
+    _, folder = outside_targets(tmp_path)
+    outside = snapshot(folder.parent)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)
+    plant(copy / "tb" / tb_folder(copy), folder)  # the original's folder, not the rerun's
+
+    result = cli(copy, *RERUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert snapshot(folder.parent) == outside
+    assert any((copy / "tb" / run_name(RERUN)).glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_a_copied_sweep_dir_with_a_linked_config_dump_is_refused(tmp_path):
+    _, folder = outside_targets(tmp_path)
+    outside = snapshot(folder.parent)
+    sweep = tmp_path / "sweep"
+    first = cli(sweep, *FIRST, multirun=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(sweep, copy, symlinks=True)
+    (job,) = [p for p in copy.iterdir() if (p / ".hydra").is_dir()]
+    plant(job / ".hydra", folder)
+
+    refused(cli(copy, *FIRST, multirun=True), job / ".hydra")
+    assert snapshot(folder.parent) == outside

@@ -101,6 +101,17 @@ def test_trusted_files_may_set_hydra_keys_but_never_forge_the_command_line():
     assert refused_keys(trusted(HOSTILE["forged task overrides"])) == ["hydra.overrides.task"]
 
 
+def test_a_copied_file_may_repeat_granted_entries_but_not_widen_them():
+    granted = frozenset({"mypkg.", "other."})
+    assert refused_keys(untrusted({"allowed_targets": ["mypkg."]}), granted) == []
+    widened = untrusted({"allowed_targets": ["mypkg.", "os."]})
+    assert refused_keys(widened, granted) == ["allowed_targets"]
+    with pytest.raises(UntrustedConfigError, match=r"sets allowed_targets to 'os\.', which no"):
+        check_file(widened, granted)
+    elsewhere = untrusted({"allowed_targets": ["${task.pkg}"]})  # not readable in the file
+    assert refused_keys(elsewhere, granted) == ["allowed_targets"]
+
+
 def test_the_error_names_the_file_the_key_and_what_is_allowed():
     with pytest.raises(UntrustedConfigError) as caught:
         check_file(untrusted(HOSTILE["env_set"]))
@@ -145,6 +156,10 @@ def conf(tmp_path) -> Path:
     (tmp_path / "exp" / "pulls.yaml").write_text(
         "# @package _global_\ndefaults:\n  - /exp/header\n"
     )
+    (tmp_path / "exp" / "repeats.yaml").write_text(
+        "# @package _global_\nallowed_targets: [mypkg.]\n"
+    )
+    (tmp_path / "exp" / "widens.yaml").write_text("# @package _global_\nallowed_targets: [os.]\n")
     (tmp_path / "hydra" / "job_logging").mkdir(parents=True)
     (tmp_path / "hydra" / "job_logging" / "evil.yaml").write_text(
         "handlers: {h: {'()': os.system}}\n"
@@ -161,6 +176,7 @@ def composed(conf: Path, *overrides: str):
 
 def test_trusted_primary_and_harmless_options_compose(conf):
     assert composed(conf).lr == 0.2
+    assert list(composed(conf, "exp=repeats").allowed_targets) == ["mypkg."]
     cfg = composed(conf, "exp=outputs")
     assert (cfg.lr, cfg.hydra.run.dir, cfg.hydra.job.env_set.FROM_PRIMARY) == (0.3, "runs/x", "1")
 
@@ -169,6 +185,7 @@ def test_trusted_primary_and_harmless_options_compose(conf):
     ("override", "file", "key"),
     [
         ("exp=forge", "exp/forge.yaml", "hydra.overrides.task"),
+        ("exp=widens", "exp/widens.yaml", "allowed_targets to 'os.'"),
         ("exp=header", "exp/header.yaml", "hydra.callbacks.x._target_"),
         ("exp=pulls", "exp/header.yaml", "hydra.callbacks.x._target_"),
         ("hydra/job_logging=evil", "hydra/job_logging/evil.yaml", "hydra.job_logging.handlers"),

@@ -32,7 +32,17 @@ ATTACKS = {
         hydra: {{overrides: {{task: ["+allowed_targets=[subprocess.]"]}}}}
         """,
         ["task=inject"],
-        "allowed_targets",
+        "hydra.overrides.task",
+    ),
+    "widened allowlist": (
+        "task/widen.yaml",
+        """\
+        # @package _global_
+        task: {{_target_: subprocess.getoutput, cmd: "{cmd}"}}
+        allowed_targets: [subprocess.]
+        """,
+        ["task=widen"],
+        "allowed_targets to 'subprocess.'",
     ),
     "forged command line alone": (
         "task/forge.yaml",
@@ -196,7 +206,7 @@ def copied_conf(tmp_path) -> tuple[Path, Path]:
 def test_the_doctor_and_cfg_refuse_the_same_file(tmp_path, copied_conf, module, flags):
     conf, canary = copied_conf
     result = run_module(module, *flags, f"--config-dir={conf}", "task=inject", cwd=tmp_path)
-    refused(result, f"config file {conf / 'task' / 'inject.yaml'} sets allowed_targets")
+    refused(result, f"config file {conf / 'task' / 'inject.yaml'} sets hydra.overrides.task")
     assert not canary.exists()
 
 
@@ -245,5 +255,5 @@ def test_an_experiment_repo_app_is_guarded_too(tmp_path, copied_conf):
         check=False,
         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
     )
-    refused(result, f"config file {conf / 'task' / 'inject.yaml'} sets allowed_targets")
+    refused(result, f"config file {conf / 'task' / 'inject.yaml'} sets hydra.overrides.task")
     assert not canary.exists()

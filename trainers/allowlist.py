@@ -62,6 +62,24 @@ def _resolved(node: ListConfig, index: int) -> Any:
         return None
 
 
+def file_entries(node: Any) -> list[str | None]:
+    """The entries of an ``allowed_targets`` value as one file wrote it, resolved there alone.
+
+    Args:
+      node: the value (a list, a ``{index: entry}`` mapping, or one string), as written.
+
+    Returns:
+      Each entry resolved within that value alone (``${oc.env:...}`` works); None for an entry
+      that is not a string or refers to a key set elsewhere.
+    """
+    if isinstance(node, dict | DictConfig):
+        node = list(node.values())
+    items = OmegaConf.create({"v": node if isinstance(node, list | ListConfig) else [node]}).v
+    return [
+        item if isinstance(item := _resolved(items, i), str) else None for i in range(len(items))
+    ]
+
+
 def command_line_entries(overrides: Iterable[str]) -> set[str]:
     """The ``allowed_targets`` entries set by command-line overrides.
 

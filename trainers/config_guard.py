@@ -16,9 +16,11 @@ The rules (`refused_keys`):
 - **Trusted files** (the primary config, and the files of installed packages: ``pkg://`` and
   ``structured://`` sources) may set anything but ``hydra.overrides``.
 - **Other files** (``file://`` sources: ``--config-dir``, ``hydra.searchpath``, a repo's own
-  config dir) may set ``hydra`` keys under `UNTRUSTED_HYDRA_KEYS` only, and never
-  ``allowed_targets`` or ``hydra.overrides``. Put anything else in your primary config or on
-  the command line.
+  config dir) may set ``hydra`` keys under `UNTRUSTED_HYDRA_KEYS` only, never
+  ``hydra.overrides``, and ``allowed_targets`` only to entries a trusted source already grants
+  (a trusted file, the command line, ``XSHARD_ALLOWED_TARGETS``, an installed package:
+  `trainers.allowlist`), so a sweep file may repeat its experiment's list but not widen it.
+  Put anything else in your primary config or on the command line.
 
 Nothing here resolves an interpolation or imports a target: keys are read as written.
 """
@@ -99,22 +101,50 @@ def _under(key: str, prefix: str) -> bool:
     return key == prefix or key.startswith(prefix + ".")
 
 
-def refused_keys(file: ComposedFile) -> list[str]:
-    """The keys `file` sets that its origin may not set (module docstring), in file order."""
+def _at_root(file: ComposedFile) -> dict[str, Any]:
+    """`file`'s content placed at its package in the root config (its defaults list left out)."""
     content = file.content if isinstance(file.content, dict) else {}
+    node: Any = {k: v for k, v in content.items() if k != "defaults"}
+    for part in reversed(file.package.split(".") if file.package else []):
+        node = {part: node}
+    return node
+
+
+def widening_entries(file: ComposedFile, granted: frozenset[str]) -> list[str]:
+    """The ``allowed_targets`` entries an untrusted `file` writes beyond `granted`.
+
+    An entry that cannot be read in that file alone (an interpolation of a key set elsewhere,
+    not a string) counts as widening.
+    """
+    from trainers.allowlist import file_entries
+
+    root = _at_root(file)
+    if file.trusted or ALLOWED_TARGETS_KEY not in root:
+        return []
+    entries = file_entries(root[ALLOWED_TARGETS_KEY])
+    return [
+        repr(e) if e is not None else "an entry read elsewhere" for e in entries if e not in granted
+    ]
+
+
+def refused_keys(file: ComposedFile, granted: frozenset[str] = frozenset()) -> list[str]:
+    """The keys `file` sets that its origin may not set (module docstring), in file order.
+
+    Args:
+      file: the file.
+      granted: the ``allowed_targets`` entries trusted sources grant (`granted_entries`).
+    """
     refused = []
-    for key, value in _leaves({k: v for k, v in content.items() if k != "defaults"}, file.package):
-        if not key:
-            continue
+    for key, value in _leaves(_at_root(file), ""):
         if _under(key, FORGED_KEY):  # Hydra's own schema declares it empty
             if value or not file.trusted:
                 refused.append(key)
-        elif file.trusted:
+        elif file.trusted or _under(key, ALLOWED_TARGETS_KEY):
             continue
-        elif _under(key, ALLOWED_TARGETS_KEY) or (
-            _under(key, "hydra") and not any(_under(key, ok) for ok in UNTRUSTED_HYDRA_KEYS)
-        ):
+        elif _under(key, "hydra") and not any(_under(key, ok) for ok in UNTRUSTED_HYDRA_KEYS):
             refused.append(key)
+    if widening_entries(file, granted):
+        refused.append(ALLOWED_TARGETS_KEY)
     return refused
 
 
@@ -124,7 +154,8 @@ def _why(key: str) -> str:
     if _under(key, ALLOWED_TARGETS_KEY):
         return (
             f"only the primary config, the command line (+{ALLOWED_TARGETS_KEY}=[mypkg.]), "
-            "XSHARD_ALLOWED_TARGETS or an installed package may widen the allowlist"
+            "XSHARD_ALLOWED_TARGETS or an installed package may widen the allowlist (a copied "
+            "file may only repeat what they grant)"
         )
     return (
         "Hydra acts on it before the run starts, so only the primary config, the command line "
@@ -132,18 +163,51 @@ def _why(key: str) -> str:
     )
 
 
-def check_file(file: ComposedFile) -> None:
+def check_file(file: ComposedFile, granted: frozenset[str] = frozenset()) -> None:
     """Refuses `file` if it sets a key its origin may not set.
+
+    Args:
+      file: the file.
+      granted: the ``allowed_targets`` entries trusted sources grant (`granted_entries`).
 
     Raises:
       UntrustedConfigError: naming the file, the first such key and why.
     """
-    refused = refused_keys(file)
-    if refused:
+    refused = refused_keys(file, granted)
+    if not refused:
+        return
+    if refused[0] == ALLOWED_TARGETS_KEY:
+        widening = ", ".join(widening_entries(file, granted))
         raise UntrustedConfigError(
-            f"config file {file.name} sets {refused[0]}, which a composed config file may not "
-            f"set: {_why(refused[0])}."
+            f"config file {file.name} sets {ALLOWED_TARGETS_KEY} to {widening}, which no "
+            f"trusted source grants: {_why(ALLOWED_TARGETS_KEY)}."
         )
+    raise UntrustedConfigError(
+        f"config file {file.name} sets {refused[0]}, which a composed config file may not "
+        f"set: {_why(refused[0])}."
+    )
+
+
+def granted_entries(files: Sequence[ComposedFile]) -> frozenset[str]:
+    """The ``allowed_targets`` entries of the trusted sources of one composition.
+
+    The trusted files among `files` (entries resolved in each file alone), the command line,
+    ``XSHARD_ALLOWED_TARGETS`` and installed packages (`trainers.allowlist`).
+    """
+    from trainers.allowlist import (
+        argv_overrides,
+        command_line_entries,
+        environment_entries,
+        file_entries,
+        installed_entries,
+    )
+
+    granted = command_line_entries(argv_overrides()) | environment_entries() | installed_entries()
+    for file in files:
+        root = _at_root(file)
+        if file.trusted and ALLOWED_TARGETS_KEY in root:
+            granted |= {e for e in file_entries(root[ALLOWED_TARGETS_KEY]) if e is not None}
+    return frozenset(granted)
 
 
 def _source_name(source_path: str, config_path: str) -> tuple[str, bool]:
@@ -180,8 +244,10 @@ def check_defaults(defaults: Sequence[Any], repo: Any) -> None:
     Raises:
       UntrustedConfigError: naming the first such file and key.
     """
-    for file in composed_files(defaults, repo):
-        check_file(file)
+    files = list(composed_files(defaults, repo))
+    granted = granted_entries(files)
+    for file in files:
+        check_file(file, granted)
 
 
 @contextlib.contextmanager

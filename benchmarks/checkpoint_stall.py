@@ -26,9 +26,9 @@ def _run(prepare: bool, replica_parallel: bool, saves: int = 3) -> list[dict[str
     import jax
 
     from benchmarks.workloads import make_mesh, make_workload
-    from trainers import checkpointing
-    from trainers.checkpointing import CheckpointHook, CheckpointOptions
-    from trainers.trainer import Trainer
+    from trainers.checkpoint import hook as checkpointing
+    from trainers.checkpoint.hook import CheckpointHook, CheckpointOptions
+    from trainers.core.trainer import Trainer
 
     jax.clear_caches()
     wl = make_workload("tiny_gpt", smoke=False, num_batches=2)

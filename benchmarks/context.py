@@ -18,8 +18,8 @@ from benchmarks import variants
 from benchmarks.timing import Plan
 from benchmarks.variants import StepLoop
 from benchmarks.workloads import Workload, make_mesh, make_workload
-from trainers.step import HISTOGRAMS, LAYERS, PLAIN, STATS
-from trainers.trainer import Trainer
+from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
+from trainers.core.trainer import Trainer
 
 #: Names of the step levels in variant names ("one/plain", "per_level/histograms", ...).
 LEVEL_NAMES = {"plain": PLAIN, "stats": STATS, "layers": LAYERS, "histograms": HISTOGRAMS}

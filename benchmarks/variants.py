@@ -38,9 +38,9 @@ from jax.sharding import PartitionSpec as P
 from benchmarks import baselines
 from benchmarks.compile_events import CompileEvents
 from benchmarks.workloads import DATA_AXIS, Workload
-from trainers.step import HISTOGRAMS, LAYERS, STATS
+from trainers.core.step import HISTOGRAMS, LAYERS, STATS
+from trainers.core.trainer import Trainer
 from trainers.tasks.sharding import param_shardings
-from trainers.trainer import Trainer
 from xshard import Reduction, cross_shard
 
 HANDWRITTEN = ("jit_gspmd", "pmap_pmean")
@@ -143,7 +143,7 @@ def trainer_loop(
     params: Any,
     level: int | Callable[[int], int] = STATS,
 ) -> StepLoop:
-    """`Trainer.step` on its own fresh state, every step at `level` (see `trainers.step`).
+    """`Trainer.step` on its own fresh state, every step at `level` (see `trainers.core.step`).
 
     Args:
       name: the variant's name.

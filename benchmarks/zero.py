@@ -105,8 +105,8 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
 
     from benchmarks.hlo import memory, state_bytes
     from benchmarks.timing import Plan, interleave, ratio
-    from trainers.setup import build_task
-    from trainers.trainer import Trainer
+    from trainers.app.build import build_task
+    from trainers.core.trainer import Trainer
     from xshard.factory import build_optimizer
     from xshard.mesh import build_mesh
 

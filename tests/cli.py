@@ -10,7 +10,7 @@ from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainers.preflight import EXIT_CONFIG_ERROR
+from trainers.errors import EXIT_CONFIG_ERROR
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,7 @@
 
 import time
 
-from trainers.trainer import Hook
+from trainers.core.trainer import Hook
 
 
 class Pace(Hook):

@@ -5,8 +5,8 @@ import numpy as np
 import optax
 
 import xshard
+from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import Hook, Trainer
 from xshard.mesh import build_mesh
 from xshard.stats import path_str
 

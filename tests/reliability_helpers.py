@@ -15,7 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from trainers.ckpt_owner import LOCK_FILE, OWNER_FILE
+from trainers.checkpoint.owner import LOCK_FILE, OWNER_FILE
 
 # --------------------------------------------------------------------------------------------
 # Helpers

@@ -23,7 +23,7 @@ def test_os_system_through_a_reexport_never_runs(tmp_path, widened):
     result = run_train(
         *COMMON,
         "~task",
-        f'+task={{_target_:trainers.preflight.os.system,command:"touch {pwned}"}}',
+        f'+task={{_target_:trainers.app.preflight.os.system,command:"touch {pwned}"}}',
         *([WHOLE_PACKAGES] if widened else []),
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
@@ -31,7 +31,7 @@ def test_os_system_through_a_reexport_never_runs(tmp_path, widened):
     )
     refused(
         result,
-        "task._target_='trainers.preflight.os.system' is not an allowed target",
+        "task._target_='trainers.app.preflight.os.system' is not an allowed target",
         "is the module 'os'" if widened else "Allowed prefixes",
     )
     assert not pwned.exists()
@@ -46,7 +46,7 @@ def test_rmtree_task_yaml_from_config_dir_never_runs(tmp_path, widened):
     conf = tmp_path / "conf"
     (conf / "task").mkdir(parents=True)
     (conf / "task" / "wipe.yaml").write_text(
-        f"_target_: trainers.resume.shutil.rmtree\npath: {victim}\n"
+        f"_target_: trainers.checkpoint.resume.shutil.rmtree\npath: {victim}\n"
     )
     result = run_train(
         f"--config-dir={conf}",
@@ -57,7 +57,7 @@ def test_rmtree_task_yaml_from_config_dir_never_runs(tmp_path, widened):
         cwd=tmp_path,
         check=False,
     )
-    refused(result, "task._target_='trainers.resume.shutil.rmtree' is not an allowed target")
+    refused(result, "task._target_='trainers.checkpoint.resume.shutil.rmtree' is not an allowed target")
     assert (victim / "data" / "keep.txt").read_text() == "precious"
 
 

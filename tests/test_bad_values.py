@@ -21,12 +21,13 @@ from cli import run_train
 from omegaconf import OmegaConf
 
 import xshard
-from trainers.cli_overrides import group_override_error
+from trainers.app.cli_overrides import group_override_error
+from trainers.config import TrainerOptions
 from trainers.train import train
-from xshard.config import TrainerOptions, read_node
+from xshard.config import read_node
 from xshard.config.schemas import OPTIMIZER_RULES, SCHEMAS, check_optimizer_args
 from xshard.errors import ConfigError
-from xshard.mesh_config import mesh_spec
+from xshard.mesh_spec import mesh_spec
 
 LONG = "x" * 5000
 

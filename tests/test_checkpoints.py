@@ -18,13 +18,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
-from trainers.checkpointing import CheckpointError, CheckpointHook
-from trainers.monitor import NonFiniteError, NonFiniteMonitor
-from trainers.preemption import StopOnSignal
-from trainers.resume import RestoreSource, complete_steps, find_resume_source, restore_checkpoint
-from trainers.step import TrainState
+from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.resume import (
+    RestoreSource,
+    complete_steps,
+    find_resume_source,
+    restore_checkpoint,
+)
+from trainers.cluster.preemption import StopOnSignal
+from trainers.config import CheckpointOptions
+from trainers.core.step import TrainState
+from trainers.errors import CheckpointError, NonFiniteError
+from trainers.hooks.monitor import NonFiniteMonitor
 from trainers.tasks.mlp import MLPTask
-from xshard.config import CheckpointOptions
 from xshard.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------

@@ -14,17 +14,11 @@ import pytest
 
 from tests.reliability_helpers import snapshot
 from tests.test_checkpoints import CONFIG, synthetic_state
-from trainers.checkpointing import CheckpointHook
-from trainers.ckpt_owner import (
-    LOCK_FILE,
-    OWNER_FILE,
-    CheckpointDirInUseError,
-    ForeignCheckpointDirError,
-    claim_checkpoint_dir,
-    read_owner,
-)
-from trainers.resume import complete_steps
-from xshard.config import CheckpointOptions
+from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.owner import LOCK_FILE, OWNER_FILE, claim_checkpoint_dir, read_owner
+from trainers.checkpoint.resume import complete_steps
+from trainers.config import CheckpointOptions
+from trainers.errors import CheckpointDirInUseError, ForeignCheckpointDirError
 
 
 def write_steps(directory: Path, *steps: int, keep: int | None = None) -> None:

@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.reliability_helpers import snapshot, steps_snapshot, wait_until
-from trainers.ckpt_owner import LOCK_FILE, read_owner
-from trainers.preemption import EXIT_PREEMPTED
-from trainers.resume import complete_steps
-from trainers.train import EXIT_CONFIG_ERROR
+from trainers.checkpoint.owner import LOCK_FILE, read_owner
+from trainers.checkpoint.resume import complete_steps
+from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,18 +13,18 @@ import pytest
 import yaml
 from omegaconf import MISSING
 
-from trainers.trainer import Trainer
-from xshard.config import (
+from trainers.config import (
     CheckpointOptions,
     DistributedOptions,
     LoggerOptions,
     ShardingOptions,
     TrainerOptions,
-    read_node,
 )
+from trainers.core.trainer import Trainer
+from xshard.config import read_node
 from xshard.config.schemas import DEVIATIONS, SCHEMAS, MeshConf
 from xshard.factory import MASK_ARGS
-from xshard.mesh_config import mesh_spec
+from xshard.mesh_spec import mesh_spec
 from xshard.optimizer import cross_shard
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -1,4 +1,4 @@
-"""`trainers.config_guard` inside Hydra's real composition (in process; the CLI runs that show
+"""`trainers.app.config_guard` inside Hydra's real composition (in process; the CLI runs that show
 nothing executes are in test_config_guard_cli.py): what a composed file may set depends on
 where it comes from, and every defaults list Hydra composes is checked."""
 
@@ -11,14 +11,14 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from trainers.config_guard import (
+from trainers.app.config_guard import (
     UNTRUSTED_HYDRA_KEYS,
     ComposedFile,
-    UntrustedConfigError,
     check_file,
     guard_compositions,
     refused_keys,
 )
+from trainers.errors import UntrustedConfigError
 
 EXIT = 2
 

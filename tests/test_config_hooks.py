@@ -9,7 +9,7 @@ import pytest
 from cli import run_train
 from hydra import compose, initialize_config_module
 
-from trainers.setup import build_hooks
+from trainers.app.build import build_hooks
 from trainers.train import train
 from xshard.errors import ConfigError
 from xshard.targets import allowed_prefixes

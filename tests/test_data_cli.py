@@ -13,8 +13,8 @@ import pytest
 from tests.cli import run_train, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state
 from tests.test_data_files import write_files
-from trainers.preemption import EXIT_PREEMPTED
-from trainers.resume import complete_steps
+from trainers.checkpoint.resume import complete_steps
+from trainers.errors import EXIT_PREEMPTED
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
 QUIET = ["trainer.layer_stats_every=0", "trainer.histogram_every=0", "trainer.log_every=1"]

@@ -1,5 +1,5 @@
 """Evaluation in-process on 8 simulated CPU devices: the eval step is right, compiled once,
-and never changes training (trainers/evaluation.py)."""
+and never changes training (trainers/hooks/evaluation.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import xshard
-from trainers.evaluation import EvalHook, Evaluator, build_evaluator, has_eval_split
-from trainers.summary import RunSummary
+from trainers.config import TrainerOptions
+from trainers.core.trainer import Trainer
+from trainers.hooks.evaluation import EvalHook, Evaluator, build_evaluator, has_eval_split
+from trainers.hooks.summary import RunSummary
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
-from trainers.trainer import Trainer
-from xshard.config import TrainerOptions, read_node
+from xshard.config import read_node
 from xshard.errors import ConfigError
 
 BATCH = 32
@@ -249,7 +250,7 @@ def test_a_task_with_model_state_is_evaluated_with_it():
     pytest.importorskip("flax")
     import functools
 
-    from trainers.model_state import loss_fn
+    from trainers.core.model_state import loss_fn
     from trainers.tasks import nnx_models
     from trainers.tasks.flax_nnx import NNXTask
     from trainers.tasks.synthetic import TeacherRegression

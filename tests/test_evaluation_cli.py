@@ -9,7 +9,7 @@ import pytest
 from cli import hparams_dashboard, load_events, run_train, scalars
 from reliability_helpers import assert_bitwise_equal, load_state
 
-from trainers.checkpoint_io import complete_steps
+from trainers.checkpoint.io import complete_steps
 
 pytestmark = pytest.mark.slow
 

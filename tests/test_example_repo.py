@@ -22,8 +22,8 @@ import pytest
 from tests.cli import load_events, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
 from tests.test_packaging import REPO, run_app, source, venv_python, wheel  # noqa: F401
-from trainers.preemption import EXIT_PREEMPTED
-from trainers.resume import complete_steps
+from trainers.checkpoint.resume import complete_steps
+from trainers.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

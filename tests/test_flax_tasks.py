@@ -18,10 +18,10 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import xshard
-from trainers.model_state import loss_fn
+from trainers.core.model_state import loss_fn
+from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.synthetic import TeacherRegression
-from trainers.trainer import Trainer
 from xshard.errors import ConfigError
 
 pytest.importorskip("flax")
@@ -245,7 +245,7 @@ def test_bad_logical_axis_rules_are_config_errors(rules):
 
 
 def test_the_model_node_is_built_under_the_allowlist(compose_config):
-    from trainers.setup import build_task
+    from trainers.app.build import build_task
 
     task = build_task(compose_config("task=flax_nnx", "task.model.hidden=[8]"))
     assert isinstance(task, NNXTask) and isinstance(task.model, functools.partial)
@@ -269,7 +269,7 @@ class Model:
 def test_a_nested_target_outside_the_allowlist_is_refused_before_import(
     compose_config, tmp_path, monkeypatch, node
 ):
-    from trainers.setup import build_task
+    from trainers.app.build import build_task
 
     marker = tmp_path / "imported.txt"
     (tmp_path / "xs_evil_models.py").write_text(EVIL.format(marker=str(marker)))
@@ -285,7 +285,7 @@ def test_a_nested_target_outside_the_allowlist_is_refused_before_import(
 
 def test_importing_the_trainer_does_not_import_flax():
     probe = (
-        "import sys, xshard, trainers.train, trainers.trainer, trainers.tasks\n"
+        "import sys, xshard, trainers.train, trainers.core.trainer, trainers.tasks\n"
         "print('flax' in sys.modules)"
     )
     out = subprocess.run(

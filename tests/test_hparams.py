@@ -6,8 +6,8 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 
 from tests.cli import hparams_dashboard
-from trainers.hparams import NULL, hparams, shown
-from trainers.tb_logger import TensorBoardHook
+from trainers.hooks.hparams import NULL, hparams, shown
+from trainers.hooks.tensorboard import TensorBoardHook
 
 OVERRIDES = [
     "trainer.steps=7",
@@ -115,7 +115,7 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
 
 
 def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_path):
-    from xshard.config.resolvers import _safe, run_name, tb_dir
+    from trainers.config.resolvers import _safe, run_name, tb_dir
 
     name = run_name(HydraConfig.get())
     assert name == (

@@ -20,19 +20,19 @@ from jax.sharding import AxisType, Mesh
 
 import xshard
 from tests.cli import load_events, scalars
-from trainers.checkpoint_io import (
+from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.io import (
     IOErrorsInOneLine,
     checkpoint_bytes,
     complete_steps,
     quiet_io_error_noise,
     write_failure,
 )
-from trainers.checkpointing import CheckpointHook
-from trainers.preflight import check_free_space
+from trainers.config import CheckpointOptions, LoggerOptions
+from trainers.core.trainer import Hook, Trainer
+from trainers.hooks.tb_writer import SafeSummaryWriter
+from trainers.rundir.disk import check_free_space
 from trainers.tasks.mlp import MLPTask
-from trainers.tb_writer import SafeSummaryWriter
-from trainers.trainer import Hook, Trainer
-from xshard.config import CheckpointOptions, LoggerOptions
 from xshard.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------

@@ -22,11 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.reliability_helpers import fill, load_state, resize, tmpfs, wait_until
-from trainers.checkpoint_io import complete_steps, unfinished_saves
-from trainers.console import RunLogFile
-from trainers.preemption import EXIT_PREEMPTED
-from trainers.sweep import write_result
-from trainers.train import EXIT_CONFIG_ERROR
+from trainers.app.sweep import write_result
+from trainers.checkpoint.io import complete_steps, unfinished_saves
+from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
+from trainers.rundir.log_file import RunLogFile
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ from xshard.mesh import (
     data_parallel_size,
     mesh_shape,
 )
-from xshard.mesh_config import mesh_spec
+from xshard.mesh_spec import mesh_spec
 
 
 def _expect(cfg: dict, shape: tuple[int, ...], names: tuple[str, ...], n: int | None) -> None:

@@ -12,7 +12,7 @@ import pytest
 from tests.cli import run_train, scalars
 from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
-from trainers.checkpoint_io import complete_steps
+from trainers.checkpoint.io import complete_steps
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -35,9 +35,8 @@ from tests.multihost_cli import (
     tail,
 )
 from tests.reliability_helpers import assert_bitwise_equal, wait_until
-from trainers.checkpoint_io import complete_steps
-from trainers.multihost import EXIT_PEER_LOST
-from trainers.preemption import EXIT_PREEMPTED
+from trainers.checkpoint.io import complete_steps
+from trainers.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 STEPS = ["trainer.steps=12", "checkpoint.every_steps=4", "checkpoint.keep=null"]
 

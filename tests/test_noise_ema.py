@@ -17,7 +17,7 @@ import math
 import numpy as np
 import pytest
 
-from trainers.noise_ema import NoiseScaleEMA
+from trainers.hooks.noise_ema import NoiseScaleEMA
 from xshard.stats import noise_scale
 
 D, SHARDS, PER_SHARD = 16, 8, 4

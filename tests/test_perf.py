@@ -7,9 +7,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cli import load_events
-from trainers.perf import step_flops
+from trainers.hooks.perf import step_flops
+from trainers.hooks.tensorboard import TensorBoardHook
 from trainers.tasks.base import tokens_per_example
-from trainers.tb_logger import TensorBoardHook
 
 
 def test_step_flops_is_the_per_device_count_of_the_partitioned_program():

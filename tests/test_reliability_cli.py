@@ -24,9 +24,8 @@ from tests.reliability_helpers import (
     truncate_data,
     wait_until,
 )
-from trainers.preemption import EXIT_PREEMPTED
-from trainers.resume import complete_steps
-from trainers.train import EXIT_CONFIG_ERROR, EXIT_NONFINITE
+from trainers.checkpoint.resume import complete_steps
+from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 

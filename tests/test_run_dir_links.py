@@ -1,6 +1,6 @@
 """Symbolic links planted in a copied run dir never redirect the run's writes out of it.
 
-A run dir copied or moved from elsewhere is untrusted (trainers/run_dir_links.py). Each slow
+A run dir copied or moved from elsewhere is untrusted (trainers/rundir/links.py). Each slow
 test does what an attacker would: a real run, a copy of its dir, a link in the copy to a file
 or folder outside it that the test owns, a rerun in the copy with the real CLI. The rerun must
 exit 2 with one line naming the link, leave the target byte-for-byte unchanged (no new file
@@ -19,16 +19,11 @@ from pathlib import Path
 import pytest
 
 from tests.reliability_helpers import load_state, snapshot, steps_snapshot, truncate_data
-from trainers.ckpt_owner import LOCK_FILE, claim_checkpoint_dir
-from trainers.console import RunLogFile
-from trainers.run_dir_links import (
-    LinkOutOfRunDirError,
-    check_run_dir,
-    outside_link,
-    write_file,
-)
-from trainers.sweep import write_result
-from trainers.train import EXIT_CONFIG_ERROR
+from trainers.app.sweep import write_result
+from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
+from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
+from trainers.rundir.links import check_run_dir, outside_link, write_file
+from trainers.rundir.log_file import RunLogFile
 from xshard.config import one_line
 from xshard.errors import ConfigError
 
@@ -79,7 +74,7 @@ def refused(result: subprocess.CompletedProcess, link: Path) -> str:
 
 
 def run_name(overrides: list[str]) -> str:
-    """The TensorBoard folder name of a run with `overrides` (`xshard.config.resolvers`)."""
+    """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`)."""
     return ",".join(sorted(overrides))
 
 

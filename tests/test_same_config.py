@@ -1,4 +1,4 @@
-"""`trainers.same_config`: what is compared between processes and how differences read.
+"""`trainers.cluster.same_config`: what is compared between processes and how differences read.
 
 The comparison itself, across real processes, is tested end to end in
 tests/test_multihost_cli.py (``given different configs``).
@@ -6,8 +6,8 @@ tests/test_multihost_cli.py (``given different configs``).
 
 from __future__ import annotations
 
-from trainers.multihost import Cluster
-from trainers.same_config import (
+from trainers.cluster.multihost import Cluster
+from trainers.cluster.same_config import (
     PER_PROCESS,
     _encode,
     check_same_config,

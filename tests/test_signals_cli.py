@@ -1,6 +1,6 @@
 """Stop signals outside `train()`, the real CLI in subprocesses (all slow): during the imports,
 after composition but before `train()` starts, and after it has returned. The entry point
-latches them from its first statement (`trainers.signal_latch`): a signal before the run stops
+latches them from its first statement (`trainers.cluster.signal_latch`): a signal before the run stops
 it before its first step (exit 75, one line, nothing written), one after the run is reported
 in one line and the run's status stands."""
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.reliability_helpers import wait_until
-from trainers.checkpoint_io import complete_steps
-from trainers.preemption import EXIT_PREEMPTED
+from trainers.checkpoint.io import complete_steps
+from trainers.errors import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

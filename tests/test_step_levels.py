@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from trainers.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
-from trainers.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
-from xshard.config.run import STEP_EXECUTABLE_DESIGNS
+from trainers.config.run import STEP_EXECUTABLE_DESIGNS
+from trainers.core.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
+from trainers.core.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
 
 PERIODS = {"stats_every": 10, "layer_stats_every": 100, "histogram_every": 100}
 

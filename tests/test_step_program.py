@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from benchmarks.hlo import _entry_body, _source_stacks
+from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import Trainer
 from xshard import cross_shard
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's program")

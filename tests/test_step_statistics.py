@@ -13,8 +13,8 @@ import xshard
 import xshard.stats
 from benchmarks.compile_events import CompileEvents
 from tests.cross_shard_helpers import make_problem, mse
+from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import Hook, Trainer
 from xshard.clipping import clip_by_global_norm
 from xshard.stats import path_str
 

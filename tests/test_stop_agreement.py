@@ -11,15 +11,16 @@ import pytest
 from omegaconf import OmegaConf
 
 import xshard
-from trainers.multihost import Cluster, PeerError
-from trainers.preemption import stop_signals
-from trainers.run_dirs import separate_log
-from trainers.stop_vote import STOP_VOTE_KEY, StopVote
+from trainers.cluster.multihost import Cluster
+from trainers.cluster.preemption import stop_signals
+from trainers.cluster.run_dirs import separate_log
+from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
+from trainers.core.trainer import Hook, Trainer
+from trainers.errors import PeerError
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import Hook, Trainer
 from xshard.errors import ConfigError
 from xshard.mesh import build_mesh, configure_devices
-from xshard.mesh_config import MeshConfigError
+from xshard.mesh_spec import MeshConfigError
 
 BATCH = 32
 
@@ -153,7 +154,8 @@ def test_stop_signals_come_from_the_config():
     ],
 )
 def test_bad_distributed_timeouts_name_the_key(key, value, message):
-    from xshard.config import DistributedOptions, read_node
+    from trainers.config import DistributedOptions
+    from xshard.config import read_node
 
     with pytest.raises(ConfigError, match=message):
         read_node(DistributedOptions, {key: value}, "distributed")

@@ -5,15 +5,15 @@ import re
 
 import pytest
 
-from trainers.summary import COMPLETED, DIVERGED, FAILED, RunSummary
-from trainers.sweep import (
+from trainers.app.sweep import (
     BASIC_SWEEPER,
-    TrialFailed,
     collect_results,
     failed_job_value,
     sweep_table,
     write_result,
 )
+from trainers.errors import TrialFailed
+from trainers.hooks.summary import COMPLETED, DIVERGED, FAILED, RunSummary
 
 OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"
 
@@ -134,7 +134,8 @@ def test_sweep_table_marks_the_best_and_reads_only_this_sweeps_results(tmp_path)
     ],
 )
 def test_new_trainer_keys_are_checked(compose_config, override, message):
-    from xshard.config import TrainerOptions, read_node
+    from trainers.config import TrainerOptions
+    from xshard.config import read_node
     from xshard.errors import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -149,7 +150,7 @@ def test_new_trainer_keys_are_checked(compose_config, override, message):
     ],
 )
 def test_new_logger_keys_are_checked(compose_config, override, message):
-    from xshard.config import LoggerOptions
+    from trainers.config import LoggerOptions
     from xshard.errors import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.cli import REPO, hparams_dashboard, load_events, run_train
-from trainers.sweep import RESULT_FILE, SWEEP_SUMMARY_FILE
+from trainers.app.sweep import RESULT_FILE, SWEEP_SUMMARY_FILE
 
 pytestmark = pytest.mark.slow
 

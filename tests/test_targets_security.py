@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from trainers.allowlist import (
+from trainers.app.allowlist import (
     ALLOWED_TARGETS_ENV,
     ENTRY_POINT_GROUP,
     argv_overrides,
@@ -117,8 +117,8 @@ def test_no_path_through_the_allowed_packages_reaches_a_foreign_callable(allowed
 
 # path: a fragment of the message, refused under both allowlists
 EXPLOITS = {
-    "trainers.preflight.os.system": "is the module 'os'",
-    "trainers.resume.shutil.rmtree": "is the module 'shutil'",
+    "trainers.app.preflight.os.system": "is the module 'os'",
+    "trainers.checkpoint.resume.shutil.rmtree": "is the module 'shutil'",
     "xshard.targets.importlib.import_module": "is the module 'importlib'",
     "trainers.tasks.mlp.np.save": "is the module 'numpy'",
     "trainers.train.__builtins__": "'__builtins__' is a private name",

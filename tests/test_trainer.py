@@ -9,10 +9,10 @@ from jax.sharding import PartitionSpec as P
 
 import xshard
 from tests.cli import load_events
+from trainers.core.trainer import Hook, Trainer
+from trainers.hooks.tensorboard import TensorBoardHook
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
-from trainers.tb_logger import TensorBoardHook
-from trainers.trainer import Hook, Trainer
 
 BATCH = 32
 

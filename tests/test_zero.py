@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_module
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from trainers.core.trainer import Trainer
+from trainers.core.zero import state_report, zero_dim, zero_layout
 from trainers.tasks.mlp import MLPTask
-from trainers.trainer import Trainer
-from trainers.zero import state_report, zero_dim, zero_layout
 from xshard.errors import ConfigError
 from xshard.factory import build_optimizer
 from xshard.slots import get_slot

@@ -1,8 +1,8 @@
 """`python -m trainers.doctor [overrides]`: what a run would see, checked before it trains.
 
 Takes the same config and overrides as `trainers.train` and, on every process of the run,
-checks the config as the run's start-up does (the same code: `trainers.setup.read_options`
-and `trainers.setup.build_run`), forms the cluster, sets up the devices and builds the mesh,
+checks the config as the run's start-up does (the same code: `trainers.app.build.read_options`
+and `trainers.app.build.build_run`), forms the cluster, sets up the devices and builds the mesh,
 the task, the optimizer and the trainer, then prints (process 0) one report: the cluster JAX
 detected and the process count, the local and global devices, the mesh and whether the batch
 divides over its data axes, what was built, the run, checkpoint and TensorBoard directories
@@ -19,9 +19,8 @@ files are removed, and a run dir it created stays only if it was asked for by na
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # first of all, before JAX is imported (trainers.signal_latch)
-    from trainers import signal_latch
-
+if __name__ == "__main__":  # first of all, before JAX is imported (trainers.cluster.signal_latch)
+    from trainers.cluster import signal_latch
     signal_latch.install()
 
 import logging
@@ -31,10 +30,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trainers.app_main import main as xshard_main
-from trainers.cli_overrides import check_group_overrides
-from trainers.multihost import Cluster, PeerError, exit_process, join_cluster
-from trainers.preflight import EXIT_CONFIG_ERROR
+from trainers.app.cli_overrides import check_group_overrides
+from trainers.app.main import main as xshard_main
+from trainers.cluster.multihost import Cluster, exit_process, join_cluster
+from trainers.errors import EXIT_CONFIG_ERROR, PeerError
 from xshard.errors import ConfigError
 
 log = logging.getLogger("trainers.doctor")
@@ -53,8 +52,8 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
       (report lines as (label, text), problems of every process (one line each), cluster);
       only process 0's report lines are complete.
     """
-    from trainers.multihost import current, detected_cluster
-    from trainers.setup import read_options
+    from trainers.app.build import read_options
+    from trainers.cluster.multihost import current, detected_cluster
 
     lines: list[tuple[str, str]] = []
     problems: list[str] = []
@@ -95,9 +94,9 @@ def _devices_and_mesh(
     cfg: DictConfig, cluster: Cluster, options: Any, lines: list[tuple[str, str]]
 ) -> list[str]:
     """Devices, mesh and batch; then the task, optimizer and trainer as the run builds them."""
-    from trainers.setup import build_run
+    from trainers.app.build import build_run
     from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
-    from xshard.mesh_config import data_axes
+    from xshard.mesh_spec import data_axes
 
     try:
         configure_devices(cfg.mesh, num_processes=cluster.count)
@@ -138,10 +137,10 @@ def _devices_and_mesh(
 
 
 def _directories(cfg: DictConfig, cluster: Cluster, lines: list[tuple[str, str]]) -> list[str]:
-    from trainers.checkpoint_io import complete_steps
-    from trainers.ckpt_owner import check_ownership
-    from trainers.preflight import check_writable_dir
-    from trainers.run_dirs import absolute_path, check_shared_dir
+    from trainers.checkpoint.io import complete_steps
+    from trainers.checkpoint.owner import check_ownership
+    from trainers.cluster.run_dirs import absolute_path, check_shared_dir
+    from trainers.rundir.disk import check_writable_dir
 
     problems: list[str] = []
     own = absolute_path(cfg.paths.output_dir)

@@ -36,11 +36,11 @@ from omegaconf import DictConfig
 from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
 from xshard.config.schemas import ReductionConf, check_optimizer_args, reduction_kwargs
-from xshard.config_nodes import as_config, check_kwargs, mapping, positive_number, section
+from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
 from xshard.errors import ConfigError
 from xshard.masks import resolve_mask
 from xshard.mesh import check_axis_names
-from xshard.mesh_config import data_axes as mesh_data_axes
+from xshard.mesh_spec import data_axes as mesh_data_axes
 from xshard.optimizer import cross_shard
 from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
 

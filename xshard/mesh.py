@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-from xshard.mesh_config import (
+from xshard.mesh_spec import (
     KEY,
     MeshConfigError,
     MeshSpec,

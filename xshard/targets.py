@@ -7,14 +7,14 @@ code-execution hazard, so every target goes through `resolve_target`. A path res
 1. it is a dotted path of public names (no segment starts with ``_``: no ``__globals__``,
    ``__builtins__``, ``_src``) and lies inside an allowed entry (see `is_allowed`);
 2. every module it walks through is itself allowed: each step ``<module>.<name>`` is checked
-   with the module's own ``__name__``, so ``trainers.preflight.os.system`` stops at ``os``.
+   with the module's own ``__name__``, so ``trainers.app.preflight.os.system`` stops at ``os``.
    Only prefixes of the path are imported, so nothing outside the allowlist is imported;
 3. it ends at a Python class or function (or a ``functools.partial`` of one) defined at the
    top level of a module inside the allowlist: its own ``__module__`` + ``__qualname__`` is
    allowed and names that very object. Modules, builtins, methods, instances are refused.
 
 The defaults are the modules meant to be configured; projects add their own with the config
-key ``allowed_targets`` (who may set it is decided by the trainer, `trainers.allowlist`).
+key ``allowed_targets`` (who may set it is decided by the trainer, `trainers.app.allowlist`).
 """
 
 from __future__ import annotations
@@ -327,7 +327,7 @@ def _build(value: Any, key: str, allowed: Sequence[str], *, partial: bool = Fals
 
 def _call(factory: Callable, target: str, kwargs: dict, key: str, *, partial: bool) -> Any:
     """``factory(**kwargs)``, or its partial; keys checked against its signature."""
-    from xshard.config_nodes import check_kwargs
+    from xshard.config.sections import check_kwargs
 
     if partial:
         unknown = _unknown_kwargs(factory, kwargs)
@@ -373,7 +373,7 @@ def instantiate(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> An
       ConfigError: for a missing, not allowed or unknown target, a key that is not an
         argument of it, or a value it rejects (TypeError or ValueError).
     """
-    from xshard.config_nodes import check_kwargs
+    from xshard.config.sections import check_kwargs
 
     kwargs = dict(node)
     target = kwargs.pop("_target_", None)

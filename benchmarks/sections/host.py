@@ -35,14 +35,14 @@ import jax
 
 from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
-from trainers.checkpointing import CheckpointHook, run_config
-from trainers.monitor import NonFiniteMonitor, ProgressHook
-from trainers.step import STATS
-from trainers.step_levels import step_level
-from trainers.summary import RunSummary
-from trainers.tb_logger import TensorBoardHook
-from trainers.trainer import Hook, Trainer
-from xshard.config import CheckpointOptions
+from trainers.checkpoint.hook import CheckpointHook, run_config
+from trainers.config import CheckpointOptions
+from trainers.core.step import STATS
+from trainers.core.step_levels import step_level
+from trainers.core.trainer import Hook, Trainer
+from trainers.hooks.monitor import NonFiniteMonitor, ProgressHook
+from trainers.hooks.summary import RunSummary
+from trainers.hooks.tensorboard import TensorBoardHook
 
 TASK = "mlp"
 SYNC_EVERY = 10

@@ -3,9 +3,9 @@
 Hydra imports every module under the ``hydra_plugins`` namespace package when it starts, so
 once xshard is installed, a user's own primary config can select ``optimizer: adamw`` or
 ``reduction: sum`` with no ``hydra.searchpath`` entry. The import also registers xshard's
-structured-config schemas (`xshard.config.schemas`), which the YAML options extend, and the
-resolvers its configs use (`xshard.config.resolvers`). It stays
-cheap: neither this module nor `xshard.config` imports JAX.
+structured-config schemas (`xshard.config.schemas`, `trainers.config.schemas`), which the YAML
+options extend, and the resolvers its configs use (`trainers.config.resolvers`). It stays
+cheap: neither this module nor `xshard.config` nor `trainers.config` imports JAX.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from __future__ import annotations
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-from xshard.config.resolvers import register_resolvers
+from trainers.config.resolvers import register_resolvers
+from trainers.config.schemas import register_trainer_schemas
 from xshard.config.schemas import register_schemas
 
 XSHARD_CONFIG_PATH = "pkg://xshard.conf"
 
 register_schemas()
+register_trainer_schemas()
 register_resolvers()
 
 

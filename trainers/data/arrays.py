@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from trainers.data.batch import Batch
 from trainers.data.source import EpochData
-from trainers.tasks.base import Batch
 
 
 class ArrayData(EpochData):

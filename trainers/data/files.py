@@ -23,9 +23,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from trainers.config.data import DataOptions
 from trainers.data import file_io
 from trainers.data.arrays import ArrayData, TokenWindows
-from xshard.config.data import DataOptions
 from xshard.config.nodes import read_node, shown
 from xshard.errors import ConfigError
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from trainers.data.batch import Batch
 from trainers.data.source import EpochData
-from trainers.tasks.base import Batch
 
 
 def _grain() -> Any:

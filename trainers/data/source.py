@@ -28,8 +28,8 @@ import abc
 from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
-from trainers.tasks.base import Batch
-from trainers.tasks.data import process_rows
+from trainers.data.batch import Batch
+from trainers.data.step_indexed import process_rows
 from xshard.errors import ConfigError
 
 
@@ -145,7 +145,7 @@ class EpochData(abc.ABC):
 
         Raises:
           ConfigError: if there are fewer examples than one global batch.
-          ValueError: for a bad split (see `trainers.tasks.data.process_rows`).
+          ValueError: for a bad split (see `trainers.data.step_indexed.process_rows`).
         """
         lo, hi = process_rows(global_batch_size, start_step, process_index, process_count)
         self.steps_per_epoch(global_batch_size)  # one batch fits, or a ConfigError now

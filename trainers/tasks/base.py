@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec
 
-Batch = dict[str, np.ndarray]
+from trainers.data.batch import Batch
+
 Params = Any
 
 
@@ -29,14 +29,14 @@ class Task(Protocol):
     # Optional: tokens per example (a sequence task's length), for ``perf/tokens_per_sec``.
     # Tasks without it log examples per second only (`tokens_per_example` reads it).
 
-    # Optional, evaluation (`trainers.evaluation`): a task with an eval split has
+    # Optional, evaluation (`trainers.hooks.evaluation`): a task with an eval split has
     #   eval_batches(global_batch_size, *, seed, process_index=0, process_count=1)
     #       -> Iterator[Batch]: this process's rows of the eval split's global batches, the
     #       same ones (from the first) on every call; `StepIndexedEvalData` implements it.
     #   has_eval_split: bool (optional; False turns the split off, e.g. nothing held out).
     #   eval_metrics(params, batch) -> dict[str, jax.Array] (optional): scalar means over the
     #       batch, "loss" among them; without it evaluation uses `loss` with a fixed RNG. A
-    #       task with model state (`trainers.model_state`) takes (params, model_state, batch).
+    #       task with model state (`trainers.core.model_state`) takes (params, model_state, batch).
 
     def init(self, rng: jax.Array, batch: Batch) -> Params:
         """Returns freshly initialised params for an example batch."""

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from trainers.tasks.base import Batch
+from trainers.data.batch import Batch
 from trainers.tasks.logical import (
     check_logical_rules,
     exact_path_rules,
@@ -191,7 +191,7 @@ class FlaxTask:
 
     @property
     def has_eval_split(self) -> bool:
-        """Whether the data source has an eval split (`trainers.evaluation`): an
+        """Whether the data source has an eval split (`trainers.hooks.evaluation`): an
         ``eval_batches`` method, and ``has_eval_split`` not False."""
         return callable(getattr(self.data, "eval_batches", None)) and bool(
             getattr(self.data, "has_eval_split", True)

@@ -4,7 +4,7 @@ The model node is built into the linen module (a dataclass; nothing is initialis
 task's ``init_with_state`` runs ``model.init`` inside the trainer's jitted init; the
 ``params`` collection (unboxed: ``nn.with_logical_partitioning`` names are read, not kept) is
 what the optimizer trains, with paths like ``layers_0/kernel``; every other collection
-(``batch_stats``, your own) is the model state (`trainers.model_state`), applied as mutable
+(``batch_stats``, your own) is the model state (`trainers.core.model_state`), applied as mutable
 collections in each step and carried to the next and into checkpoints.
 
 Each step calls ``model.apply`` with ``rngs={<rng_collections>: key from the step's key}``
@@ -21,7 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from trainers.tasks.base import Batch
+from trainers.data.batch import Batch
 from trainers.tasks.flax_common import FlaxTask
 from trainers.tasks.flax_state import manual_axes
 from xshard.stats import path_str

@@ -8,7 +8,7 @@ module once into its static graph and its state:
 - the ``nnx.Param`` variables are the params the optimizer trains, as nested dicts with string
   keys: the path of ``self.layers[0].kernel`` is ``layers/0/kernel``;
 - every other variable (``nnx.BatchStat``, RNG keys and counters, your own ``nnx.Variable``
-  types) is the model state (`trainers.model_state`), carried through the steps and saved in
+  types) is the model state (`trainers.core.model_state`), carried through the steps and saved in
   checkpoints (RNG keys as their raw ``uint32`` data).
 
 Each step merges graph and state into a module *while tracing* (no host work per step), runs
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from trainers.tasks.base import Batch
+from trainers.data.batch import Batch
 from trainers.tasks.flax_common import FlaxTask
 from trainers.tasks.flax_state import manual_axes, nested, path_key
 

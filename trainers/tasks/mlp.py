@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainers.config.run import check_seed
+from trainers.data.batch import Batch
+from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks.args import non_negative_number, positive_int, positive_ints
-from trainers.tasks.base import Batch, Params
-from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
-from xshard.config.run import check_seed
+from trainers.tasks.base import Params
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
@@ -96,7 +97,7 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
       nan_at_step: a data step, or a list of them, at which x has a NaN in row 0 of the global
         batch (the batch of data step s is used by update s + 1); null: never.
       num_examples: if set, the dataset is finite: `num_examples // global_batch_size` steps.
-      data: the ``task.data`` node (`xshard.config.data.DataOptions`): with a ``path``, train
+      data: the ``task.data`` node (`trainers.config.data.DataOptions`): with a ``path``, train
         on that file's ``x`` and ``y`` instead of the teacher's synthetic data.
       name: the task's name (for logging; not used otherwise).
     """

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainers.tasks.base import Batch
-from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
+from trainers.data.batch import Batch
+from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks.mlp import MLPTask
 
 

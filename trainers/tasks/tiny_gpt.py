@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainers.data.batch import Batch
+from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks import corpus
 from trainers.tasks.args import non_negative_number, positive_int
-from trainers.tasks.base import Batch, Params
-from trainers.tasks.data import StepIndexedData, StepIndexedEvalData
+from trainers.tasks.base import Params
 
 #: Megatron-style rules over the `model` axis (dropped on meshes without it).
 SHARDING_RULES: tuple[tuple[str, P], ...] = (
@@ -106,7 +107,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
       init_std: standard deviation of the normal weight init (GPT-2: 0.02); the residual
         output projections (wo, w2) are further scaled by 1 / sqrt(2 * n_layers).
       corpus_max_chars: cap on the corpus size in characters.
-      data: the ``task.data`` node (`xshard.config.data.DataOptions`): with a ``path``, train
+      data: the ``task.data`` node (`trainers.config.data.DataOptions`): with a ``path``, train
         on that file's tokens instead of the corpus.
       eval_fraction: the fraction of the corpus (its end) held out for evaluation, in
         [0, 0.5]; 0: no eval split.

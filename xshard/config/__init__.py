@@ -1,25 +1,12 @@
-"""Typed readers of the composed config: one place for the checks of each config node.
+"""Typed readers of the composed config and the schemas of the groups users compose.
 
-Each node the trainer reads (``trainer``, ``distributed``, the run's ``seed``) has a dataclass
-here whose field types and ``__post_init__`` say what is allowed. `read_node` turns the composed
-node into that dataclass and reports anything wrong as one `ConfigError` that names the key,
-the value and what is allowed. `xshard.config.schemas` registers the schemas with Hydra.
+`read_node` turns a composed node into its dataclass and reports anything wrong as one
+`ConfigError` that names the key, the value and what is allowed; `xshard.config.schemas` holds
+the structured-config schemas of the library's groups (optimizer, schedule, reduction, mesh)
+and registers them with Hydra; `xshard.config.sections` reads sections of a composed config.
+The trainer's own option nodes live in `trainers.config`. Nothing here imports JAX.
 """
 
 from xshard.config.nodes import one_line, read_node, shown
-from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
-from xshard.config.run import DistributedOptions, TrainerOptions, check_seed
-from xshard.config.sharding import ShardingOptions
 
-__all__ = [
-    "CheckpointOptions",
-    "DistributedOptions",
-    "LoggerOptions",
-    "PathsOptions",
-    "ShardingOptions",
-    "TrainerOptions",
-    "check_seed",
-    "one_line",
-    "read_node",
-    "shown",
-]
+__all__ = ["one_line", "read_node", "shown"]

@@ -17,7 +17,7 @@ optimizer's arguments by `OPTIMIZER_RULES` (``optimizer.b1=2``), the reduction's
 an ``optimizer=glob(*)`` sweep.
 
 Every default here equals the default of the function the node feeds (the optax factory,
-`xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_config.mesh_spec`), except where
+`xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_spec.mesh_spec`), except where
 ``DEVIATIONS`` says why not; ``tests/test_config_defaults.py`` checks that. This module imports
 neither JAX nor optax: Hydra's plugin scan imports it.
 """
@@ -31,11 +31,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from xshard.config.data import DataOptions
-from xshard.config.nodes import permissive, shown
-from xshard.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
-from xshard.config.run import DistributedOptions, TrainerOptions
-from xshard.config.sharding import ShardingOptions
+from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
 SCHEMA_GROUP = "xshard_schemas"
@@ -332,7 +328,7 @@ class ReductionConf:
 
 
 # --------------------------------------------------------------------------------------------
-# mesh/: read by xshard.mesh_config.mesh_spec, whose defaults fill whatever is null here.
+# mesh/: read by xshard.mesh_spec.mesh_spec, whose defaults fill whatever is null here.
 # --------------------------------------------------------------------------------------------
 
 
@@ -401,21 +397,17 @@ SCHEMAS: dict[str, dict[str, type]] = {
     },
     "reduction": {"base": ReductionConf},
     "mesh": {"base": MeshConf, "tpu": TPUMeshConf},
-    # Checked after composition by read_node (one-line errors): permissive copies here.
-    "trainer": {"base": permissive(TrainerOptions)},
-    "distributed": {"base": permissive(DistributedOptions)},
-    "checkpoint": {"base": permissive(CheckpointOptions)},
-    "logger": {"base": permissive(LoggerOptions)},
-    "paths": {"base": permissive(PathsOptions)},
-    "sharding": {"base": permissive(ShardingOptions)},
-    # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
-    "data": {"base": permissive(DataOptions)},
 }
 
 
-def register_schemas(cs: ConfigStore | None = None) -> None:
-    """Stores every schema as ``xshard_schemas/<group>/<name>`` (idempotent)."""
+def register_schemas(cs: ConfigStore | None = None, schemas: dict[str, Any] | None = None) -> None:
+    """Stores every schema as ``xshard_schemas/<group>/<name>`` (idempotent).
+
+    Args:
+      cs: the ConfigStore (Hydra's instance by default).
+      schemas: ``{group: {name: dataclass}}`` (default `SCHEMAS`, the library's groups).
+    """
     cs = cs or ConfigStore.instance()
-    for group, schemas in SCHEMAS.items():
-        for name, node in schemas.items():
+    for group, options in (SCHEMAS if schemas is None else schemas).items():
+        for name, node in options.items():
             cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=node, provider="xshard")

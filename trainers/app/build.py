@@ -1,0 +1,197 @@
+"""What `trainers.train` builds from the config before training: the task, the user's hooks,
+and the checks that join config nodes (HParams: `trainers.hooks.hparams`).
+
+Each builder reads the composed config and raises `xshard.ConfigError` naming the key. The
+config checks of a run's start-up are two calls that `trainers.train` and `trainers.doctor`
+share, so the doctor refuses what a run would refuse: `read_options` (the run's own nodes,
+before any device or file is touched) and `build_run` (the task, hooks, optimizer and trainer
+on the mesh, before any state is allocated or step compiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from trainers.config import (
+        CheckpointOptions,
+        DistributedOptions,
+        LoggerOptions,
+        ShardingOptions,
+        TrainerOptions,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """The run's own config nodes, read and checked (`read_options`)."""
+
+    seed: int
+    trainer: TrainerOptions
+    distributed: DistributedOptions
+    sharding: ShardingOptions
+    checkpoint: CheckpointOptions
+    logger: LoggerOptions
+
+
+def read_options(cfg: DictConfig) -> RunOptions:
+    """Reads the run's own nodes: ``seed``, ``trainer``, ``distributed``, ``paths``,
+    ``sharding``, ``checkpoint`` and ``logger`` (``paths`` is checked; `trainers.cluster.run_dirs`
+    reads it from `cfg`). Touches no device and no file.
+
+    Raises:
+      ConfigError: for the first bad value, naming the key, the value and what is allowed.
+    """
+    from trainers.config import (
+        CheckpointOptions,
+        DistributedOptions,
+        LoggerOptions,
+        PathsOptions,
+        ShardingOptions,
+        TrainerOptions,
+        check_seed,
+    )
+    from xshard.config import read_node
+
+    seed = check_seed(cfg.get("seed"))
+    trainer = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
+    distributed = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
+    PathsOptions.from_config(cfg.get("paths"))
+    return RunOptions(
+        seed=seed,
+        trainer=trainer,
+        distributed=distributed,
+        sharding=ShardingOptions.from_config(cfg.get("sharding")),
+        checkpoint=CheckpointOptions.from_config(cfg.get("checkpoint")),
+        logger=LoggerOptions.from_config(cfg.get("logger")),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What a run trains, built from the config (`build_run`)."""
+
+    task: Any
+    hooks: list[Any]  # the user's, from trainer.hooks
+    tx: Any  # the cross-shard optimizer
+    spec: Any  # its `xshard.optimizer.CrossShardSpec`: the reduction the trainer reads
+    trainer: Any  # a `trainers.Trainer`
+
+
+def build_run(
+    cfg: DictConfig, options: RunOptions, mesh: Any, data_axes: tuple[str, ...]
+) -> RunParts:
+    """Builds the task, the user's hooks, the optimizer and the `Trainer` on `mesh`.
+
+    Allocates no training state and compiles no step: what is left to check once the devices
+    and the mesh are known.
+
+    Raises:
+      ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
+        values that do not fit the mesh (naming the key, the value and what is allowed).
+    """
+    from trainers.core.trainer import Trainer
+    from xshard.factory import build_optimizer
+    from xshard.optimizer import cross_shard_spec
+
+    opts = options.trainer
+    task = build_task(cfg)
+    hooks = build_hooks(opts.hooks, allowed_targets(cfg))
+    tx = build_optimizer(cfg, mesh=mesh)
+    spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
+    check_reduction_axes(spec.axis_name, data_axes)
+    trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
+        task,
+        tx,
+        mesh,
+        data_axes=data_axes,
+        global_batch_size=opts.batch_size,
+        microbatches=opts.microbatches,
+        grad_impl=opts.grad_impl,
+        reduction=spec.reduction,
+        seed=options.seed,
+        step_executables=opts.step_executables,
+        zero_stage=options.sharding.zero_stage,
+    )
+    return RunParts(task=task, hooks=hooks, tx=tx, spec=spec, trainer=trainer)
+
+
+def build_task(cfg: DictConfig) -> Any:
+    """Instantiates ``cfg.task`` after checking every ``_target_`` in it against the allowlist.
+
+    Nested ``_target_`` nodes (a Flax task's ``model`` and ``data``) are built too, bottom-up
+    (`xshard.targets.instantiate_nested`); each of them is checked by name before anything is
+    imported, so a config cannot make the run import or call anything outside the allowlist
+    (``trainers.tasks.*`` and ``allowed_targets``).
+
+    Raises:
+      ConfigError: for a missing, not allowed or unknown target, an unknown key, or a value
+        the task rejects.
+    """
+    from xshard.config.sections import mapping, section
+    from xshard.errors import ConfigError
+    from xshard.targets import instantiate_nested
+
+    node = mapping(section(cfg, "task", required=True), "task")
+    if node.get("_target_") is None:
+        raise ConfigError(
+            "task._target_ is required, e.g. trainers.tasks.mlp.MLPTask; or "
+            "choose an option of the 'task' group (task=mlp)."
+        )
+    return instantiate_nested(node, "task", allowed_targets(cfg))
+
+
+def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:
+    """The user's hooks from ``trainer.hooks``: ``[{_target_: mypkg.MyHook, arg: value}]``.
+
+    Each target must be allowed (``allowed_targets``) and build a `trainers.Hook`; the run
+    adds them after its built-in hooks.
+
+    Raises:
+      ConfigError: naming ``trainer.hooks[i]`` for a bad node, target or argument, or an
+        object that is not a `trainers.Hook`.
+    """
+    from trainers.core.trainer import Hook
+    from xshard.config.sections import mapping
+    from xshard.errors import ConfigError
+    from xshard.targets import instantiate
+
+    hooks = []
+    for i, node in enumerate(nodes):
+        key = f"trainer.hooks[{i}]"
+        hook = instantiate(mapping(node, key), key, allowed)
+        if not isinstance(hook, Hook):
+            raise ConfigError(
+                f"{key}._target_={node['_target_']!r} built a {type(hook).__name__}, not a "
+                "trainers.Hook: subclass trainers.Hook and override what you need."
+            )
+        hooks.append(hook)
+    return hooks
+
+
+def allowed_targets(cfg: DictConfig) -> tuple[str, ...]:
+    """The run's `_target_` allowlist: the defaults plus the config's ``allowed_targets``."""
+    from xshard.config.sections import section
+    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
+
+    return allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+
+
+def check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
+    """The trainer reduces over exactly the axes it splits the batch over.
+
+    Reducing over fewer would leave replicas with different params; over more (a model axis)
+    would sum gradients of different parameter shards.
+    """
+    from xshard.errors import ConfigError
+
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if set(axes) != set(data_axes):
+        raise ConfigError(
+            f"reduction.axis_name={list(axes)} must name the data-parallel axes of the mesh, "
+            f"mesh.data_axes={list(data_axes)}: the batch is split over those, so gradients "
+            f"are reduced over them. Set reduction.axis_name={list(data_axes)}."
+        )

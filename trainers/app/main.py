@@ -1,0 +1,69 @@
+"""`main`: ``@hydra.main`` with xshard's guards, for its entry points and your own.
+
+``python -m trainers.train`` and ``python -m trainers.doctor`` are built with it; decorate your
+own experiment repo's main with it too (docs/config.md). Around Hydra's own main it:
+
+1. latches stop signals from the moment the module is decorated (`trainers.cluster.signal_latch`), so
+   a SIGTERM or Ctrl-C during imports or composition stops the run before its first step;
+2. checks every config file Hydra composes before Hydra acts on any of it
+   (`trainers.app.config_guard`): a copied file cannot run code through ``hydra.*`` keys, forge
+   the command line in ``hydra.overrides`` or widen ``allowed_targets`` (exit 2, one line);
+3. hands the ``allowed_targets`` entries typed on the command line to the processes a launcher
+   starts (through ``XSHARD_ALLOWED_TARGETS``, `trainers.app.allowlist`);
+4. reports, in one line, a stop signal that came after the run had ended.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from trainers.cluster import signal_latch
+
+
+def main(
+    config_path: str | None, config_name: str | None, version_base: str | None = "1.3"
+) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
+    """Decorates a task function as ``@hydra.main`` does, with the guards of this module.
+
+        @trainers.main(config_path="conf", config_name="my_exp")
+        def main(cfg):
+            return trainers.run(cfg)
+
+    Args:
+      config_path: as ``hydra.main``'s (relative to the decorated function's file, or
+        ``pkg://...``).
+      config_name: the primary config's name.
+      version_base: as ``hydra.main``'s.
+
+    Returns:
+      A decorator; the function it returns takes no arguments and reads ``sys.argv`` as
+      Hydra's main does.
+    """
+    signal_latch.install()
+
+    def decorate(task_function: Callable[[Any], Any]) -> Callable[[], Any]:
+        import hydra
+
+        hydra_main = hydra.main(
+            config_path=config_path, config_name=config_name, version_base=version_base
+        )(task_function)
+
+        @functools.wraps(task_function)
+        def entry() -> Any:
+            from trainers.app.allowlist import export_command_line_entries
+            from trainers.app.config_guard import guard_compositions
+            from trainers.errors import EXIT_CONFIG_ERROR
+
+            signal_latch.install()
+            try:
+                export_command_line_entries()
+                with guard_compositions(EXIT_CONFIG_ERROR):
+                    return hydra_main()
+            finally:
+                signal_latch.report_unhandled()
+
+        return entry
+
+    return decorate

@@ -1,0 +1,397 @@
+"""`train(cfg)`: a run from its composed config to its final loss, one section a function.
+
+    options -> join the cluster, build the mesh (`place`)
+            -> claim and check the run's dirs, find what to resume from (`prepare_dirs`)
+            -> build the task, optimizer and trainer (`trainers.app.build.build_run`)
+            -> a new or restored state (`start`)
+            -> the hooks (`run_hooks`) -> `Trainer.fit` -> how it ended (`check_end`)
+
+Every check a process can fail alone runs under `Cluster.agreed`, so that no process waits for
+a failed one. Stop signals are handled from the start (`StopOnSignal`): a signal during
+start-up stops the run before its first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainers.app.build import RunOptions, RunParts, build_run, read_options
+from trainers.cluster.multihost import Cluster, current, join_cluster
+from trainers.cluster.preemption import StopOnSignal, stop_signals
+from trainers.cluster.run_dirs import RunDirs
+from trainers.hooks.summary import RunSummary
+
+log = logging.getLogger("trainers.train")
+
+
+class Placement(NamedTuple):
+    """Where the run trains: its processes, their shared dirs and the device mesh."""
+
+    cluster: Cluster
+    dirs: RunDirs
+    mesh: Any
+    data_axes: tuple[str, ...]
+
+
+class Started(NamedTuple):
+    """The state training starts from, and how to read the data from a step on."""
+
+    state: Any
+    start_step: int
+    batches: Callable[[int], Iterator[Any]]
+    evaluator: Any
+    config: dict[str, Any]
+
+
+def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
+    """Builds everything from `cfg`, restores the latest checkpoint if any, trains.
+
+    With several processes (``distributed.enabled=true``) they agree on every stop and
+    start-up failure, and a lost process ends the others (`trainers.cluster.multihost`).
+
+    Args:
+      cfg: the composed config.
+      summary: records what the run did (a new one if None), also when it fails.
+
+    Returns:
+      The final training loss.
+
+    Raises:
+      ConfigError: for a bad config value, or too little disk space (before any training).
+      CheckpointError: if the checkpoint to resume from is incompatible or corrupted, or a
+        checkpoint cannot be written (CheckpointWriteError).
+      LoggerError: if TensorBoard events cannot be written and ``logger.on_error=stop``.
+      NonFiniteError: if training went non-finite beyond what the config tolerates.
+      Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
+      PeerError: if another process failed at a step every process must pass.
+    """
+    with StopOnSignal(stop_signals(cfg)) as stop:
+        loss = _train(cfg, stop, summary or RunSummary())
+    current().announce_exit(0)  # the other processes stop watching this one
+    return loss
+
+
+def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
+    """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
+    options = read_options(cfg)  # as trainers.doctor checks them
+    where = place(cfg, options)
+    source = prepare_dirs(where, options)
+    parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
+    started = start(cfg, options, where, parts, source, stop)
+    from trainers.hooks.monitor import NonFiniteMonitor
+
+    monitor = NonFiniteMonitor(
+        skip_nonfinite=parts.spec.skip_nonfinite,
+        max_consecutive=options.trainer.max_consecutive_nonfinite,
+    )
+    hooks = run_hooks(cfg, options, where, parts, started, summary, monitor)
+    opts = options.trainer
+    log.info(
+        "Training %s for %d steps on mesh %s (data axes %s), from step %d.",
+        cfg.task.get("name", "task"),
+        opts.steps,
+        dict(where.mesh.shape),
+        where.data_axes,
+        started.start_step,
+    )
+    state, reason = parts.trainer.fit(
+        started.state,
+        started.batches(started.start_step),
+        num_steps=opts.steps,
+        hooks=hooks,
+        layer_stats_every=opts.layer_stats_every,
+        histogram_every=opts.histogram_every,
+        stats_every=opts.stats_every,
+        should_stop=stop,
+    )
+    check_end(state, reason, options, where, parts, started.start_step, stop)
+    return monitor.last_loss
+
+
+# ------------------------------------------------------------------ processes, devices, mesh
+
+
+def place(cfg: DictConfig, options: RunOptions) -> Placement:
+    """Joins the other processes, shares their dirs, checks they run one config, builds the mesh.
+
+    Before any JAX computation: the simulated CPU device count is fixed at first use.
+    """
+    from trainers.app.allowlist import log_active_prefixes
+    from trainers.cluster.run_dirs import share_run_dirs
+    from trainers.cluster.same_config import check_same_config
+    from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
+    from xshard.mesh_spec import data_axes as mesh_data_axes
+
+    cluster = join_cluster(options.distributed)
+    dirs = share_run_dirs(cfg, cluster)  # process 0's dirs; only it keeps train.log
+    check_same_config(cluster, cfg)  # every process, the same config: else all exit 2
+    log_active_prefixes(cfg)
+    configure_devices(cfg.mesh, num_processes=cluster.count)
+    mesh = build_mesh(cfg.mesh)
+    data_axes = mesh_data_axes(cfg.mesh)
+    check_batch_divisible(options.trainer.batch_size, mesh, data_axes)
+    return Placement(cluster, dirs, mesh, data_axes)
+
+
+# ------------------------------------------------------------------ outputs
+
+
+def prepare_dirs(where: Placement, options: RunOptions) -> Any:
+    """Checks and claims the run's dirs; returns the checkpoint to resume from (or None).
+
+    A run dir copied or moved from elsewhere is untrusted: before the run creates, locks or
+    writes anything, a path it writes that a link leads out of it is refused (exit 2).
+    """
+    from trainers.checkpoint.owner import claim_checkpoint_dir
+    from trainers.checkpoint.resume import find_resume_source
+    from trainers.cluster.run_dirs import check_same_checkpoints, check_shared_dir
+    from trainers.rundir.disk import check_writable_dir
+    from trainers.rundir.links import check_run_dirs
+
+    if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
+        logging.getLogger("absl").setLevel(logging.WARNING)
+    cluster, dirs, ckpt = where.cluster, where.dirs, options.checkpoint
+    with cluster.agreed("checking the run dir for links"):
+        check_run_dirs(dirs.output_dir, dirs.checkpoint_dir, dirs.tb_dir, lead=cluster.lead)
+    with cluster.agreed("checking the output dirs"):
+        if cluster.lead:  # the only process that writes TensorBoard events
+            check_writable_dir(dirs.tb_dir, "paths.tb_dir")
+        # One run per checkpoint dir: process 0 refuses another run's dir or one in use, then
+        # holds its lock until the process ends (so only this run's checkpoints are pruned).
+        claim_checkpoint_dir(
+            dirs.checkpoint_dir, dirs.lead_output_dir, lead=cluster.lead, create=ckpt.enabled
+        )
+        if ckpt.enabled and cluster.lead:
+            check_writable_dir(dirs.checkpoint_dir, "paths.checkpoint_dir")
+    if ckpt.enabled:  # every process writes its shards there: the same dir for all
+        check_shared_dir(cluster, dirs.checkpoint_dir, "paths.checkpoint_dir", dirs.output_dir)
+    # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
+    with cluster.agreed("finding the checkpoint to resume from"):
+        source = find_resume_source(dirs.checkpoint_dir, options.trainer.resume_from)
+    check_same_checkpoints(cluster, source)
+    return source
+
+
+# ------------------------------------------------------------------ state: new or restored
+
+
+def start(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    source: Any,
+    stop: StopOnSignal,
+) -> Started:
+    """The state to train from (new, or restored from `source`) and the run's evaluator.
+
+    Raises:
+      ConfigError: if the data yields no batch, or the disk has no room for a checkpoint.
+      Preempted: if a stop signal reached any process during start-up.
+    """
+    import jax
+
+    from trainers.app.preflight import check_batch_fits
+    from trainers.checkpoint.hook import run_config
+    from trainers.checkpoint.io import check_checkpoint_space
+    from trainers.checkpoint.resume import restore_checkpoint
+    from trainers.core.zero import state_report
+    from trainers.hooks.evaluation import build_evaluator
+    from xshard.errors import ConfigError
+    from xshard.mesh import data_parallel_size
+
+    task, trainer, opts, seed = parts.task, parts.trainer, options.trainer, options.seed
+    cluster, dirs = where.cluster, where.dirs
+
+    def batches(start_step: int) -> Iterator[Any]:
+        return task.batches(
+            opts.batch_size,
+            seed=seed,
+            start_step=start_step,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+
+    check_batch_fits(
+        lambda size: task.batches(size, seed=seed, process_count=jax.process_count()),
+        opts.batch_size,
+        probe_batch=data_parallel_size(where.mesh, where.data_axes),
+        process_count=jax.process_count(),
+    )
+    first = next(iter(batches(0)), None)
+    if first is None:
+        raise ConfigError(
+            f"task={cfg.task.get('name', 'task')} yields no batch of "
+            f"trainer.batch_size={opts.batch_size} (finite data too small?)."
+        )
+    state = trainer.init(*trainer.init_variables(first))
+    if cluster.lead:
+        log.info("%s", state_report(trainer.layout, state))
+    if options.checkpoint.enabled:  # a full disk fails here, not at the first save
+        with cluster.agreed("checking the free space for checkpoints"):
+            check_checkpoint_space(dirs.checkpoint_dir, state)
+    config = run_config(cfg)
+    # The step restores the RNG and the data position too: both are pure functions of it.
+    if source is not None:
+        fallback = options.checkpoint.fallback_to_previous
+        state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
+    start_step = int(jax.device_get(state.step))
+    signals = cluster.all_gather("start_up_stop", stop.signal_name)
+    if any(signals):  # a signal during start-up, to any process: stop before writing anything
+        by = next(i for i, name in enumerate(signals) if name)
+        raise stop.stopped_during_start_up(
+            start_step, by=None if cluster.count == 1 else cluster.name(by), signal_name=signals[by]
+        )
+    # Compiled now: a bad eval split or trainer.objective fails before training.
+    evaluator = build_evaluator(
+        task, where.mesh, state, data_axes=where.data_axes, opts=opts, seed=seed
+    )
+    return Started(state, start_step, batches, evaluator, config)
+
+
+# ------------------------------------------------------------------ hooks
+
+
+def run_hooks(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    summary: RunSummary,
+    monitor: Any,
+) -> list[Any]:
+    """The run's hooks in the order they see each step, the user's own last.
+
+    The monitor comes before the hooks that act on a step: a bad step raises before they see
+    it. The summary only records, so it sees the step that diverged too. Logs and the progress
+    bar come from one process.
+    """
+    from trainers.checkpoint.hook import CheckpointHook
+    from trainers.hooks.evaluation import EvalHook
+    from trainers.hooks.monitor import ProgressHook
+    from trainers.hooks.perf import ProfileHook
+
+    opts, ckpt, dirs = options.trainer, options.checkpoint, where.dirs
+    lead, start_step = where.cluster.lead, started.start_step
+    summary.begin(
+        num_steps=opts.steps,
+        start_step=start_step,
+        checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
+        objective=opts.objective,
+    )
+    hooks: list[Any] = [summary, monitor]
+    eval_sinks = [summary.on_eval]
+    tb_hook = tensorboard_hook(cfg, options, where, parts, started, summary) if lead else None
+    if tb_hook is not None:
+        eval_sinks.append(tb_hook.on_eval)
+    if started.evaluator is not None:  # before TensorBoard's hook: its on_end may evaluate
+        hooks.append(
+            EvalHook(started.evaluator, every=opts.eval_every, num_steps=opts.steps, sinks=eval_sinks)
+        )
+    if tb_hook is not None:
+        hooks.append(tb_hook)
+        if opts.profile_steps is not None:
+            hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
+    hooks.append(
+        ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
+    )
+    if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
+        checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, started.config)
+        checkpoints.prepare(started.state)  # compiles its check now, not during the first save
+        hooks.append(checkpoints)
+    return hooks + list(parts.hooks)  # the user's after the built-in ones
+
+
+def tensorboard_hook(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    summary: RunSummary,
+) -> Any:
+    """The TensorBoard hook of the lead process, with the run's hparams and resolved config."""
+    from trainers.hooks.hparams import hparams
+    from trainers.hooks.perf import step_flops
+    from trainers.hooks.tensorboard import TensorBoardHook
+    from trainers.tasks.base import tokens_per_example
+
+    opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
+    values, overridden = hparams(cfg)
+    return TensorBoardHook(
+        where.dirs.tb_dir,
+        log_every=opts.log_every,
+        global_batch_size=opts.batch_size,
+        num_steps=opts.steps,
+        hparams=values,
+        overridden=overridden,
+        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        flush_secs=logger_opts.flush_secs,
+        on_error=logger_opts.on_error,
+        noise_ema_steps=logger_opts.noise_ema_steps,
+        tokens_per_example=tokens_per_example(parts.task),
+        step_flops=lambda: step_flops(trainer.compiled),
+        num_devices=where.mesh.size,
+        peak_flops_per_device=logger_opts.peak_flops_per_device,
+        best_loss=lambda: (summary.best_loss, summary.best_step),
+        eval_metrics=started.evaluator.metric_names if started.evaluator else (),
+        eval_results=summary.eval_results,
+    )
+
+
+# ------------------------------------------------------------------ how the run ended
+
+
+def check_end(
+    state: Any,
+    reason: str,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    start_step: int,
+    stop: StopOnSignal,
+) -> None:
+    """Says how `Trainer.fit` ended: a clean end returns; a stop raises.
+
+    Raises:
+      Preempted: a stop signal, here or to another process, before the last step.
+      PeerError: another process's hook stopped the run.
+    """
+    import jax
+
+    from trainers.errors import PeerError, Preempted
+
+    num_steps, ckpt, cluster = options.trainer.steps, options.checkpoint, where.cluster
+    step = int(jax.device_get(state.step))
+    if stop() and step == start_step < num_steps:  # the signal came before the first step
+        raise stop.stopped_during_start_up(start_step)
+    saved = (
+        f"checkpoint saved in {where.dirs.checkpoint_dir}/{step}"
+        if ckpt.enabled
+        else "no checkpoint written (checkpoint.enabled=false)"
+    )
+    if reason == "data_exhausted":
+        log.warning(
+            "The data ran out after step %d of trainer.steps=%d: ended cleanly, %s.",
+            step,
+            num_steps,
+            saved,
+        )
+    agreed = parts.trainer.agreed_stop  # multi-process: whose vote stopped the run
+    by_peer = reason == "stopped" and agreed is not None and agreed.signal
+    if step < num_steps and (stop() or by_peer):
+        by = stop.signal_name if stop() else f"a stop signal to {cluster.name(agreed.process)}"
+        raise Preempted(
+            f"Stopped by {by} at step {step} of {num_steps}; {saved}. Rerun the same command "
+            "(same hydra.run.dir, every process) to resume from the latest checkpoint."
+        )
+    if reason == "stopped" and step < num_steps and agreed and agreed.process != cluster.index:
+        raise PeerError(
+            f"Stopped at step {step} of {num_steps} because a hook of "
+            f"{cluster.name(agreed.process)} asked to (see its log); {saved}."
+        )

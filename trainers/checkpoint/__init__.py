@@ -1,0 +1,9 @@
+"""Checkpoints on disk: Orbax save and restore, ownership of the dir, space checks.
+
+`hook` saves (`CheckpointHook`), `io` knows the layout and the disk (complete steps, free
+space, one-line I/O errors), `owner` keeps one run per checkpoint dir, `resume` finds and
+restores the checkpoint to resume from.
+
+May import: `trainers.core`, `trainers.rundir`, `trainers.config`, `trainers.errors`,
+`xshard`. Never the hooks, the cluster or the app.
+"""

@@ -1,0 +1,316 @@
+"""Resuming from an Orbax checkpoint written by `trainers.checkpoint.hook.CheckpointHook`.
+
+`find_resume_source` picks the run's own latest checkpoint (a rerun in the same output dir
+resumes) or else ``trainer.resume_from``; `trainers.checkpoint.owner` has made sure before that the
+run owns its checkpoint dir. A ``trainer.resume_from`` source is only read, never locked,
+modified or pruned. `restore_checkpoint` then:
+
+1. reads the step's JSON metadata (unreadable, or valid JSON that is not this format's
+   metadata: corrupted) and checks it against the current run (`check_compatible`):
+   the state's tree structure, shapes and dtypes, and the task and optimizer ``_target_``,
+   must match, else `CheckpointError` naming what differs; other config changes are logged;
+2. restores the arrays straight into the shardings of the current run's state, so that a
+   checkpoint saved on one mesh restores onto another (`ocp.args.StandardRestore`);
+3. verifies the arrays against the checksums saved with them: Orbax detects truncated or
+   missing files, but loads flipped bytes of raw array data without complaint.
+
+A corrupted checkpoint is an error, or with ``checkpoint.fallback_to_previous=true`` a warning
+and a restore of the step before (the corrupted folder is moved to ``checkpoints.corrupt/`` in
+the run's own dir, never deleted). Nothing is modified when an error is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from trainers.checkpoint.hook import FORMAT, METADATA_ITEM, STATE_ITEM, integrity, state_signature
+from trainers.checkpoint.io import complete_steps, quiet_io_error_noise
+from trainers.core.model_state import from_saved, saved_tree
+from trainers.core.trainer import TrainState
+from trainers.errors import CheckpointError, CorruptCheckpointError
+
+logger = logging.getLogger(__name__)
+
+#: Config keys that must be equal to resume: the state means something else otherwise.
+MUST_MATCH_KEYS = ("task._target_", "optimizer._target_")
+#: Config keys whose change on resume is expected and not worth a warning.
+QUIET_KEYS = (
+    "checkpoint.",
+    "logger.",
+    "trainer.resume_from",
+    "trainer.progress",
+    "distributed.",  # the processes that run it: 2x4 devices resume on 1x8 and back
+)
+_ABSENT = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreSource:
+    """Where to resume from.
+
+    Attributes:
+      directory: a checkpoints directory (one folder per step).
+      step: the step to restore; None: the latest complete one.
+      own: the run's own directory (corrupted steps may be moved aside there).
+    """
+
+    directory: Path
+    step: int | None = None
+    own: bool = False
+
+
+def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> RestoreSource | None:
+    """The run's own checkpoints if it has any, else ``trainer.resume_from``, else None.
+
+    Args:
+      checkpoint_dir: the run's checkpoint directory.
+      resume_from: a checkpoints directory, one of its step folders, or a run's output
+        directory (holding ``checkpoints/``); or None.
+
+    Raises:
+      CheckpointError: if `resume_from` holds no complete checkpoint.
+    """
+    if complete_steps(checkpoint_dir):
+        if resume_from:
+            logger.info(
+                "This run's %s has checkpoints: resuming from them, not from "
+                "trainer.resume_from=%s.",
+                checkpoint_dir,
+                resume_from,
+            )
+        return RestoreSource(Path(checkpoint_dir), own=True)
+    if not resume_from:
+        return None
+    path = Path(resume_from)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if path.name.isdigit() and (path / STATE_ITEM).is_dir():
+        if int(path.name) in complete_steps(path.parent):
+            return RestoreSource(path.parent, int(path.name))
+    elif complete_steps(path):
+        return RestoreSource(path)
+    raise CheckpointError(
+        f"trainer.resume_from={resume_from!r} holds no complete checkpoint: expected a "
+        "checkpoints directory (step folders such as 100/), one step folder, or a run's "
+        "output directory."
+    )
+
+
+def restore_checkpoint(
+    source: RestoreSource,
+    target: TrainState,
+    config: dict[str, Any],
+    *,
+    fallback_to_previous: bool = False,
+) -> TrainState:
+    """Restores a checkpoint into the shapes, dtypes and shardings of `target`.
+
+    Args:
+      source: where to restore from (`find_resume_source`).
+      target: a state of the current run (e.g. freshly initialised); only its structure,
+        shapes, dtypes and shardings are used.
+      config: the current run's config (`run_config`), compared with the checkpoint's.
+      fallback_to_previous: if the latest step is corrupted, warn and try the one before. In
+        the run's own directory, a corrupted step is moved to ``<directory>.corrupt/``, so
+        that the resumed run can save that step again; nothing is deleted.
+
+    Returns:
+      The restored state.
+
+    Raises:
+      CheckpointError: if the checkpoint does not match the run (naming what differs), or is
+        corrupted (and no fallback is allowed or possible). Nothing is modified then, except
+        corrupted steps that a fallback already moved aside (the message names them).
+    """
+    quiet_io_error_noise()  # a corrupted file fails one read of many
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
+    )
+    steps = [source.step] if source.step is not None else complete_steps(source.directory)[::-1]
+    moved: list[Path] = []
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        for i, step in enumerate(steps):
+            path = source.directory / str(step)
+            try:
+                return _restore_step(checkpointer, path, abstract, config)
+            except CorruptCheckpointError as e:
+                previous = steps[i + 1] if i + 1 < len(steps) else None
+                if fallback_to_previous and previous is not None:
+                    logger.warning(
+                        "%s Falling back to step %d (checkpoint.fallback_to_previous).", e, previous
+                    )
+                    if source.own and jax.process_index() == 0:
+                        moved.append(_move_aside(path))
+                    continue
+                if previous is not None:
+                    hint = (
+                        f"Set checkpoint.fallback_to_previous=true to resume from step "
+                        f"{previous} instead."
+                    )
+                elif source.step is not None:
+                    hint = "Choose another step folder in trainer.resume_from."
+                else:
+                    hint = "There is no earlier checkpoint: move the folder away to start afresh."
+                done = (
+                    f"Moved aside: {', '.join(map(str, moved))}."
+                    if moved
+                    else "Nothing was modified."
+                )
+                raise CheckpointError(f"{e} {hint} {done}") from e
+    raise CheckpointError(f"No complete checkpoint in {source.directory}.")
+
+
+def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, config: dict) -> Any:
+    """Metadata, compatibility check, arrays, checksums: one step folder, in that order."""
+    try:
+        metadata = checkpointer.restore(
+            path, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+        )[METADATA_ITEM]
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint {path}: its metadata cannot be read ({_first_line(e)})."
+        ) from e
+    _check_metadata(metadata, path)
+    check_compatible(metadata, state_signature(abstract), config, where=str(path))
+    try:
+        saved = checkpointer.restore(
+            path,
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(saved_tree(abstract))}),
+        )[STATE_ITEM]
+        state = from_saved(saved, abstract)
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint {path} is corrupted or truncated: {_first_line(e)}."
+        ) from e
+    _, checksums = integrity(state)
+    saved = metadata.get("checksums", {})
+    bad = [p for p, s in checksums.items() if saved.get(p) != s]
+    if bad:
+        raise CorruptCheckpointError(
+            f"Checkpoint {path} is corrupted: the data of {_listing(bad)} does not match the "
+            "checksums saved with it."
+        )
+    logger.info("Restored step %d from %s.", int(jax.device_get(state.step)), path)
+    return state
+
+
+def _check_metadata(metadata: Any, path: Path) -> None:
+    """Valid JSON that is not this format's metadata is as unusable as unreadable metadata."""
+    if not isinstance(metadata, Mapping):
+        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}
+        problem = f"a JSON {kind.get(type(metadata), 'number')}, not an object"
+    elif metadata.get("format") != FORMAT:
+        problem = f"format {metadata.get('format', 'absent')!r:.80}"
+    else:
+        bad = [
+            k
+            for k in ("signature", "checksums", "config")
+            if not isinstance(metadata.get(k), Mapping)
+        ]
+        signature = metadata.get("signature")
+        if not bad and not all(
+            isinstance(leaf, list) and len(leaf) == 2 and isinstance(leaf[0], list)
+            for leaf in signature.values()
+        ):
+            bad.append("signature entry")
+        if not bad:
+            return
+        problem = f"format {FORMAT!r} with a malformed {', '.join(bad)}"
+    raise CorruptCheckpointError(
+        f"Checkpoint {path}: its metadata is not xshard checkpoint metadata of format "
+        f"{FORMAT!r} (found {problem})."
+    )
+
+
+def check_compatible(
+    metadata: Mapping[str, Any], signature: dict[str, list], config: dict[str, Any], *, where: str
+) -> None:
+    """Checks a checkpoint's metadata against the current run.
+
+    Args:
+      metadata: the checkpoint's JSON metadata.
+      signature: `state_signature` of the current run's state.
+      config: the current run's `run_config`.
+      where: the checkpoint, for messages.
+
+    Raises:
+      CheckpointError: if the state's structure, shapes or dtypes differ, or a
+        `MUST_MATCH_KEYS` config value differs; the message lists both.
+    """
+    saved, now = _flatten(metadata.get("config", {})), _flatten(config)
+    changed = {k for k in saved.keys() | now.keys() if saved.get(k, _ABSENT) != now.get(k, _ABSENT)}
+    config_diff = [
+        f"{k}: {_json(saved.get(k, _ABSENT))} in the checkpoint, {_json(now.get(k, _ABSENT))} now"
+        for k in sorted(changed)
+        if not k.startswith(QUIET_KEYS)
+    ]
+    old = metadata.get("signature", {})
+    state_diff = [
+        f"{p}: {_leaf(old.get(p))} in the checkpoint, {_leaf(signature.get(p))} now"
+        for p in list(old) + [p for p in signature if p not in old]
+        if old.get(p) != signature.get(p)
+    ]
+    if state_diff or changed & set(MUST_MATCH_KEYS):
+        raise CheckpointError(
+            f"Checkpoint {where} does not match this run and was left untouched. "
+            f"Config differences: {_listing(config_diff) if config_diff else 'none'}. "
+            f"State differences: {_listing(state_diff) if state_diff else 'none'}. Resume with "
+            "the checkpoint's config, or start afresh in another hydra.run.dir."
+        )
+    if config_diff:
+        logger.warning("Resuming from %s with a changed config: %s.", where, "; ".join(config_diff))
+
+
+def _move_aside(path: Path) -> Path:
+    """Moves a corrupted step folder to ``<checkpoints>.corrupt/<step>``; returns where."""
+    dest_dir = path.parent.with_name(path.parent.name + ".corrupt")
+    if dest_dir.is_symlink():  # the start-up check refuses links out of the run dir already
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupted, and {dest_dir} is a symbolic link (to "
+            f"{dest_dir.readlink()}): the step is not moved through it. Remove the link."
+        )
+    dest = dest_dir / path.name
+    n = 1
+    while dest.exists() or dest.is_symlink():
+        dest, n = dest_dir / f"{path.name}-{n}", n + 1
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    shutil.move(path, dest)
+    logger.warning("Moved the corrupted checkpoint %s to %s.", path, dest)
+    return dest
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping) and tree:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _json(value: Any) -> str:
+    return "absent" if value is _ABSENT else json.dumps(value)
+
+
+def _leaf(entry: list | None) -> str:
+    return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
+
+
+def _listing(items: list[str], limit: int = 3) -> str:
+    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0] if text else ""
+    return f"{type(e).__name__}: {line[:300]}{'...' if len(line) > 300 else ''}"

@@ -1,0 +1,80 @@
+"""OmegaConf resolvers of xshard's configs (registered by the ``xshard_searchpath`` plugin).
+
+``${xshard.tb_dir:<output dir>}``, the default of ``paths.tb_dir``: a folder named by the run,
+so that TensorBoard's run names read as the overrides.
+
+- a single run: ``<output dir>/tb/<overrides>`` (`run_name`: the overrides as in
+  ``hydra.job.override_dirname``, less ``hydra.*`` and ``paths.*`` keys; the job's name when
+  there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
+  A rerun in the same output dir continues the same run (it resumes from its checkpoints),
+  so it writes to the folder already there (the latest, if several; never a symbolic link),
+  whatever its own overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
+- a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
+  job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
+  its overrides;
+- outside a Hydra app (the compose API): ``<output dir>/tb/run``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def tb_dir(output_dir: str) -> str:
+    """The run's TensorBoard folder (module docstring)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return str(Path(output_dir) / "tb" / "run")
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:
+        return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
+    root = Path(output_dir) / "tb"
+    # Folders only, not links: a link in a copied run dir is no run's folder (and the run
+    # refuses one that leads out of its dir: trainers/rundir/links.py).
+    existing = (
+        [p for p in root.iterdir() if p.is_dir() and not p.is_symlink()] if root.is_dir() else []
+    )
+    if existing:  # a rerun in the same dir: the run's own folder
+        return str(max(existing, key=lambda p: p.lstat().st_mtime))
+    return str(root / _safe(run_name(hc)))
+
+
+def run_name(hc: Any) -> str:
+    """The overrides, sorted and joined as Hydra joins them in ``override_dirname``, without
+    Hydra's own keys, ``paths.*`` (locations, not hyperparameters) and the keys Hydra leaves
+    out of directory names; the job's name when none is left."""
+    excluded = set(hc.job.config.override_dirname.exclude_keys)
+    items = []
+    for override in hc.overrides.task:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in excluded or key.startswith(("hydra.", "hydra/", "paths.")):
+            continue
+        items.append(override)
+    return ",".join(sorted(items)) or hc.job.name or "run"
+
+
+#: Longest folder name most filesystems take is 255 bytes; long names keep a hash suffix.
+_MAX_NAME = 200
+
+
+def _safe(name: str) -> str:
+    """One path component: separators in override values become underscores; a name too long
+    for a folder is cut and ends with a hash of the whole name."""
+    name = str(name).replace(os.sep, "_")
+    if len(name.encode()) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return name.encode()[: _MAX_NAME - 12].decode(errors="ignore") + "~" + digest
+
+
+def register_resolvers() -> None:
+    """Registers the resolvers above (idempotent)."""
+    if not OmegaConf.has_resolver("xshard.tb_dir"):
+        OmegaConf.register_new_resolver("xshard.tb_dir", tb_dir)

@@ -1,0 +1,486 @@
+"""The generic pjit trainer: `init` / `step` / `fit`, over any task and any cross-shard optimizer.
+
+Read top to bottom: placement of params and batches on the mesh, the compiled step, then the
+loop. The loop keeps at most two steps in flight: it dispatches step k, then waits for the
+metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
+with dozens of steps in flight, see docs/development.md), gives lag-one logging without stalls, and
+lets every step's loss be checked on the host.
+
+A stop request (a signal, a hook's `wants_stop`) is local to one process. With several
+processes each one casts a vote into the step it dispatches; the step reduces the votes over
+all devices and returns the result with its metrics (`STOP_VOTE_KEY`), which the loop fetches
+anyway. Every process so learns of a stop voted at step k from the same metrics and ends after
+step k + 1: no host synchronisation beyond the existing metrics fetch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.config.run import STEP_EXECUTABLE_DESIGNS
+from trainers.core.hook import Hook, StopTraining, end_hooks
+from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
+from trainers.core.model_state import init_fn
+from trainers.core.step import (
+    HISTOGRAMS,
+    LAYERS,
+    LEVELS,
+    PLAIN,
+    STATS,
+    StepSpec,
+    TrainState,
+    make_train_step,
+)
+from trainers.core.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
+from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
+from trainers.core.zero import zero_layout
+from xshard import Reduction
+from xshard.errors import ConfigError
+from xshard.layer_stats import leaf_names
+from xshard.mesh import check_batch_divisible
+from xshard.reduce import PerShardGradientsRequired
+
+__all__ = ["STEP_EXECUTABLES", "Hook", "StopTraining", "StopVote", "Trainer"]
+
+logger = logging.getLogger(__name__)
+
+# Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
+_INIT_STREAM = 0x7FFFFFFF
+
+
+class Trainer:
+    """Trains `task` with the optimizer `tx` on `mesh`.
+
+    Args:
+      task: a `trainers.tasks.base.Task`.
+      tx: the optimizer, normally from `xshard.build_optimizer` (a `cross_shard` wrapper,
+        which reduces the gradients and records the statistics). A plain optax optimizer
+        works too: the trainer then reduces the gradients itself (`reduction`) and reports
+        the same statistics, except the skip counters (nothing is skipped).
+      mesh: the device mesh.
+      data_axes: the data-parallel mesh axes (the batch is split and gradients reduced over
+        them); other axes are model axes, used by the task's sharding rules.
+      global_batch_size: examples per step over all shards.
+      microbatches: gradient accumulation steps per update.
+      grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd".
+      reduction: how the trainer reduces the gradients for a plain optax `tx` (MEAN:
+        ``pmean``); a `cross_shard` optimizer reduces as it was built, and this is unused.
+      seed: the run's seed (step RNGs are derived from it and the step).
+      step_executables: ``trainer.step_executables``, how plain, statistics and logging
+        steps map to compiled programs (`trainers.core.step_levels.STEP_EXECUTABLES`):
+        "per_level" (the default: a program per level, those `fit` will need compiled before
+        its first step), "two" (plain and statistics steps / per-layer logging steps) or
+        "one" (every level in one program, the differences under `lax.cond`). See
+        docs/benchmarks.md for the measurement.
+      agree_stop: whether the processes agree on stops within the steps (default: with more
+        than one process); see `fit`. One process needs no vote: its step takes none.
+      zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
+        sharded over them, 2 also the gradient reduce-scattered, 3 also the params at rest
+        (`trainers.core.zero`, docs/scaling.md).
+
+    Raises:
+      ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
+        `grad_impl` or `step_executables`.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        data_axes: Sequence[str] = ("data",),
+        global_batch_size: int,
+        microbatches: int = 1,
+        grad_impl: str = "manual",
+        reduction: Reduction | str = Reduction.MEAN,
+        seed: int = 0,
+        step_executables: str = STEP_EXECUTABLE_DESIGNS[0],
+        agree_stop: bool | None = None,
+        zero_stage: int = 0,
+    ):
+        # The step passes the statistics flags to the optimizer; plain transforms ignore them.
+        tx = optax.with_extra_args_support(tx)
+        self.task, self.tx, self.mesh = task, tx, mesh
+        data_axes = tuple(data_axes)
+        per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)
+        n = global_batch_size // per_shard
+        if microbatches < 1 or per_shard % microbatches:
+            raise ConfigError(
+                f"trainer.microbatches={microbatches} must be >= 1 and divide the per-shard "
+                f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
+                "shards)."
+            )
+        # The rules are read once the params exist (a Flax task's come from its model).
+        self.layout = zero_layout(zero_stage, mesh, data_axes, lambda: task.sharding_rules)
+        if step_executables not in STEP_EXECUTABLES:
+            raise ConfigError(
+                f"step_executables={step_executables!r} is not allowed; choose one of "
+                f"{list(STEP_EXECUTABLES)}."
+            )
+        self.spec = StepSpec(
+            data_axes=data_axes,
+            num_data_shards=n,
+            global_batch_size=global_batch_size,
+            microbatches=microbatches,
+            grad_impl=grad_impl,
+            reduction=Reduction.parse(reduction, key="reduction.mode"),
+            seed=seed,
+        )
+        self.batch_sharding = NamedSharding(mesh, P(data_axes))
+        self._groups = STEP_EXECUTABLES[step_executables]
+        # Validates grad_impl now (ConfigError), not at the first step.
+        self._step_fns = {
+            g: make_train_step(task, tx, mesh, self.spec, g, self.layout) for g in self._groups
+        }
+        self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        # Per executable: the shapes of the per-layer statistics after its metrics.
+        self._diag_layouts: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._metric_keys: tuple[str, ...] = ()
+        self._stats_keys: frozenset[str] = frozenset()
+        self._leaf_names: tuple[str, ...] = ()
+        self._replicated = NamedSharding(mesh, P())
+        self._levels = {lv: jax.device_put(np.int32(lv), self._replicated) for lv in LEVELS}
+        self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
+        # One vote per device, each process filling its own devices (`_votes`).
+        self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        self._vote_arrays: dict[int, jax.Array] = {}
+        self.compile_seconds: float | None = None
+        self._report_compile = False
+        #: After `fit` with agreed stops: the vote that stopped it, or None.
+        self.agreed_stop: StopVote | None = None
+
+    # ------------------------------------------------------------------ placement
+
+    def param_shardings(self, params: Any) -> Any:
+        """NamedShardings of `params` at rest: the task's sharding rules, and with
+        ``zero_stage=3`` the data axes (`trainers.core.zero`)."""
+        return self.layout.params_at_rest(params, self.layout.base_shardings(params))
+
+    def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        """The task's params (placed with their shardings) and model state (replicated),
+        initialised from the seed (`trainers.core.model_state`: ``{}`` for a plain task)."""
+        example = jax.tree.map(lambda x: x[:1], first_batch)
+        rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
+        init = init_fn(self.task)
+        shapes = jax.eval_shape(init, rng, example)
+        shardings = (self.param_shardings(shapes[0]), self._replicated)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(init, out_shardings=shardings)(rng, example)
+
+    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
+        """Initialises the task's params from the seed, placed with their shardings."""
+        return self.init_variables(first_batch)[0]
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Returns the initial `TrainState` for `params` and `model_state` (placed on the
+        mesh; None: the empty model state of a plain task)."""
+        shardings = self.param_shardings(params)
+        params = jax.device_put(params, shardings)
+        with jax.set_mesh(self.mesh):
+            opt_shardings = self.opt_state_shardings(params, shardings)
+            opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
+        return TrainState(step, params, opt_state, model_state)
+
+    def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
+        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
+        axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
+        hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`."""
+        del param_shardings  # the layout derives them from the rules
+        return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
+
+    def state_shardings(self, state: TrainState) -> Any:
+        """The shardings every `TrainState` of this run has (what the step keeps)."""
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local NumPy arrays -> global arrays sharded over the data axes."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local_batch,
+        )
+
+    # --------------------------------------------------------------------- step
+
+    def _group(self, level: int) -> tuple[int, ...]:
+        return next(g for g in self._groups if level in g)
+
+    def _compile(self, group: tuple[int, ...], state: TrainState, batch: dict[str, jax.Array]):
+        shardings = self.state_shardings(state)
+        keys: list[tuple[str, ...]] = []
+        layouts: list[dict[str, tuple[int, ...]]] = []
+        step_fn = self._step_fns[group]
+
+        def train_step(state, batch, level, *votes):
+            state, metrics, diag = step_fn.fn(state, batch, level)
+            if votes:  # agree_stop: the highest vote of all devices
+                metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
+            names, values = stack_metrics(metrics)
+            keys.append(names)  # at trace time
+            # The per-layer statistics travel in the same vector: one transfer to the host.
+            shapes, tail = pack_diagnostics(diag)
+            layouts.append(shapes)
+            return state, jnp.concatenate([values, tail])
+
+        jitted = jax.jit(
+            train_step,
+            in_shardings=(shardings, self.batch_sharding, self._replicated)
+            + ((self._vote_sharding,) if self.agree_stop else ()),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        start = time.perf_counter()
+        try:
+            with jax.set_mesh(self.mesh):
+                compiled = jitted.lower(
+                    state, batch, self._levels[group[0]], *self._votes(0)
+                ).compile()
+        except PerShardGradientsRequired as e:
+            raise ConfigError(
+                f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
+                f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
+                "without per-shard clipping or weights (reduction.clip_per_shard=null)."
+            ) from None
+        seconds = time.perf_counter() - start
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        self._executables[group] = compiled
+        if self._metric_keys and keys[0] != self._metric_keys:  # one metric layout for all
+            raise AssertionError(f"metric keys differ between executables: {keys[0]}")
+        self._metric_keys = keys[0]
+        self._diag_layouts[group] = layouts[0]
+        self._stats_keys = frozenset(step_fn.stats_keys)
+        self._leaf_names = tuple(leaf_names(state.params))
+        self._report_compile = True
+        logger.info("Compiled the train step for levels %s in %.2f s.", group, seconds)
+
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The compiled step of the lowest level compiled so far (plain steps, the most
+        frequent: for HLO, cost and memory analysis); None before the first compilation."""
+        return next((self._executables[g] for g in self._groups if g in self._executables), None)
+
+    def executable_for(self, level: int) -> jax.stages.Compiled | None:
+        """The compiled step that runs steps of `level` (None: not compiled yet)."""
+        return self._executables.get(self._group(level))
+
+    def compile_levels(
+        self, state: TrainState, batch: dict[str, Any], levels: Iterable[int]
+    ) -> None:
+        """Compiles, ahead of time, the executables that run steps of `levels` (those not
+        compiled yet), for `state` and batches like `batch` (host-local or global)."""
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        for group in dict.fromkeys(self._group(lv) for lv in sorted(levels)):
+            if group not in self._executables:
+                self._compile(group, state, batch)
+
+    def executables(self) -> dict[tuple[int, ...], jax.stages.Compiled]:
+        """Every compiled step so far, by the levels it serves (see `STEP_EXECUTABLES`)."""
+        return dict(self._executables)
+
+    def step(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        *,
+        with_stats: bool = True,
+        layer_stats: bool = False,
+        histograms: bool = False,
+        stop_vote: int = 0,
+    ) -> tuple[TrainState, StepMetrics]:
+        """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
+
+        The step is compiled ahead of time on first use (each executable of
+        ``step_executables`` on the first step that needs it); later calls reuse it (a batch
+        of another shape is an error, never a silent recompilation). The metrics are a
+        mapping of floats, fetched from the device on first read.
+
+        Args:
+          state: the state to update (donated).
+          batch: the step's batch.
+          with_stats: compute the update/param norms, the reduced gradient's norm and the
+            per-shard statistics (about one kernel per parameter each); without them the
+            metrics leave them out.
+          layer_stats: also the per-layer norms of the applied gradient and of the new params
+            (`StepMetrics.diagnostics`); implies `with_stats`.
+          histograms: also gradient histograms per layer; implies `layer_stats`.
+          stop_vote: with `agree_stop`, this process's `StopVote.encode`, reduced over all
+            processes into the hidden metric `STOP_VOTE_KEY`.
+
+        Returns:
+          (the new state, its `StepMetrics`).
+        """
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        level = (
+            HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
+        )
+        group = self._group(level)
+        if group not in self._executables:
+            self._compile(group, state, batch)
+        executable = self._executables[group]
+        state, values = executable(state, batch, self._levels[level], *self._votes(stop_vote))
+        hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
+        return state, StepMetrics(
+            self._metric_keys,
+            values,
+            hidden=hidden,
+            diag=self._diag_layouts[group] if level >= LAYERS else None,
+            diag_names=self._leaf_names,
+            histograms=level == HISTOGRAMS,
+        )
+
+    def _votes(self, vote: int) -> tuple[jax.Array, ...]:
+        """The step's vote input: this process's `vote` on each of its devices (cached); none
+        without `agree_stop`."""
+        if not self.agree_stop:
+            return ()
+        if vote not in self._vote_arrays:
+            self._vote_arrays[vote] = jax.make_array_from_callback(
+                (self.mesh.size,), self._vote_sharding, lambda _: np.full((1,), vote, np.int32)
+            )
+        return (self._vote_arrays[vote],)
+
+    # --------------------------------------------------------------------- loop
+
+    def fit(
+        self,
+        state: TrainState,
+        batches: Iterable[dict[str, np.ndarray]],
+        *,
+        num_steps: int,
+        hooks: Sequence[Hook] = (),
+        layer_stats_every: int = 0,
+        histogram_every: int = 0,
+        stats_every: int = 1,
+        should_stop=lambda: False,
+    ) -> tuple[TrainState, str]:
+        """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
+
+        Args:
+          state: the state to start from (its `step` says where; batches must start there).
+          batches: host-local batches for steps state.step, state.step + 1, ...
+          num_steps: the total number of updates of the run (not the number left).
+          hooks: receive each step's metrics one step late, diagnostics, and the end.
+          layer_stats_every / histogram_every: period in steps (0 = never) of the per-layer
+            norms and gradient histograms, computed inside those steps from the gradient they
+            apply and delivered to `Hook.on_diagnostics` right after the step's metrics.
+          stats_every: compute the update/param norms and per-shard statistics on every
+            `stats_every`-th step and the last one (0 = only the last); the loss, the reduced
+            gradient's norm and the skip counters come every step.
+          should_stop: polled before the first step and after every step, with the hooks'
+            `wants_stop`; True ends the run cleanly ("stopped"): the current step's state
+            goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
+            is trained. With `agree_stop` (several processes), `should_stop` and `wants_stop`
+            are this process's vote, cast into each step; a vote at step k ends the run after
+            step k + 1 on every process (`agreed_stop` says whose vote it was), and nothing is
+            checked before the first step (the caller agrees on that).
+
+        Returns:
+          (final state, reason the loop ended).
+
+        Raises:
+          Whatever a hook or the step raised; every hook's `on_end` ran first. An error in an
+          `on_end` is raised after all of them ran (the first one; later ones are logged).
+        """
+        step = int(jax.device_get(state.step))
+        periods = {
+            "stats_every": stats_every,
+            "layer_stats_every": layer_stats_every,
+            "histogram_every": histogram_every,
+        }
+        first_step = True
+        pending: tuple[int, Any] | None = None
+        reason = "done"
+        batch_iter: Iterator = iter(batches)
+        agree = self.agree_stop
+        self.agreed_stop = None
+        me = jax.process_index()
+
+        def stop_requested() -> bool:
+            return bool(should_stop()) or any(h.wants_stop() for h in hooks)
+
+        def vote() -> int:
+            hook = any(h.wants_stop() for h in hooks)
+            return StopVote.encode(me, bool(should_stop()), hook)
+
+        def emit(pending: tuple[int, Any]) -> None:
+            self._emit(pending, hooks)
+            done, metrics = pending
+            if agree and self.agreed_stop is None:
+                self.agreed_stop = StopVote.decode(done, metrics.device_value(STOP_VOTE_KEY))
+
+        try:
+            if not agree and stop_requested():  # e.g. a signal during start-up: train nothing
+                reason = "stopped"
+            while reason == "done" and step < num_steps:
+                try:
+                    local = next(batch_iter)
+                except StopIteration:
+                    reason = "data_exhausted"
+                    break
+                step += 1
+                if first_step:  # every program the run needs, before its first step
+                    self.compile_levels(state, local, levels_in_run(step, num_steps, **periods))
+                    first_step = False
+                level = step_level(step, num_steps, **periods)
+                state, metrics = self.step(
+                    state,
+                    local,
+                    with_stats=level >= STATS,
+                    layer_stats=level >= LAYERS,
+                    histograms=level >= HISTOGRAMS,
+                    stop_vote=vote() if agree else 0,
+                )
+                if self._report_compile:
+                    metrics = metrics.with_host_values(
+                        **{"perf/compile_time_s": self.compile_seconds}
+                    )
+                    self._report_compile = False
+                if pending is not None:  # waits for step - 1 only: two steps in flight at most
+                    emit(pending)
+                pending = (step, metrics)
+                if agree:  # a vote cast at step k - 1 is known now on every process
+                    stop = self.agreed_stop is not None and step > self.agreed_stop.step
+                else:
+                    stop = stop_requested()
+                if stop or any(h.wants_state(step) for h in hooks):
+                    emit(pending)  # the state's own metrics come first
+                    pending = None
+                    for h in hooks:
+                        h.on_state(step, state)
+                if stop:
+                    reason = "stopped"
+                    break
+            if pending is not None:
+                emit(pending)
+        except StopTraining as stop_request:
+            reason = str(stop_request) or "stopped"
+        except BaseException:
+            end_hooks(hooks, step, state, "error")
+            raise
+        end_hooks(hooks, int(jax.device_get(state.step)), state, reason)
+        return state, reason
+
+    @staticmethod
+    def _emit(pending: tuple[int, Any], hooks: Sequence[Hook]) -> None:
+        step, metrics = pending
+        host = metrics.host_values()  # waits for this step only
+        for h in hooks:
+            h.on_step(step, host)
+        diag = metrics.diagnostics  # None except on the steps that log them
+        if diag is not None:
+            for h in hooks:
+                h.on_diagnostics(step, diag)

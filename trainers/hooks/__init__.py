@@ -1,0 +1,9 @@
+"""The built-in hooks a run attaches to `trainers.core.Trainer.fit`.
+
+TensorBoard logging (`tensorboard`, `tb_writer`, `hparams`, `noise_ema`), the progress bar
+and non-finite monitor (`monitor`), profiling and throughput (`perf`), evaluation
+(`evaluation`) and the run's summary (`summary`).
+
+May import: `trainers.core`, `trainers.checkpoint` (what was saved), `trainers.rundir`,
+`trainers.config`, `trainers.tasks`, `trainers.errors`, `xshard`. Never `trainers.app`.
+"""

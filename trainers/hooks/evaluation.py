@@ -1,0 +1,329 @@
+"""Evaluation on the task's eval split: a compiled eval step, and the hook that runs it.
+
+A task has an eval split when it has ``eval_batches`` (`trainers.tasks.base.Task`). Every
+evaluation reads the same ``trainer.eval_batches`` global batches of ``trainer.eval_batch_size``
+rows (fewer if the split is smaller), sharded over the data axes like training batches, and
+averages the per-batch means: the task's ``eval_metrics(params, batch)`` if it has one
+(``eval_metrics(params, model_state, batch)`` for a task with model state,
+`trainers.core.model_state`), else its loss with a fixed RNG (``loss`` and the aux metrics; the
+model state is read, its update dropped). Metrics are named ``eval/<name>``; ``eval/loss`` is
+always among them.
+
+The eval step is its own jitted program over the global batch, compiled once ahead of time
+when the run starts (a bad task or eval batch fails before training, and no evaluation ever
+recompiles). It only reads the params: training never depends on it, so a run's trajectory is
+bitwise the same with evaluation on or off. `EvalHook` evaluates every ``trainer.eval_every``
+steps and at the end of the run (also after a resume that has nothing left to train, and when
+the data ran out); not when the run was stopped or failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
+from trainers.core.hook import Hook
+from trainers.core.model_state import is_stateful, loss_fn
+from trainers.core.step import TrainState
+from xshard.errors import ConfigError
+from xshard.mesh import check_batch_divisible
+
+logger = logging.getLogger(__name__)
+
+#: Folded into the seed for the RNG `loss` gets during evaluation (steps never reach it).
+_EVAL_STREAM = 0x7FFFFFFE
+
+#: Receives each evaluation's metrics: ``(step, {"eval/loss": ..., ...})``.
+EvalSink = Callable[[int, dict[str, float]], None]
+
+
+def has_eval_split(task: Any) -> bool:
+    """Whether `task` has an eval split: an ``eval_batches`` method, and ``has_eval_split``
+    not False."""
+    return callable(getattr(task, "eval_batches", None)) and bool(
+        getattr(task, "has_eval_split", True)
+    )
+
+
+class Evaluator:
+    """Evaluates params on the task's eval split with one compiled program.
+
+    Args:
+      task: a task with an eval split (`has_eval_split`).
+      mesh: the device mesh.
+      data_axes: the data-parallel mesh axes the eval batch is split over.
+      global_batch_size: rows of a global eval batch.
+      num_batches: eval batches per evaluation (>= 1).
+      seed: the run's seed (the eval split's and the RNG's).
+      batch_key: the config key of `global_batch_size`, for error messages.
+
+    Raises:
+      ConfigError: the batch does not split over the data shards or the processes.
+    """
+
+    def __init__(
+        self,
+        task: Any,
+        mesh: Mesh,
+        *,
+        data_axes: Sequence[str],
+        global_batch_size: int,
+        num_batches: int,
+        seed: int,
+        batch_key: str = "trainer.eval_batch_size",
+    ):
+        check_batch_divisible(global_batch_size, mesh, tuple(data_axes), key=batch_key)
+        if global_batch_size % jax.process_count():
+            raise ConfigError(
+                f"{batch_key}={global_batch_size} is not divisible by the number of processes "
+                f"{jax.process_count()}."
+            )
+        self.task, self.mesh = task, mesh
+        self.global_batch_size = global_batch_size
+        self.num_batches = num_batches
+        self.seed = seed
+        self.batch_key = batch_key
+        self.batch_sharding = NamedSharding(mesh, P(tuple(data_axes)))
+        self._replicated = NamedSharding(mesh, P())
+        self._rng = jax.random.fold_in(jax.random.key(seed), _EVAL_STREAM)
+        self._compiled: jax.stages.Compiled | None = None
+        #: Names of the metrics (``eval/<name>``), in the order the program returns them.
+        self.metric_names: tuple[str, ...] = ()
+        #: How many times the eval step was compiled (once per run).
+        self.compiles = 0
+        self._warned_short = False
+
+    def _batches(self):
+        """This process's rows of the eval batches (at most `num_batches`)."""
+        batches = self.task.eval_batches(
+            self.global_batch_size,
+            seed=self.seed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        return itertools.islice(batches, self.num_batches)
+
+    def _metrics(self, params: Any, model_state: Any, batch: Any) -> dict[str, jax.Array]:
+        """The batch's mean metrics, by their ``eval/`` names (traced)."""
+        eval_metrics = getattr(self.task, "eval_metrics", None)
+        if callable(eval_metrics):
+            if is_stateful(self.task):
+                metrics = dict(eval_metrics(params, model_state, batch))
+            else:
+                metrics = dict(eval_metrics(params, batch))
+            if "loss" not in metrics:
+                raise ValueError(
+                    f"{type(self.task).__name__}.eval_metrics returned {sorted(metrics)}: "
+                    "it must return 'loss' too."
+                )
+        else:
+            loss, aux, _ = loss_fn(self.task)(params, model_state, batch, self._rng)
+            metrics = {**aux, "loss": loss}
+        out = {}
+        for name, value in metrics.items():
+            value = jnp.asarray(value, jnp.float32)
+            if value.shape != ():
+                raise ValueError(
+                    f"eval metric {name!r} of {type(self.task).__name__} has shape "
+                    f"{value.shape}; metrics must be scalars (means over the batch)."
+                )
+            out[EVAL_PREFIX + name] = value
+        return out
+
+    def prepare(self, state: TrainState) -> None:
+        """Compiles the eval step for `state`'s params and model state (placed as training
+        keeps them) and the eval batches, once; sets `metric_names`.
+
+        Raises:
+          ConfigError: the eval split yields no batch of the eval batch size.
+        """
+        first = next(self._batches(), None)
+        if first is None:
+            raise ConfigError(
+                f"{self.batch_key}={self.global_batch_size}: the task's eval split yields no "
+                "batch of this size (too small?); use a smaller one, or trainer.eval_batches=0 "
+                "to turn evaluation off."
+            )
+        batch = self._global(first)
+        variables = (state.params, state.model_state)
+        shapes = jax.eval_shape(self._metrics, *variables, batch)
+        names = tuple(sorted(shapes))
+
+        def eval_step(params, model_state, batch, sums):
+            metrics = self._metrics(params, model_state, batch)
+            return sums + jnp.stack([metrics[n] for n in names])
+
+        shardings = jax.tree.map(lambda x: x.sharding, variables)
+        jitted = jax.jit(
+            eval_step,
+            in_shardings=(*shardings, self.batch_sharding, self._replicated),
+            out_shardings=self._replicated,
+        )
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            zeros = self._zeros(len(names))
+            self._compiled = jitted.lower(*variables, batch, zeros).compile()
+        self.compiles += 1
+        self.metric_names = names
+        logger.info(
+            "Compiled the eval step (%d batches of %d) in %.2f s.",
+            self.num_batches,
+            self.global_batch_size,
+            time.perf_counter() - start,
+        )
+
+    def _zeros(self, n: int) -> jax.Array:
+        return jax.device_put(np.zeros((n,), np.float32), self._replicated)
+
+    def _global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local,
+        )
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """The mean metrics of `state` over the eval batches, ``{"eval/loss": ..., ...}``.
+
+        Runs the compiled step on each batch, at most two in flight, and waits for the
+        result: `state` may be donated to the next train step right after.
+
+        Raises:
+          RuntimeError: if `prepare` was not called.
+        """
+        if self._compiled is None:
+            raise RuntimeError("Evaluator.prepare(state) must run before evaluate.")
+        sums = self._zeros(len(self.metric_names))
+        count = 0
+        for local in self._batches():
+            previous = sums
+            sums = self._compiled(state.params, state.model_state, self._global(local), previous)
+            previous.block_until_ready()  # bounds the steps in flight (XLA:CPU collectives)
+            count += 1
+        if count < self.num_batches and not self._warned_short:
+            self._warned_short = True
+            logger.info(
+                "The eval split has %d batches of %d, fewer than trainer.eval_batches=%d: "
+                "each evaluation uses those.",
+                count,
+                self.global_batch_size,
+                self.num_batches,
+            )
+        values = np.asarray(jax.device_get(sums)) / count
+        return {name: float(v) for name, v in zip(self.metric_names, values)}
+
+
+class EvalHook(Hook):
+    """Evaluates every `every` steps and at the end; hands the metrics to `sinks`.
+
+    Args:
+      evaluator: a prepared `Evaluator`.
+      every: period in steps; 0: only at the end.
+      num_steps: the run's ``trainer.steps`` (the last step is always evaluated).
+      sinks: called with ``(step, metrics)`` after each evaluation, in order (the run
+        summary, TensorBoard).
+    """
+
+    def __init__(
+        self, evaluator: Evaluator, *, every: int, num_steps: int, sinks: Sequence[EvalSink]
+    ):
+        self.evaluator = evaluator
+        self.every = every
+        self.num_steps = num_steps
+        self.sinks = list(sinks)
+        self.last_step: int | None = None  # the step of the latest evaluation
+
+    def wants_state(self, step: int) -> bool:
+        return step == self.num_steps or (self.every > 0 and step % self.every == 0)
+
+    def on_state(self, step: int, state: TrainState) -> None:
+        if self.wants_state(step):  # on_state also comes for other hooks' steps
+            self._evaluate(step, state)
+
+    def on_end(self, step: int, state: TrainState, reason: str) -> None:
+        if reason in ("done", "data_exhausted"):  # not after a stop or an error
+            self._evaluate(step, state)
+
+    def _evaluate(self, step: int, state: TrainState) -> None:
+        if step == self.last_step:
+            return
+        start = time.perf_counter()
+        metrics = self.evaluator.evaluate(state)
+        self.last_step = step
+        logger.info(
+            "Eval at step %d (%.2f s): %s",
+            step,
+            time.perf_counter() - start,
+            ", ".join(f"{k}={v:.5g}" for k, v in metrics.items()),
+        )
+        for sink in self.sinks:
+            sink(step, metrics)
+
+
+def build_evaluator(
+    task: Any,
+    mesh: Mesh,
+    state: TrainState,
+    *,
+    data_axes: Sequence[str],
+    opts: TrainerOptions,
+    seed: int,
+) -> Evaluator | None:
+    """The run's prepared `Evaluator`, or None when it does not evaluate; checks
+    ``trainer.objective`` against the metrics the evaluation has.
+
+    Args:
+      task: the run's task.
+      mesh: the device mesh.
+      state: the initial state, placed as training keeps it.
+      data_axes: the data-parallel mesh axes.
+      opts: the run's `xshard.config.TrainerOptions` (``eval_*`` and ``objective``).
+      seed: the run's seed.
+
+    Returns:
+      None without an eval split or with ``trainer.eval_batches=0``.
+
+    Raises:
+      ConfigError: a bad eval batch size, an empty eval split, or an ``eval/`` objective the
+        run has no metric for.
+    """
+    enabled = has_eval_split(task) and opts.eval_batches > 0
+    objective = opts.objective
+    if not enabled:
+        if objective != TRAIN_OBJECTIVE:
+            why = (
+                "trainer.eval_batches=0 turns evaluation off"
+                if has_eval_split(task)
+                else f"task {type(task).__name__} has no eval split"
+            )
+            raise ConfigError(
+                f"trainer.objective={objective!r} needs an evaluation, but {why}; use "
+                f"trainer.objective={TRAIN_OBJECTIVE}."
+            )
+        return None
+    explicit = opts.eval_batch_size is not None
+    evaluator = Evaluator(
+        task,
+        mesh,
+        data_axes=data_axes,
+        global_batch_size=opts.eval_batch_size if explicit else opts.batch_size,
+        num_batches=opts.eval_batches,
+        seed=seed,
+        batch_key="trainer.eval_batch_size" if explicit else "trainer.batch_size",
+    )
+    evaluator.prepare(state)
+    if objective != TRAIN_OBJECTIVE and objective not in evaluator.metric_names:
+        raise ConfigError(
+            f"trainer.objective={objective!r}: the evaluation has no such metric; choose one "
+            f"of {[TRAIN_OBJECTIVE, *evaluator.metric_names]}."
+        )
+    return evaluator

@@ -4,17 +4,20 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup train test test-fast bench bench-zero clean
+.PHONY: help setup train test test-fast lint format bench bench-zero clean
 
-setup: $(STAMP)
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+
+setup: $(STAMP)  ## the virtual environment .venv, with the test and lint tools
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-train: $(STAMP)
+train: $(STAMP)  ## the default training job on 8 simulated CPU devices (ARGS=overrides)
 	$(PY) -m trainers.train $(ARGS)
 
 # Two pytest-xdist workers, a test file each at a time (module fixtures are built once); CI
@@ -22,19 +25,31 @@ train: $(STAMP)
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST   := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: $(STAMP)
+test: $(STAMP)  ## every test (about 20 minutes on 2 cores)
 	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP)  ## the tests not marked slow (no CLI runs in subprocesses)
 	$(PY) -m pytest $(PYTEST_XDIST) -m 'not slow' $(PYTEST_ARGS)
 
-bench: $(STAMP)
+# The checks .ci/run makes before the tests: style, formatting, types, the import layering.
+LINTED := xshard trainers tests benchmarks examples hydra_plugins conf
+lint: $(STAMP)  ## ruff, ruff format --check, mypy, and the import contract (lint-imports)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+format: $(STAMP)  ## ruff's fixes and formatting, in place
+	$(VENV)/bin/ruff check --fix $(LINTED)
+	$(VENV)/bin/ruff format $(LINTED)
+
+bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, benchmarks/zero_results.md)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
-bench-zero: $(STAMP)
+bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 
-clean:
+clean:  ## remove .venv and every output
 	rm -rf $(VENV) outputs multirun build *.egg-info

@@ -7,6 +7,11 @@
 - `trainers.data.file_io`: reading that file without trusting it (no pickle, no FIFO,
   a byte budget for a ``.npz``).
 - `trainers.data.grain_source`: `GrainData`, a Grain `MapDataset` (optional extra ``grain``).
+- `trainers.data.step_indexed`: data whose batch at step k is a pure function of (seed, k).
+- `trainers.data.batch`: `Batch`, what a batch is.
+
+May import: `trainers.config`, `trainers.errors`, `xshard`; never `trainers.tasks`, which
+builds on it.
 
 docs/tasks.md ("Data options") shows the code a user writes for each.
 """

@@ -1,4 +1,10 @@
-"""Built-in example tasks (model + data, pure JAX) and the task contract the trainer relies on."""
+"""Built-in example tasks (model + data, pure JAX) and the task contract the trainer relies on.
+
+The `Task` protocol (`base`), the MLP teacher regression and the tiny GPT, Flax NNX and linen
+adapters, and the sharding rules of their params (`sharding`, `logical`).
+
+May import: `trainers.data`, `trainers.config`, `trainers.errors`, `xshard`.
+"""
 
 from trainers.data.batch import Batch
 from trainers.tasks.base import Params, Task

@@ -3,10 +3,10 @@
 Every compared variant runs blocks of `steps_per_block` steps, dispatched asynchronously and
 ended by one ``block_until_ready``: timing blocks rather than single steps keeps per-step host
 syncs out of the numbers, and bounding the block keeps few steps in flight (XLA:CPU
-collectives deadlock with dozens of steps queued, see docs/development.md). Variants take turns block by
-block (A B C, B C A, C A B, ...: the order rotates each round so no variant always follows the
-same neighbour), so slow drifts of a shared, noisy machine hit all of them alike. Warm-up
-blocks (the first includes compilation) are excluded.
+collectives deadlock with dozens of steps queued, see docs/development.md). Variants take turns
+block by block (A B C, B C A, C A B, ...: the order rotates each round so no variant always
+follows the same neighbour), so slow drifts of a shared, noisy machine hit all of them alike.
+Warm-up blocks (the first includes compilation) are excluded.
 
 Ratios are given two ways: the ratio of the medians, and the median of the per-round ratios
 (A's block over B's block of the same round), whose spread shows how stable the comparison is.

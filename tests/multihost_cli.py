@@ -113,7 +113,9 @@ def finish(procs: Sequence[subprocess.Popen], logs: Sequence[Path], timeout: flo
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise AssertionError(f"{log.name} still running after {timeout} s:\n{tail(log)}")
+            raise AssertionError(
+                f"{log.name} still running after {timeout} s:\n{tail(log)}"
+            ) from None
     return codes
 
 

@@ -57,7 +57,9 @@ def test_rmtree_task_yaml_from_config_dir_never_runs(tmp_path, widened):
         cwd=tmp_path,
         check=False,
     )
-    refused(result, "task._target_='trainers.checkpoint.resume.shutil.rmtree' is not an allowed target")
+    refused(
+        result, "task._target_='trainers.checkpoint.resume.shutil.rmtree' is not an allowed target"
+    )
     assert (victim / "data" / "keep.txt").read_text() == "precious"
 
 

@@ -98,7 +98,8 @@ ATTACKS = {
         "experiment/resolver.yaml",
         """\
         # @package _global_
-        hydra: {{callbacks: "${{oc.create:{{x: {{_target_: subprocess.getoutput, cmd: '{cmd}'}}}}}}"}}
+        hydra:
+          callbacks: "${{oc.create:{{x: {{_target_: subprocess.getoutput, cmd: '{cmd}'}}}}}}"
         """,
         ["experiment=resolver"],
         "hydra.callbacks",
@@ -118,7 +119,9 @@ ATTACKS = {
         # @package _global_
         hydra:
           overrides:
-            hydra: ["+hydra.callbacks.x._target_=subprocess.getoutput", "+hydra.callbacks.x.cmd='{cmd}'"]
+            hydra:
+              - "+hydra.callbacks.x._target_=subprocess.getoutput"
+              - "+hydra.callbacks.x.cmd='{cmd}'"
         """,
         ["-m", "experiment=sweep"],
         "hydra.overrides.hydra",

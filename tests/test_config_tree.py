@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import xshard.conf
 from hydra import compose, initialize_config_dir, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
@@ -25,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
 import xshard
+import xshard.conf
 from xshard import ConfigError
 
 CONF_DIR = Path(xshard.conf.__file__).parent
@@ -297,7 +297,8 @@ def test_plugin_discovery_registers_schemas_without_importing_jax():
         "names = [p.__name__ for p in Plugins.instance().discover(SearchPathPlugin)]\n"
         "assert 'XShardSearchPathPlugin' in names, names\n"
         "groups = ConfigStore.instance().list('xshard_schemas')\n"
-        "assert groups == sorted(['checkpoint', 'data', 'distributed', 'logger', 'mesh', 'optimizer', 'paths', 'reduction', 'schedule', 'sharding', 'trainer']), groups\n"
+        "assert groups == sorted(['checkpoint', 'data', 'distributed', 'logger', 'mesh', "
+        "'optimizer', 'paths', 'reduction', 'schedule', 'sharding', 'trainer']), groups\n"
         "heavy = sorted(m for m in ('jax', 'jaxlib', 'optax') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

@@ -1,8 +1,8 @@
 """Stop signals outside `train()`, the real CLI in subprocesses (all slow): during the imports,
 after composition but before `train()` starts, and after it has returned. The entry point
-latches them from its first statement (`trainers.cluster.signal_latch`): a signal before the run stops
-it before its first step (exit 75, one line, nothing written), one after the run is reported
-in one line and the run's status stands."""
+latches them from its first statement (`trainers.cluster.signal_latch`): a signal before the run
+stops it before its first step (exit 75, one line, nothing written), one after the run is
+reported in one line and the run's status stands."""
 
 from __future__ import annotations
 

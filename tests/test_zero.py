@@ -123,7 +123,6 @@ def test_a_plain_optax_optimizer_trains_as_replicated_under_every_zero_stage(sta
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
 
 
-
 @pytest.mark.parametrize("impl", ["manual", "gspmd"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_every_optimizer_trains_as_replicated_with_zero2(optimizer, impl):

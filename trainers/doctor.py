@@ -21,6 +21,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # first of all, before JAX is imported (trainers.cluster.signal_latch)
     from trainers.cluster import signal_latch
+
     signal_latch.install()
 
 import logging

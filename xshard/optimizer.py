@@ -133,13 +133,13 @@ class CrossShardPhases(NamedTuple):
     where the per-shard gradients are (inside ``shard_map``): per-shard clip, the local
     statistics and the reduction, optionally a reduce-scatter (`xshard.reduce.all_reduce`'s
     ``scatter_dims``); it returns a `LocalReduction`. ``finish(local, state, params, *,
-    with_stats=None, layer_norms=None, histograms=None, **extra)`` runs the summary, the guard and the inner
-    optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded slices, where
-    norms over a sharded tensor are global): it returns ``(updates, new state)``. Their
-    composition is the optimizer's ``update``. ``apply(local, state, params, *,
-    with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is ``finish`` followed by
-    `optax.apply_updates`, the addition done in the branch that computes the updates
-    (`xshard.guard.guarded_update`), so that XLA fuses it with the inner update: it returns
+    with_stats=None, layer_norms=None, histograms=None, **extra)`` runs the summary, the guard
+    and the inner optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded
+    slices, where norms over a sharded tensor are global): it returns ``(updates, new state)``.
+    Their composition is the optimizer's ``update``. ``apply(local, state, params, *,
+    with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is ``finish``
+    followed by `optax.apply_updates`, the addition done in the branch that computes the
+    updates (`xshard.guard.guarded_update`), so that XLA fuses it with the inner update: it returns
     ``(new params, new state, measured)``, where ``measure(new_params, updates, summary)``
     (optional) is computed in that branch on statistics steps (NaN on the others; None
     without `measure`).

@@ -86,7 +86,8 @@ def is_allowed(path: str, prefixes: Sequence[str]) -> bool:
 
 
 def _is_ancestor(name: str, prefixes: Sequence[str]) -> bool:
-    """True if `name` is a package above an allowed entry (``xshard`` above ``xshard.schedules.``)."""
+    """True if `name` is a package above an allowed entry (``xshard`` above
+    ``xshard.schedules.``)."""
     return any(prefix.rstrip(".").startswith(name + ".") for prefix in prefixes)
 
 

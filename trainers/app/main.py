@@ -3,8 +3,9 @@
 ``python -m trainers.train`` and ``python -m trainers.doctor`` are built with it; decorate your
 own experiment repo's main with it too (docs/config.md). Around Hydra's own main it:
 
-1. latches stop signals from the moment the module is decorated (`trainers.cluster.signal_latch`), so
-   a SIGTERM or Ctrl-C during imports or composition stops the run before its first step;
+1. latches stop signals from the moment the module is decorated
+   (`trainers.cluster.signal_latch`), so a SIGTERM or Ctrl-C during imports or composition stops
+   the run before its first step;
 2. checks every config file Hydra composes before Hydra acts on any of it
    (`trainers.app.config_guard`): a copied file cannot run code through ``hydra.*`` keys, forge
    the command line in ``hydra.overrides`` or widen ``allowed_targets`` (exit 2, one line);

@@ -291,7 +291,9 @@ def run_hooks(
         eval_sinks.append(tb_hook.on_eval)
     if started.evaluator is not None:  # before TensorBoard's hook: its on_end may evaluate
         hooks.append(
-            EvalHook(started.evaluator, every=opts.eval_every, num_steps=opts.steps, sinks=eval_sinks)
+            EvalHook(
+                started.evaluator, every=opts.eval_every, num_steps=opts.steps, sinks=eval_sinks
+            )
         )
     if tb_hook is not None:
         hooks.append(tb_hook)

@@ -140,7 +140,8 @@ def integrity(state: TrainState) -> tuple[bool, dict[str, int]]:
 
 def state_handler(*, replica_parallel: bool) -> ocp.PyTreeCheckpointHandler:
     """The handler of the state item: Orbax's PyTree format (what ``StandardSave`` writes, and
-    `trainers.checkpoint.resume` restores with ``StandardRestore``), with this run's own type handlers.
+    `trainers.checkpoint.resume` restores with ``StandardRestore``), with this run's own type
+    handlers.
 
     Args:
       replica_parallel: whether a replicated array's device-to-host copy is split over its

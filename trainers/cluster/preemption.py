@@ -147,6 +147,7 @@ class StopOnSignal:
         would have had without the latch (SIGINT raises KeyboardInterrupt, SIGTERM kills).
         """
         from trainers.cluster import signal_latch
+
         sig = signal_latch.take()
         if sig is None:
             return

@@ -4,9 +4,9 @@ Each process is started with its own command line, so nothing stops one from get
 ``optimizer.learning_rate`` (it would train silently, its gradients averaged with the
 others') or another ``trainer.steps`` (one process would stop early, the other would then
 wait in a collective until gloo or JAX aborts it). `check_same_config` compares the resolved
-configs of all processes through JAX's key-value store (`trainers.cluster.multihost.Cluster`), before
-any step: a digest of each flattened config first (one small entry per process); only when
-the digests differ, every process's flattened ``key: [digest, value]`` entries, so that every
+configs of all processes through JAX's key-value store (`trainers.cluster.multihost.Cluster`),
+before any step: a digest of each flattened config first (one small entry per process); only
+when the digests differ, every process's flattened ``key: [digest, value]`` entries, so that every
 process refuses with the same one line naming the keys that differ and each process's value
 (`ConfigError`, exit status 2).
 
@@ -32,7 +32,8 @@ from xshard.errors import ConfigError
 #:   host (``localhost:1234`` on process 0, ``node0:1234`` elsewhere); a wrong one fails the
 #:   join itself.
 #: - ``paths.*``: each process's own directories (Hydra's timestamped run dir differs between
-#:   hosts); process 0's are used by all (`trainers.cluster.run_dirs`), which checks they are shared.
+#:   hosts); process 0's are used by all (`trainers.cluster.run_dirs`), which checks they are
+#:   shared.
 #: - ``trainer.progress``: only process 0 shows a progress bar.
 #: - ``trainer.resume_from``: a path that may be spelled differently on each host (another
 #:   mount point, a relative path); what it resolves to must be the same checkpoint on every

@@ -5,10 +5,10 @@ docs/reliability.md): a link planted in it, ``checkpoints/xshard.lock -> ~/.bash
 ``tb/<run name> -> /elsewhere``, would redirect the run's writes outside it. So:
 
 - the files the run writes itself are never written through a link: the log file
-  (`trainers.rundir.log_file.RunLogFile` opens it with ``O_NOFOLLOW``), the checkpoint dir's lock file
-  (`trainers.checkpoint.owner`, ``O_NOFOLLOW``), ``result.json``, the owner record, the config dump
-  of a multi-process run and the sweep table (`write_file`: a new file next to it, renamed
-  over it, so a link in its place is replaced and its target left alone);
+  (`trainers.rundir.log_file.RunLogFile` opens it with ``O_NOFOLLOW``), the checkpoint dir's lock
+  file (`trainers.checkpoint.owner`, ``O_NOFOLLOW``), ``result.json``, the owner record, the
+  config dump of a multi-process run and the sweep table (`write_file`: a new file next to it,
+  renamed over it, so a link in its place is replaced and its target left alone);
 - directories cannot be opened that way, and others write in them (Hydra its config dump,
   Orbax the step folders, TensorBoard the event files). Before anything is written there, the
   run refuses to start (exit 2, one line naming the link, `LinkOutOfRunDirError`) if one of

@@ -2,8 +2,8 @@
 
 `TeacherRegression` yields exactly the batches of ``task=mlp`` (`trainers.tasks.mlp.MLPTask`)
 for the same arguments: x ~ N(0, I) and y from a fixed random teacher MLP, a pure function of
-(seed, step), and the same held-out eval split. Any object with the same ``batches`` method can replace it (`trainers.tasks.
-flax_common`).
+(seed, step), and the same held-out eval split. Any object with the same ``batches`` method
+can replace it (`trainers.tasks.flax_common`).
 """
 
 from __future__ import annotations

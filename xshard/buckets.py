@@ -69,7 +69,7 @@ def _packed(
     when not packing); leaves whose dim is None (and None leaves) unchanged."""
     pack = packs_by_default() if pack is None else pack
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_none)
-    dim_leaves = treedef.flatten_up_to(dims)
+    dim_leaves = treedef.flatten_up_to(dims)  # type: ignore[attr-defined]  # jaxlib: no stubs
     out = list(leaves)
     for idx in _by_dtype(leaves, dim_leaves).values():
         xs, ds = [leaves[i] for i in idx], [dim_leaves[i] for i in idx]
@@ -79,7 +79,7 @@ def _packed(
             results = [one(x, d) for x, d in zip(xs, ds)]
         for i, r in zip(idx, results):
             out[i] = r
-    return treedef.unflatten(out)
+    return treedef.unflatten(out)  # type: ignore[attr-defined]  # jaxlib: no stubs
 
 
 def psum_scatter_tree(
@@ -222,9 +222,11 @@ def psum_tree(tree: Any, axis_name: AxisNames, *, pack: bool | None = None) -> P
                 continue
             start = 0
             for i in idx:
-                size = math.prod(shapes[i])
-                out[i] = part[start : start + size].reshape(shapes[i])
+                shape = shapes[i]
+                assert shape is not None  # grouped leaves are never None (`_by_dtype`)
+                size = math.prod(shape)
+                out[i] = part[start : start + size].reshape(shape)
                 start += size
-        return treedef.unflatten(out)
+        return treedef.unflatten(out)  # type: ignore[attr-defined]  # jaxlib: no stubs
 
     return Packed(parts, unpack)

@@ -87,7 +87,7 @@ def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> opta
     kwargs.pop("_target_")
     # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
     first = next(iter(inspect.signature(fn).parameters), None)
-    check_kwargs(fn, kwargs, "schedule", target, supplied=(first,))
+    check_kwargs(fn, kwargs, "schedule", target, supplied=() if first is None else (first,))
     try:
         schedule = fn(learning_rate, **kwargs)
     except (TypeError, ValueError) as e:

@@ -289,9 +289,9 @@ def guarded_update(
             summary, seen = rare_summary(g)
             return record(summary, applied, statistics(g, seen, out, updates, summary, *served))
 
-        level = 0  # the traced index of the step's level among `levels`
+        level: jax.Array | int = 0  # the traced index of the step's level among `levels`
         if len(levels) > 1:
-            position = 0
+            position: jax.Array | int = 0
             for flag, vals in zip(flags, values, strict=True):
                 position = position * len(vals) + _position(flag, vals)
             table = [levels.index(lv) for lv in level_of]

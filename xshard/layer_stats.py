@@ -42,30 +42,51 @@ _SCALARS = ("min", "max", "num", "sum", "sum_squares")
 class Histograms(NamedTuple):
     """One histogram per leaf (row) in the fields of TensorBoard's raw histogram, packed into
     one f32[L, 5 + 2 * bins] array (one buffer to write per step, not seven); NaN where the
-    last update did not compute them. Read it through the properties."""
+    last update did not compute them. Read it through the properties. The table is a
+    `jax.Array`, or a NumPy array once fetched to the host (`as_diagnostics`)."""
 
-    table: jax.Array  # f32[L, 5 + 2 * bins]: min, max, num, sum, sum_squares, limits, counts
+    # f32[L, 5 + 2 * bins]: min, max, num, sum, sum_squares, limits, counts
+    table: jax.Array | np.ndarray
 
     @property
     def bins(self) -> int:
         return (self.table.shape[-1] - len(_SCALARS)) // 2
 
-    def _column(self, name: str) -> jax.Array:
+    def _column(self, name: str) -> jax.Array | np.ndarray:
         return self.table[..., _SCALARS.index(name)]
 
-    min = property(lambda self: self._column("min"))  # f32[L]
-    max = property(lambda self: self._column("max"))  # f32[L]
-    num = property(lambda self: self._column("num"))  # f32[L]: finite values counted
-    sum = property(lambda self: self._column("sum"))  # f32[L]
-    sum_squares = property(lambda self: self._column("sum_squares"))  # f32[L]
+    @property
+    def min(self) -> jax.Array | np.ndarray:
+        """f32[L]."""
+        return self._column("min")
 
     @property
-    def bucket_limits(self) -> jax.Array:
+    def max(self) -> jax.Array | np.ndarray:
+        """f32[L]."""
+        return self._column("max")
+
+    @property
+    def num(self) -> jax.Array | np.ndarray:
+        """f32[L]: finite values counted."""
+        return self._column("num")
+
+    @property
+    def sum(self) -> jax.Array | np.ndarray:
+        """f32[L]."""
+        return self._column("sum")
+
+    @property
+    def sum_squares(self) -> jax.Array | np.ndarray:
+        """f32[L]."""
+        return self._column("sum_squares")
+
+    @property
+    def bucket_limits(self) -> jax.Array | np.ndarray:
         """f32[L, bins]: the buckets' upper edges."""
         return self.table[..., len(_SCALARS) : len(_SCALARS) + self.bins]
 
     @property
-    def bucket_counts(self) -> jax.Array:
+    def bucket_counts(self) -> jax.Array | np.ndarray:
         """f32[L, bins]."""
         return self.table[..., len(_SCALARS) + self.bins :]
 
@@ -75,8 +96,8 @@ class Histograms(NamedTuple):
         return out | {"bucket_limits": self.bucket_limits, "bucket_counts": self.bucket_counts}
 
 
-def _shapes(num_leaves: int, bins: int) -> Histograms:
-    return Histograms(jax.ShapeDtypeStruct((num_leaves, len(_SCALARS) + 2 * bins), jnp.float32))
+def _table_shape(num_leaves: int, bins: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((num_leaves, len(_SCALARS) + 2 * bins), jnp.float32)
 
 
 def leaf_norms(tree: Any) -> jax.Array:
@@ -102,7 +123,7 @@ def leaf_histograms(
     """
     leaves = [x.astype(jnp.float32).reshape(-1) for x in jax.tree.leaves(tree)]
     if not leaves:
-        return nan_like(_shapes(0, bins))
+        return Histograms(nan_like(_table_shape(0, bins)))
     if not shard_axes:
         ranges = [histogram_buckets(*finite_range(v)) for v in leaves]
         sums = [histogram_sums(v, lo, hi, bins) for v, (lo, hi) in zip(leaves, ranges)]
@@ -130,7 +151,7 @@ def leaf_histograms(
 
 def empty_histograms(tree: Any, bins: int = HISTOGRAM_BINS) -> Histograms:
     """NaN `Histograms` for a gradient shaped like `tree`."""
-    return nan_like(_shapes(len(jax.tree.leaves(tree)), bins))
+    return Histograms(nan_like(_table_shape(len(jax.tree.leaves(tree)), bins)))
 
 
 def summarize_histograms(bins: int = HISTOGRAM_BINS) -> optax.GradientTransformationExtraArgs:

@@ -123,7 +123,7 @@ def _axis_types(value: Any, axes: tuple[str, ...]) -> tuple[AxisType, ...]:
             f"{KEY}.axis_types={values} has {len(values)} entries but {KEY}.axes={list(axes)} "
             f"has {len(axes)}"
         )
-    out = []
+    out: list[AxisType] = []
     for v in values:
         if isinstance(v, AxisType) and v != AxisType.Manual:
             out.append(v)

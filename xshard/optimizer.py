@@ -319,6 +319,7 @@ def cross_shard(
                 shards = shard_stats(local.shards, summary.norm, summed)
             return shards, (None if measure is None else measure(out, updates, summary))
 
+        record: StepRecord
         out, guard_state, record = guarded(
             local.gradient,
             local.sq_norm,
@@ -334,7 +335,6 @@ def cross_shard(
             measure=measured_with_shards,
             **extra_args,
         )
-        record: StepRecord
         shards, measured = record.measured
         new_state = CrossShardState(
             clip_state,

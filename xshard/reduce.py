@@ -197,6 +197,8 @@ def _all_reduce(
         packed = psum_tree(grads, axes)
         n = _shards_in_context(axes, None)
         return Reduced(packed.tree, n, packed.parts, packed.unpack)
+    psum: Callable[[Any, Any], Any]
+    pmean: Callable[[Any, Any], Any]
     if not scatter:
         psum, pmean = jax.lax.psum, jax.lax.pmean
     else:

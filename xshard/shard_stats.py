@@ -53,12 +53,29 @@ class ShardStats(NamedTuple):
     def _field(self, name: str) -> jax.Array:
         return self.values[..., _SHARD_FIELDS.index(name)]
 
-    norm_mean = property(lambda self: self._field("norm_mean"))
-    norm_max = property(lambda self: self._field("norm_max"))
-    norm_min = property(lambda self: self._field("norm_min"))
-    norm_std = property(lambda self: self._field("norm_std"))
-    sq_norm_mean = property(lambda self: self._field("sq_norm_mean"))
-    mean_sq_norm = property(lambda self: self._field("mean_sq_norm"))
+    @property
+    def norm_mean(self) -> jax.Array:
+        return self._field("norm_mean")
+
+    @property
+    def norm_max(self) -> jax.Array:
+        return self._field("norm_max")
+
+    @property
+    def norm_min(self) -> jax.Array:
+        return self._field("norm_min")
+
+    @property
+    def norm_std(self) -> jax.Array:
+        return self._field("norm_std")
+
+    @property
+    def sq_norm_mean(self) -> jax.Array:
+        return self._field("sq_norm_mean")
+
+    @property
+    def mean_sq_norm(self) -> jax.Array:
+        return self._field("mean_sq_norm")
 
 
 class LocalNorms(NamedTuple):

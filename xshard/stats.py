@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -156,7 +156,8 @@ def tree_sq_norm(tree: Any) -> jax.Array:
     local = mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names)
     if packs_by_default() and local and len(leaves) > 1:
         return jnp.sum(jnp.square(jnp.concatenate(leaves)))
-    return sum(jnp.sum(jnp.square(x)) for x in leaves)
+    # `leaves` is not empty: the sum is an array, never sum()'s start value 0.
+    return cast(jax.Array, sum(jnp.sum(jnp.square(x)) for x in leaves))
 
 
 def tree_max_abs(tree: Any) -> jax.Array:

@@ -189,7 +189,7 @@ def primary_config_entries(config_name: str | None, config_sources: Iterable[Any
     for source in config_sources:
         search_path.append(provider=source.provider, path=f"{source.schema}://{source.path}")
     loaded = ConfigRepository(search_path).load_config(config_name)
-    if loaded is None or not OmegaConf.is_dict(loaded.config):
+    if loaded is None or not isinstance(loaded.config, DictConfig):  # OmegaConf.is_dict
         return set()
     try:  # interpolations resolve within the primary file alone
         node = loaded.config.get(ALLOWED_TARGETS_KEY)

@@ -102,6 +102,7 @@ def build_run(
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
     tx = build_optimizer(cfg, mesh=mesh)
     spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
+    assert spec is not None  # build_optimizer returns a cross_shard optimizer
     check_reduction_axes(spec.axis_name, data_axes)
     trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
         task,

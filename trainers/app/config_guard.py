@@ -262,7 +262,7 @@ def guard_compositions(exit_code: int) -> Iterator[None]:
 
     compose = ConfigLoaderImpl._compose_config_from_defaults_list
 
-    def checked(self: Any, defaults: Sequence[Any], repo: Any) -> Any:
+    def checked(self: Any, defaults: list[Any], repo: Any) -> Any:
         try:
             check_defaults(defaults, repo)
         except UntrustedConfigError as e:

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -68,7 +68,8 @@ def _job() -> dict[str, Any]:
         return override.split("=", 1)[0].lstrip("+~")
 
     return {
-        "num": int(hc.job.get("num", 0) or 0),
+        # Hydra types hc.job as its JobConf dataclass; it is a DictConfig node.
+        "num": int(cast(DictConfig, hc.job).get("num", 0) or 0),
         "overrides": overrides,
         # What the run's name shows: not Hydra's own keys nor those left out of dir names.
         "shown_overrides": [

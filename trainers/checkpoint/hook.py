@@ -61,7 +61,7 @@ STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
 
 
-def run_config(cfg: DictConfig) -> dict[str, Any]:
+def run_config(cfg: DictConfig) -> dict[Any, Any]:
     """The run's resolved config as plain JSON-able values, without the machine-local `paths`."""
     return {
         k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v

@@ -216,10 +216,9 @@ def _check_metadata(metadata: Any, path: Path) -> None:
             for k in ("signature", "checksums", "config")
             if not isinstance(metadata.get(k), Mapping)
         ]
-        signature = metadata.get("signature")
         if not bad and not all(
             isinstance(leaf, list) and len(leaf) == 2 and isinstance(leaf[0], list)
-            for leaf in signature.values()
+            for leaf in metadata["signature"].values()
         ):
             bad.append("signature entry")
         if not bad:

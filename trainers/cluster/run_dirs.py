@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -118,8 +118,9 @@ def check_shared_dir(cluster: Cluster, directory: str, key: str, own_output_dir:
         return
     path = Path(directory)
     problem = None
-    token = secrets.token_hex(8) if cluster.lead else None
+    token = None
     if cluster.lead:  # the file first: the others look for it once they know its name
+        token = secrets.token_hex(8)
         try:
             (path / f"{_PROBE}{token}").write_text(token)
         except OSError as e:
@@ -181,7 +182,8 @@ def rewrite_config_dump(cfg: DictConfig) -> None:
 
     if not HydraConfig.initialized():
         return
-    hydra_cfg = HydraConfig.instance().cfg
+    # The whole config, hydra node and all (Hydra types it as its HydraConf node).
+    hydra_cfg = cast(DictConfig, HydraConfig.instance().cfg)
     subdir = hydra_cfg.hydra.output_subdir
     if subdir is None:
         return

@@ -62,7 +62,7 @@ def flat_config(cfg: Any) -> dict[str, Any]:
 
     def walk(node: DictConfig, prefix: str) -> None:
         for key in node:
-            path = f"{prefix}{key}"
+            path = prefix + format(key)  # as f"{key}" (a bytes key shows as b'...')
             if _per_process(path):
                 continue
             try:

@@ -60,6 +60,9 @@ class StepMetrics(Mapping[str, float]):
       histograms: whether they hold gradient histograms.
     """
 
+    # The metrics vector. It shadows `Mapping.values()`, which StepMetrics does not offer.
+    values: jax.Array  # type: ignore[assignment]
+
     def __init__(
         self,
         keys: Sequence[str],
@@ -105,6 +108,7 @@ class StepMetrics(Mapping[str, float]):
             return None
         if self._diagnostics is None:
             self._fetch()
+            assert self._array is not None  # set by _fetch
             host, start = {}, len(self.keys_)
             for name, shape in self.diag.items():
                 size = math.prod(shape)

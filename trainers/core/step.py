@@ -288,6 +288,7 @@ def make_train_step(
             return Updated(new_params, opt_state, cs, own, measured)
 
         if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
+            assert phases is not None  # set with ZeRO
             if phases.own:
                 new_params, opt_state, measured = phases.apply(
                     grads, opt_state, params, measure=measure, **flags
@@ -314,9 +315,13 @@ def make_train_step(
     def train_and_measure(params, opt_state, grads, level) -> Trained:
         flags = level_flags(level, levels)
         if zero:  # the update on each device's slice
+            assert layout is not None  # zero implies a layout
             params, grads = constrain_for_update(layout, params, grads)
         done = update(params, opt_state, grads, flags)
-        new_params = updated(layout, done.params) if zero else done.params
+        new_params = done.params
+        if zero:
+            assert layout is not None
+            new_params = updated(layout, done.params)
         metrics, stats_only = state_metrics(
             done.cross_shard,
             done.opt_state,
@@ -371,7 +376,10 @@ def make_train_step(
 
     def gspmd(state: TrainState, batch, level) -> StepResult:
         rng = step_rng(spec.seed, state.step)
-        params = gathered(layout, state.params) if zero else state.params
+        params = state.params
+        if zero:
+            assert layout is not None
+            params = gathered(layout, state.params)
         out = loss_and_grads(task_loss, params, state.model_state, batch, rng, spec.microbatches)
         level = level if len(levels) > 1 else levels[0]
         trained = train_and_measure(state.params, state.opt_state, out.grads, level)
@@ -387,6 +395,7 @@ def make_train_step(
             out = loss_and_grads(task_loss, local, model_state, batch, rng, spec.microbatches)
             return out._replace(model_state=reduce_over_shards(out.model_state, axes))
 
+        assert layout is not None and phases is not None  # manual_zero runs with ZeRO only
         reduce = manual_zero_step(
             layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
         )

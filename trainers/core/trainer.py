@@ -445,6 +445,7 @@ class Trainer:
                     stop_vote=vote() if agree else 0,
                 )
                 if self._report_compile:
+                    assert self.compile_seconds is not None  # set where _report_compile is
                     metrics = metrics.with_host_values(
                         **{"perf/compile_time_s": self.compile_seconds}
                     )

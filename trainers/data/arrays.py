@@ -45,9 +45,9 @@ class ArrayData(EpochData):
                 f"{name}: every array needs the same number of rows (one per example); got "
                 + ", ".join(f"{k}: {np.shape(v)}" for k, v in arrays.items())
             )
-        super().__init__(
-            next(iter(lengths.values())), shuffle=shuffle, num_epochs=num_epochs, name=name
-        )
+        rows = next(iter(lengths.values()))
+        assert rows is not None  # checked above
+        super().__init__(rows, shuffle=shuffle, num_epochs=num_epochs, name=name)
         self.arrays = dict(arrays)
         self._orders = _EpochOrders()
 

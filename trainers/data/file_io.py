@@ -29,7 +29,7 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class NpyHeader:
         return f"shape {self.shape} of {self.dtype} ({_size(self.nbytes)})"
 
 
-def read_header(fp: BinaryIO, what: str) -> NpyHeader:
+def read_header(fp: IO[bytes], what: str) -> NpyHeader:
     """The header of the ``.npy`` at `fp`'s position, leaving `fp` at the data.
 
     Reads at most ``12 + MAX_HEADER_BYTES`` bytes, whatever the file claims.
@@ -155,7 +155,7 @@ def read_header(fp: BinaryIO, what: str) -> NpyHeader:
     return NpyHeader(tuple(shape), dtype, fortran_order, len(magic) + len(raw))
 
 
-def _header_bytes(fp: BinaryIO, length_format: str, what: str) -> bytes:
+def _header_bytes(fp: IO[bytes], length_format: str, what: str) -> bytes:
     """The header's length field and text, checked to be whole and not over the limit."""
     raw = fp.read(struct.calcsize(length_format))
     if len(raw) < struct.calcsize(length_format):
@@ -303,7 +303,7 @@ class Npz:
         return _shaped(flat, header)
 
 
-def _fill(fp: BinaryIO, out: np.ndarray, what: str) -> None:
+def _fill(fp: IO[bytes], out: np.ndarray, what: str) -> None:
     """Reads ``len(out)`` bytes from `fp` into the uint8 array `out`, `_CHUNK` at a time."""
     done = 0
     while done < len(out):

@@ -69,6 +69,7 @@ def _named(options: DataOptions) -> str:
 
 def _open(options: DataOptions) -> BinaryIO:
     """The file at ``task.data.path``, if it is a regular file (`file_io.open_regular`)."""
+    assert options.path is not None  # `_options` returns only options with a path
     return file_io.open_regular(Path(options.path).expanduser(), _named(options))
 
 

@@ -315,7 +315,7 @@ def build_evaluator(
         task,
         mesh,
         data_axes=data_axes,
-        global_batch_size=opts.eval_batch_size if explicit else opts.batch_size,
+        global_batch_size=opts.batch_size if opts.eval_batch_size is None else opts.eval_batch_size,
         num_batches=opts.eval_batches,
         seed=seed,
         batch_key="trainer.eval_batch_size" if explicit else "trainer.batch_size",

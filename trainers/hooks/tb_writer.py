@@ -164,6 +164,7 @@ class SafeSummaryWriter:
     def add_summary(self, summary: Any, step: int | None = None) -> None:
         """Writes a prebuilt `Summary` proto, e.g. an hparams summary (dropped after a failure)."""
         if not self._closed and self.ok():
+            assert self._writer is not None  # ok() holds
             try:
                 self._writer.file_writer.add_summary(summary, step)
             except OSError as e:
@@ -178,6 +179,7 @@ class SafeSummaryWriter:
         if self._closed:
             return
         if self.ok():
+            assert self._writer is not None  # ok() holds
             try:
                 self._writer.close()
             except OSError as e:

@@ -70,7 +70,7 @@ def check_free_space(
         )
 
 
-def disk_bytes(path: str | os.PathLike) -> int:
+def disk_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes the files under `path` occupy on disk (allocated blocks; 0 if it is gone)."""
     total = 0
     for root, _, files in os.walk(path):

@@ -158,7 +158,7 @@ def check_run_dir(
     run_dir: str | os.PathLike,
     *,
     hydra_subdir: str | None = ".hydra",
-    log_files: Iterable[str | os.PathLike] = (),
+    log_files: Iterable[str | os.PathLike[str]] = (),
     checkpoint_dir: str | os.PathLike | None = None,
     tb_dir: str | os.PathLike | None = None,
     sweep_dir: str | os.PathLike | None = None,

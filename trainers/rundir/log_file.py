@@ -29,7 +29,7 @@ def log_to_files(logger: logging.Logger, level: int, message: str) -> None:
     """
     if not logger.isEnabledFor(level):
         return
-    record = logger.makeRecord(logger.name, level, "(unknown file)", 0, message, None, None)
+    record = logger.makeRecord(logger.name, level, "(unknown file)", 0, message, (), None)
     current: logging.Logger | None = logger
     while current is not None:
         for handler in current.handlers:
@@ -49,6 +49,8 @@ class RunLogFile(logging.FileHandler):
     Attributes:
       problem: why nothing more is written to the file (None while it is written).
     """
+
+    _closed: bool  # logging.Handler's (set by its __init__ and close), not in typeshed
 
     def __init__(
         self,

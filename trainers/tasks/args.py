@@ -27,7 +27,7 @@ def positive_ints(values: Any, key: str) -> tuple[int, ...]:
     """
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise ValueError(f"{key}={values!r}: expected a list of integers >= 1.")
-    if not all(isinstance(v, Integral) and not isinstance(v, bool) and v >= 1 for v in values):
+    if not all(isinstance(v, Integral) and not isinstance(v, bool) and int(v) >= 1 for v in values):
         raise ValueError(f"{key}={list(values)!r}: expected a list of integers >= 1.")
     return tuple(int(v) for v in values)
 

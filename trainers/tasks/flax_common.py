@@ -19,10 +19,11 @@ This module does not import Flax.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from trainers.data.batch import Batch
@@ -33,14 +34,16 @@ from trainers.tasks.logical import (
 )
 
 
-def mse(outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def mse(
+    outputs: jax.Array, targets: jax.Array | np.ndarray
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean squared error over every element; aux ``{"mse": ...}``."""
     value = jnp.mean(jnp.square(outputs.astype(jnp.float32) - targets))
     return value, {"mse": value}
 
 
 def softmax_cross_entropy(
-    outputs: jax.Array, targets: jax.Array
+    outputs: jax.Array, targets: jax.Array | np.ndarray
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean cross-entropy of logits (..., classes) against integer labels (...); aux accuracy."""
     logits = outputs.astype(jnp.float32)
@@ -52,13 +55,15 @@ def softmax_cross_entropy(
 
 
 #: Losses by name (``task.loss``): ``(outputs, targets) -> (mean loss, aux metrics)``.
-LOSSES: dict[str, Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]] = {
+LOSSES: dict[str, Callable[[jax.Array, jax.Array | np.ndarray], tuple[jax.Array, dict]]] = {
     "mse": mse,
     "softmax_cross_entropy": softmax_cross_entropy,
 }
 
 
-def resolve_loss(loss: str | Callable) -> Callable[[jax.Array, jax.Array], tuple[jax.Array, dict]]:
+def resolve_loss(
+    loss: str | Callable,
+) -> Callable[[jax.Array, jax.Array | np.ndarray], tuple[jax.Array, dict]]:
     """``task.loss`` as a function returning (loss, aux).
 
     Args:
@@ -166,6 +171,18 @@ class FlaxTask:
 
     def _loss_of(self, outputs: jax.Array, batch: Batch) -> tuple[jax.Array, dict]:
         return self._loss(outputs, batch[self.targets])
+
+    if TYPE_CHECKING:  # the subclasses' (`LinenTask`, `NNXTask`); `eval_metrics` calls it
+
+        def loss_with_state(
+            self,
+            params: Any,
+            model_state: Any,
+            batch: Batch,
+            rng: jax.Array,
+            *,
+            train: bool = True,
+        ) -> tuple[jax.Array, dict, Any]: ...
 
     # ---------------------------------------------------------------------------- data
 

@@ -61,7 +61,7 @@ class LinenTask(FlaxTask):
         self.rng_collections = tuple(rng_collections)
         self.sync_batch_norm = bool(sync_batch_norm)
 
-    def _kwargs(self, train: bool) -> dict[str, bool]:
+    def _kwargs(self, train: bool) -> dict[str, Any]:
         return {} if self.train_arg is None else {self.train_arg: train}
 
     def init_with_state(self, rng: jax.Array, batch: Batch) -> tuple[Any, Any]:
@@ -114,6 +114,7 @@ class LinenTask(FlaxTask):
             out = self.model.apply(
                 variables, batch[self.inputs], rngs=rngs, mutable=mutable, **self._kwargs(train)
             )
+        outputs: Any  # the model's output (flax types `out` as output or (output, state))
         outputs, new_state = out if mutable else (out, model_state)
         loss, aux = self._loss_of(outputs, batch)
         return loss, aux, {k: new_state[k] for k in model_state}

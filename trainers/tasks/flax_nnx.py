@@ -90,7 +90,8 @@ class NNXTask(FlaxTask):
             module = self.model(rngs=nnx.Rngs(rng))
         if not isinstance(module, nnx.Module):
             raise ValueError(f"task.model built a {type(module).__name__}, not an nnx.Module")
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        # With two filters, split returns three items; flax types it as a variadic tuple.
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)  # type: ignore[misc]
         self._graphdef = graphdef
         self._param_vars = _templates(params)
         self._state_vars = _templates(rest)
@@ -141,13 +142,13 @@ class NNXTask(FlaxTask):
         if self.sync_batch_norm and axes:
             for _, sub in nnx.iter_modules(module):
                 if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
-                    sub.axis_name = axes
+                    sub.axis_name = axes  # type: ignore[assignment]  # flax: str only; a tuple works
         keys = _use_step_keys(module, rng)
         outputs = module(batch[self.inputs])
         for var, key in keys:  # the model's own keys stay; only the counters advance
             var.set_value(key)
         loss, aux = self._loss_of(outputs, batch)
-        _, rest = nnx.split(module, nnx.Param, ...)[1:]
+        _, rest = nnx.split(module, nnx.Param, ...)[1:]  # type: ignore[misc]  # as in init
         return loss, aux, _encode(_values(rest))
 
 
@@ -208,7 +209,7 @@ def _key_impls(state: nnx.State) -> dict[tuple, Any]:
 def _use_step_keys(module: nnx.Module, rng: jax.Array) -> list[tuple[nnx.Variable, Any]]:
     """Points every RNG stream of `module` at a key from the step's `rng`; returns the
     replaced key variables with their own keys, to be put back after the forward pass."""
-    replaced = []
+    replaced: list[tuple[nnx.Variable, Any]] = []
     keys = (v for _, v in nnx.iter_graph(module) if isinstance(v, nnx.RngKey))
     for i, var in enumerate(keys):
         replaced.append((var, var.get_value()))

@@ -62,11 +62,11 @@ def _teacher_apply(layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -
     return h
 
 
-def _steps(value: int | Sequence[int] | None) -> frozenset[int]:
+def _steps(value: Any) -> frozenset[int]:
     """`task.nan_at_step` as a set of steps: null, one integer or a list of integers."""
     values = [] if value is None else [value] if isinstance(value, Integral) else value
     if isinstance(values, str | bytes) or not all(
-        isinstance(v, Integral) and not isinstance(v, bool) and v >= 0 for v in values
+        isinstance(v, Integral) and not isinstance(v, bool) and int(v) >= 0 for v in values
     ):
         raise ValueError(
             f"task.nan_at_step={value!r}: expected null, a step >= 0 or a list of steps."
@@ -175,7 +175,7 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         ]
         return {"layers": layers}
 
-    def apply(self, params: Params, x: jax.Array) -> jax.Array:
+    def apply(self, params: Params, x: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
         """The student's forward pass: x (batch, in_dim) -> (batch, out_dim)."""
         act = ACTIVATIONS[self.activation]
         layers = params["layers"]

@@ -23,7 +23,7 @@ Your own text instead of the corpus: ``task.data.path=my.txt`` (bytes as tokens)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -180,7 +180,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
                 f"{len(self.tokens) - self.eval_start} tokens, fewer than one window of "
                 f"task.seq_len={seq_len} + 1; use a larger fraction, or 0 for no eval split"
             )
-        self._sample_step = None
+        self._sample_step: Callable[..., Any] | None = None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -241,7 +241,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
             params["head"] = {"w": normal((d, self.vocab_size))}
         return params
 
-    def apply(self, params: Params, inputs: jax.Array) -> jax.Array:
+    def apply(self, params: Params, inputs: jax.Array | np.ndarray) -> jax.Array:
         """Returns next-token logits.
 
         Args:

@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "CrossShardState": "xshard.optimizer",
     "DoubleReductionError": "xshard.reduce",
     "MeshConfigError": "xshard.mesh",
-    "Reduction": "xshard.reduce",
+    "Reduction": "xshard.reduction_mode",
     "build_mesh": "xshard.mesh",
     "build_optimizer": "xshard.factory",
     "build_schedule": "xshard.factory",
@@ -62,8 +62,8 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
     from xshard.optimizer import CrossShardState as CrossShardState
     from xshard.optimizer import cross_shard as cross_shard
     from xshard.reduce import DoubleReductionError as DoubleReductionError
-    from xshard.reduce import Reduction as Reduction
     from xshard.reduce import reduce_gradients as reduce_gradients
+    from xshard.reduction_mode import Reduction as Reduction
     from xshard.slots import get_hyperparams as get_hyperparams
     from xshard.slots import get_slot as get_slot
     from xshard.slots import get_slot_names as get_slot_names

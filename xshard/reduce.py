@@ -16,7 +16,6 @@ computed:
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -28,6 +27,7 @@ import optax
 
 from xshard.buckets import psum_scatter_tree, psum_tree
 from xshard.clipping import clip_recorded
+from xshard.reduction_mode import Reduction
 from xshard.stats import when
 
 logger = logging.getLogger(__name__)
@@ -37,33 +37,6 @@ AxisNames = str | Sequence[str]
 
 class PerShardGradientsRequired(ValueError):
     """Per-shard clipping or weighting was asked for gradients that were already reduced."""
-
-
-class Reduction(enum.StrEnum):
-    """How gradients are combined across shards (TF's `losses.Reduction.SUM`/`MEAN`)."""
-
-    SUM = "sum"
-    MEAN = "mean"
-
-    @classmethod
-    def parse(cls, value: Reduction | str, *, key: str = "reduction") -> Reduction:
-        """Returns the `Reduction` for `value` ("sum"/"mean" in any case, or a member).
-
-        Raises:
-          ValueError: naming `key`, the bad value and the allowed values.
-        """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(
-            f"Unsupported {key}: {value!r}. Allowed: {allowed} "
-            "(any case) or xshard.Reduction.SUM / xshard.Reduction.MEAN."
-        )
 
 
 class DoubleReductionError(ValueError):

@@ -528,13 +528,3 @@ class _CrossShard:
                 summed = _shards_in_context(spec.axis_name, spec.num_shards)
             shards = shard_stats(local.shards, summary.norm, summed)
         return shards, (None if measure is None else measure(out, updates, summary))
-
-
-def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
-    """The `CrossShardSpec` of `tx` if `cross_shard` made it (not wrapped), else None."""
-    return tx.spec if isinstance(tx, CrossShardTransformation) else None
-
-
-def cross_shard_phases(tx: optax.GradientTransformation) -> CrossShardPhases | None:
-    """The `CrossShardPhases` of `tx` if `cross_shard` made it (not wrapped), else None."""
-    return tx.phases if isinstance(tx, CrossShardTransformation) else None

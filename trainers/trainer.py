@@ -184,17 +184,16 @@ class Trainer:
         refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
         params = jax.device_put(params, shardings)
         with jax.set_mesh(self.mesh):
-            opt_shardings = self.opt_state_shardings(params, shardings)
+            opt_shardings = self.opt_state_shardings(params)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
         return TrainState(step, params, opt_state, model_state)
 
-    def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
+    def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
         hyperparameters) is replicated. See `trainers.zero.ZeroLayout.opt_state_shardings`."""
-        del param_shardings  # the layout derives them from the rules
         return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
 
     def state_shardings(self, state: TrainState) -> Any:

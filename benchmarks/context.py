@@ -21,9 +21,6 @@ from benchmarks.workloads import Workload, make_mesh, make_workload
 from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.trainer import Trainer
 
-#: Names of the step levels in variant names ("one/plain", "per_level/histograms", ...).
-LEVEL_NAMES = {"plain": PLAIN, "stats": STATS, "layers": LAYERS, "histograms": HISTOGRAMS}
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -86,13 +83,12 @@ class Bench:
         task: str,
         n: int | None = None,
         grad_impl: str = "manual",
-        step_executables: str | None = None,
     ) -> Trainer:
         n = self.max_devices if n is None else n
-        key = (task, n, grad_impl, step_executables)
+        key = (task, n, grad_impl)
         if key not in self._trainers:
             self._trainers[key] = variants.make_trainer(
-                self.workload(task), self.mesh(n), grad_impl, step_executables
+                self.workload(task), self.mesh(n), grad_impl
             )
         return self._trainers[key]
 
@@ -124,13 +120,6 @@ class Bench:
         if name.startswith("xshard_trainer+"):
             level = {"layer_stats": LAYERS, "histograms": HISTOGRAMS}[name.split("+", 1)[1]]
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, level)
-        if "/" in name:  # <step_executables>/<level name>, on a trainer of its own
-            design, level_name = name.split("/", 1)
-            trainer = self.memo(
-                ("design", task, n, design),
-                lambda: variants.make_trainer(wl, mesh, "manual", design),
-            )
-            return variants.trainer_loop(name, wl, trainer, params, LEVEL_NAMES[level_name])
         if name in ("xshard_nostats", "xshard_guard"):
             return variants.shard_map_loop(name, wl, mesh, params, guard=name == "xshard_guard")
         if name == "jit_gspmd":

@@ -266,46 +266,9 @@ def _scaling(sec: dict[str, Any]) -> str:
     return f"{table}\n\nNote: {sec['note']}."
 
 
-def _executables(sec: dict[str, Any]) -> str:
-    rows = []
-    for task in [k for k in sec if k not in ("designs", "levels")]:
-        for design in sec["designs"]:
-            d = sec[task][design]
-            c = d["compile"]
-            cells = []
-            for lv in sec["levels"]:
-                cell = _ms(d["variants"][lv])
-                if design != "one":
-                    cell += f", x{d['vs_one'][lv]['paired_median']:.2f}"
-                cells.append(cell)
-            temp = max(p["temp_bytes"] or 0 for p in d["programs"].values())
-            rows.append(
-                [
-                    task,
-                    f"`{design}`",
-                    *cells,
-                    d["executables"],
-                    f"{c['trainer_compile_s']:.2f}",
-                    _kib(temp),
-                ]
-            )
-    return _table(
-        [
-            "task",
-            "`step_executables`",
-            *(f"{lv} step ms (x `one`, paired)" for lv in sec["levels"]),
-            "executables",
-            "compile s (all)",
-            "temporaries KiB (largest)",
-        ],
-        rows,
-    )
-
-
 _RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "overhead": ("1. Step time: xshard vs hand-written steps", _overhead),
     "stats": ("2. Cost of the statistics", _stats),
-    "executables": ("2b. One executable or one per kind of step", _executables),
     "collectives": ("3. Collectives per step (compiled HLO)", _collectives),
     "memory": ("4. Memory per device (KiB, `compiled.memory_analysis()`)", _memory),
     "compile": ("5. Compilation", _compile),

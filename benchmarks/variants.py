@@ -20,8 +20,6 @@ Names used in the report:
 * ``xshard_trainer+layer_stats`` / ``+histograms`` — `Trainer.step` computing per-layer norms
   (and gradient histograms) of its own gradient on every step, fetched to the host as
   `Trainer.fit` does: the cost of a step that logs them.
-* ``<design>/<level>`` (section ``executables``) — a trainer built with
-  ``step_executables=<design>`` running steps of one level (plain, stats, layers, histograms).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from benchmarks.workloads import DATA_AXIS, Workload
 from trainers.core.step import HISTOGRAMS, LAYERS, STATS
 from trainers.core.trainer import Trainer
 from trainers.tasks.sharding import param_shardings
-from xshard import Reduction, cross_shard
+from xshard import cross_shard
 
 HANDWRITTEN = ("jit_gspmd", "pmap_pmean")
 
@@ -106,14 +104,9 @@ class StepLoop:
 # --------------------------------------------------------------------------------------------
 
 
-def make_trainer(
-    wl: Workload,
-    mesh: Mesh,
-    grad_impl: str = "manual",
-    step_executables: str | None = None,
-) -> Trainer:
-    """The `Trainer` the CLI would build for `wl` on `mesh` (`step_executables`: None, the
-    composed config's ``trainer.step_executables``)."""
+def make_trainer(wl: Workload, mesh: Mesh, grad_impl: str = "manual") -> Trainer:
+    """The `Trainer` the CLI would build for `wl` on `mesh` (it reduces as the optimizer
+    says: the config's ``reduction`` node)."""
     return Trainer(
         wl.task,
         wl.xshard_optimizer(mesh),
@@ -122,9 +115,7 @@ def make_trainer(
         global_batch_size=wl.global_batch_size,
         microbatches=int(wl.cfg.trainer.microbatches),
         grad_impl=grad_impl,
-        reduction=wl.cfg.reduction.mode,
         seed=int(wl.cfg.seed),
-        step_executables=step_executables or str(wl.cfg.trainer.step_executables),
     )
 
 
@@ -273,7 +264,7 @@ def shard_map_loop(name: str, wl: Workload, mesh: Mesh, params: Any, *, guard: b
     """`xshard.cross_shard` (statistics off) in a hand-written shard_map step."""
     tx = cross_shard(
         wl.plain_optimizer(),
-        Reduction.parse(wl.cfg.reduction.mode),
+        wl.cfg.reduction.mode,
         axis_name=DATA_AXIS,
         track_stats=False,
         skip_nonfinite=guard,

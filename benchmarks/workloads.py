@@ -35,8 +35,8 @@ WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gpt_8x256": ("tiny_gpt", (*GPT_8X256, "trainer.batch_size=16")),
 }
 TASKS = tuple(WORKLOADS)
-#: The workloads of the sections that build many programs per workload (one per step design,
-#: one per device count): the two small ones.
+#: The workloads of the sections that build many programs per workload (one per device
+#: count): the two small ones.
 SMALL_TASKS = ("mlp", "tiny_gpt")
 
 #: Optimizer, schedule and reduction of every benchmark: adam, constant rate, MEAN.

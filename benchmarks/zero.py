@@ -138,7 +138,6 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
                 global_batch_size=cfg.trainer.batch_size,
                 grad_impl=impl,
                 zero_stage=stage,
-                step_executables="per_level",  # the plain step alone: what is measured
             )
             batch = trainer.global_batch(next(iter(task.batches(cfg.trainer.batch_size, seed=0))))
             state = trainer.init(trainer.init_params(jax.device_get(batch)))

@@ -35,10 +35,6 @@ from xshard.errors import ConfigError
         (["trainer.microbatches=3"], "trainer.microbatches=3"),
         (["trainer.grad_impl=pjit"], "trainer.grad_impl='pjit' is not allowed"),
         (
-            ["trainer.step_executables=many"],
-            "trainer.step_executables='many' is not allowed; choose one of ['per_level',",
-        ),
-        (
             ["mesh=cpu4x2", "reduction.axis_name=[data,model]"],
             "reduction.axis_name=['data', 'model'] must name the data-parallel axes",
         ),

@@ -21,7 +21,7 @@ from cli import run_train
 from omegaconf import OmegaConf
 
 import xshard
-from trainers.app.cli_overrides import group_override_error
+from trainers.app.cli_overrides import group_override_error, removed_key_error
 from trainers.config import TrainerOptions
 from trainers.train import train
 from xshard.config import read_node
@@ -224,6 +224,19 @@ def test_group_override_without_an_option_name(overrides, message):
         )
 
 
+@pytest.mark.parametrize("value", ["one", "two", "per_level"])
+def test_a_removed_key_is_refused_naming_it_and_saying_it_was_removed(value, compose_config):
+    for arg in (f"trainer.step_executables={value}", f"+trainer.step_executables={value}"):
+        error = removed_key_error(["task=mlp", arg])
+        assert isinstance(error, ConfigError)
+        message = str(error)
+        assert message.startswith(f"trainer.step_executables={value}: this key was removed")
+        assert "own compiled program" in message and "Delete the override" in message
+    assert removed_key_error(["task=mlp", "trainer.steps=3", "--cfg", "job"]) is None
+    with pytest.raises(Exception, match="step_executables"):  # composed without the CLI
+        compose_config("trainer.step_executables=one")
+
+
 # --------------------------------------------------------------------------------------------
 # Through the real CLI: exit 2, one line naming the key and the value, no traceback
 # --------------------------------------------------------------------------------------------
@@ -253,6 +266,7 @@ def test_group_override_without_an_option_name(overrides, message):
         ),
         (["task.teacher_seed=-1"], "task.teacher_seed=-1: expected an integer, 0 <="),
         (["trainer.profile_steps=[a,b]"], "trainer.profile_steps=['a', 'b']: expected an int"),
+        (["trainer.step_executables=one"], "trainer.step_executables=one: this key was removed"),
     ],
 )
 def test_cli_bad_value_exits_2_with_one_line(tmp_path, overrides, message):

@@ -84,7 +84,6 @@ def test_trainer_schema_defaults_equal_the_trainer_api_defaults():
     defaults = TrainerOptions()
     assert defaults.microbatches == params["microbatches"].default
     assert defaults.grad_impl == params["grad_impl"].default
-    assert defaults.step_executables == params["step_executables"].default
     assert primary["seed"] == params["seed"].default
     assert ShardingOptions().zero_stage == params["zero_stage"].default
     assert "trainer" not in primary and "distributed" not in primary  # only in the schemas

@@ -221,3 +221,47 @@ def test_with_stats_false_records_only_what_the_guard_needs(with_stats):
     new_params, state = f(params, tx.init(params), bad, flag)
     jax.tree.map(np.testing.assert_array_equal, new_params, params)
     assert int(state.reduced.nonfinite) > 0 and int(state.skipped_steps) == 1
+
+
+# ------------------------------------------------------------------------------ its type
+
+
+def test_cross_shard_is_an_optax_transformation_that_carries_its_spec_and_phases():
+    params, _ = make_problem()
+    grads = jax.tree.map(jnp.ones_like, params)
+    tx = xshard.cross_shard(optax.sgd(0.1), " Sum ", num_shards=2, skip_nonfinite=True)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert isinstance(tx, xshard.CrossShardTransformation) and len(tx) == 2
+    assert tx.spec.reduction is xshard.Reduction.SUM and tx.spec.axis_name == ("data",)
+    assert tx.spec.skip_nonfinite and tx.spec.num_shards == 2
+    assert isinstance(tx.phases, xshard.CrossShardPhases)
+    assert optax.with_extra_args_support(tx) is tx  # extra arguments reach it in a chain
+    expected, _ = tx.update(grads, tx.init(params), params)
+    wrapped = {
+        "chain": optax.chain(tx),
+        "apply_if_finite": optax.apply_if_finite(tx, 3),
+        "partition": optax.partition({"a": tx}, jax.tree.map(lambda _: "a", params)),
+    }
+    for other in wrapped.values():
+        updates, _ = other.update(grads, other.init(params), params)
+        assert_trees_close(updates, expected, rtol=0, atol=0)
+    # Another update is another transformation; as a pytree it keeps its spec.
+    assert type(tx._replace(update=tx.update)) is optax.GradientTransformationExtraArgs
+    leaves, treedef = jax.tree.flatten(tx)
+    assert jax.tree.unflatten(treedef, leaves).spec is tx.spec
+
+
+def test_phases_compose_to_the_update():
+    params, _ = make_problem()
+    grads = jax.tree.map(lambda p: 0.5 * jnp.ones_like(p), params)
+    tx = xshard.cross_shard(optax.adam(0.1), "sum", num_shards=4)
+    state = tx.init(params)
+    expected, expected_state = tx.update(grads, state, params)
+    local = tx.phases.reduce(grads, params)
+    updates, new_state = tx.phases.finish(local, state, params)
+    assert_trees_close(updates, expected, rtol=0, atol=0)
+    assert_trees_close(new_state.inner_state, expected_state.inner_state, rtol=0, atol=0)
+    applied = tx.phases.apply(local, state, params)
+    assert_trees_close(applied.params, optax.apply_updates(params, expected), rtol=0, atol=0)
+    assert_trees_close(applied.state.inner_state, expected_state.inner_state, rtol=0, atol=0)
+    assert applied.measured is None

@@ -385,3 +385,14 @@ def test_reduction_defaults_are_cross_shards():
     assert isinstance(xshard.inner_state(state), tuple)
     conf = xshard.factory._reduction(OmegaConf.create({"reduction": {}, "mesh": {"axes": ["d"]}}))
     assert conf == ReductionConf(mode="mean", axis_name=("d",))
+
+
+def test_the_reduction_node_is_parsed_once_into_the_optimizers_spec():
+    """The schema parses ``reduction.mode``; the optimizer and the trainer read its spec."""
+    from xshard.config.schemas import ReductionConf
+
+    assert ReductionConf(mode=" SUM ").mode is xshard.Reduction.SUM
+    tx = xshard.build_optimizer(make_cfg(reduction={"mode": " SUM ", "axis_name": ["data"]}))
+    assert isinstance(tx, xshard.CrossShardTransformation)
+    assert tx.spec.reduction is xshard.Reduction.SUM and tx.spec.axis_name == ("data",)
+    assert tx.spec.skip_nonfinite  # the schema's default

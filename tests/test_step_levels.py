@@ -1,12 +1,9 @@
 """The schedule of step levels `Trainer.fit` follows, and the levels a run meets."""
 
-import itertools
-
 import pytest
 
-from trainers.config.run import STEP_EXECUTABLE_DESIGNS
-from trainers.core.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
-from trainers.core.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
+from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
+from trainers.core.step_levels import levels_in_run, step_level
 
 PERIODS = {"stats_every": 10, "layer_stats_every": 100, "histogram_every": 100}
 
@@ -47,9 +44,3 @@ def test_levels_in_run_are_exactly_those_of_its_steps(first, num_steps, periods)
 
 def test_levels_in_a_finished_run_are_none():
     assert levels_in_run(11, 10, **PERIODS) == frozenset()
-
-
-def test_every_design_serves_every_level_once():
-    assert tuple(STEP_EXECUTABLES) == STEP_EXECUTABLE_DESIGNS
-    for groups in STEP_EXECUTABLES.values():
-        assert sorted(itertools.chain(*groups)) == list(LEVELS)

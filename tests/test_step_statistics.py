@@ -298,15 +298,10 @@ def test_plain_optax_optimizer_trains_like_cross_shard_mean(task, mesh, grad_imp
 
 def test_every_program_the_run_needs_is_compiled_before_its_first_step(task, mesh):
     _, rec, trainer, events = fit(task, mesh, xshard.cross_shard(optax.adam(1e-3)), steps=8)
-    # The default, "per_level": one executable per level the run meets, all before step 1.
-    assert list(trainer.executables()) == [(0,), (1,), (2,), (3,)]
-    assert rec.compiled_at[1] == [(0,), (1,), (2,), (3,)]
+    # One executable per level the run meets, all before step 1.
+    assert list(trainer.executables()) == [0, 1, 2, 3]
+    assert rec.compiled_at[1] == [0, 1, 2, 3]
     assert events.compiles == 4 and events.traces == 4
-    _, rec, trainer, events = fit(
-        task, mesh, xshard.cross_shard(optax.adam(1e-3)), steps=8, step_executables="one"
-    )
-    assert list(trainer.executables()) == [(0, 1, 2, 3)]
-    assert events.compiles == 1 and events.traces == 1
     assert {s for s, m in rec.metrics.items() if "optim/update_norm" in m} == {2, 3, 4, 6, 8}
     assert rec.diagnostics.keys() == {3, 4, 6, 8}
     assert {s for s, d in rec.diagnostics.items() if "grad_hist" in d} == {4, 8}
@@ -319,5 +314,5 @@ def test_a_run_compiles_only_the_levels_it_meets(task, mesh):
     state = trainer.init(trainer.init_params(first))
     with CompileEvents() as events:  # statistics every 5th step, no logging steps
         trainer.fit(state, task.batches(BATCH, seed=0), num_steps=10, stats_every=5)
-    assert list(trainer.executables()) == [(0,), (1,)]
+    assert list(trainer.executables()) == [0, 1]
     assert events.compiles == 2

@@ -147,6 +147,28 @@ def test_batch_not_divisible_by_data_parallel_size_is_a_clear_error(mlp):
         )
 
 
+def test_a_plain_optax_optimizer_is_wrapped_once_in_cross_shard(mlp):
+    mesh = mesh_of((8,), ("data",))
+    trainer = Trainer(mlp, optax.sgd(0.1), mesh, global_batch_size=BATCH, reduction="SUM")
+    spec = trainer.tx.spec  # what the step runs: a cross_shard over the data axes
+    assert isinstance(trainer.tx, xshard.CrossShardTransformation)
+    assert spec.reduction is xshard.Reduction.SUM and spec.axis_name == ("data",)
+    assert not spec.skip_nonfinite  # a plain optimizer skips nothing
+    tx = xshard.cross_shard(optax.sgd(0.1), "mean")
+    assert Trainer(mlp, tx, mesh, global_batch_size=BATCH, reduction="MEAN").tx is tx
+    with pytest.raises(ValueError, match="reduction='sum' disagrees with the optimizer's 'mean'"):
+        Trainer(mlp, tx, mesh, global_batch_size=BATCH, reduction="sum")
+
+
+def test_a_cross_shard_inside_a_chain_is_refused_before_anything_compiles(mlp):
+    tx = optax.chain(xshard.cross_shard(optax.sgd(0.1)), optax.scale(0.5))
+    trainer = Trainer(mlp, tx, mesh_of((8,), ("data",)), global_batch_size=BATCH)
+    params = trainer.init_params(next(iter(mlp.batches(BATCH, seed=0))))
+    with pytest.raises(ValueError, match=r"inside another transformation .* every gradient twice"):
+        trainer.init(params)
+    assert trainer.executables() == {}
+
+
 def test_tiny_gpt_on_data_x_model_mesh_shards_params_over_model():
     task = TinyGPTTask(d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16)
     mesh = mesh_of((4, 2), ("data", "model"))

@@ -69,7 +69,6 @@ def train(
         global_batch_size=BATCH,
         grad_impl=impl,
         zero_stage=stage,
-        step_executables="per_level",
         microbatches=microbatches,
     )
     batches = iter(task.batches(BATCH, seed=0))

@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING, Any
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     "ConfigError": "xshard.errors",
+    "CrossShardPhases": "xshard.optimizer",
+    "CrossShardSpec": "xshard.optimizer",
     "CrossShardState": "xshard.optimizer",
+    "CrossShardTransformation": "xshard.optimizer",
     "DoubleReductionError": "xshard.reduce",
     "MeshConfigError": "xshard.mesh",
-    "Reduction": "xshard.reduce",
+    "Reduction": "xshard.reduction_mode",
     "build_mesh": "xshard.mesh",
     "build_optimizer": "xshard.factory",
     "build_schedule": "xshard.factory",
@@ -59,11 +62,14 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
     from xshard.mesh import configure_devices as configure_devices
     from xshard.mesh import data_axes as data_axes
     from xshard.mesh import data_parallel_size as data_parallel_size
+    from xshard.optimizer import CrossShardPhases as CrossShardPhases
+    from xshard.optimizer import CrossShardSpec as CrossShardSpec
     from xshard.optimizer import CrossShardState as CrossShardState
+    from xshard.optimizer import CrossShardTransformation as CrossShardTransformation
     from xshard.optimizer import cross_shard as cross_shard
     from xshard.reduce import DoubleReductionError as DoubleReductionError
-    from xshard.reduce import Reduction as Reduction
     from xshard.reduce import reduce_gradients as reduce_gradients
+    from xshard.reduction_mode import Reduction as Reduction
     from xshard.slots import get_hyperparams as get_hyperparams
     from xshard.slots import get_slot as get_slot
     from xshard.slots import get_slot_names as get_slot_names

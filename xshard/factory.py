@@ -41,7 +41,7 @@ from xshard.errors import ConfigError
 from xshard.masks import resolve_mask
 from xshard.mesh import check_axis_names
 from xshard.mesh_spec import data_axes as mesh_data_axes
-from xshard.optimizer import cross_shard
+from xshard.optimizer import CrossShardTransformation, cross_shard
 from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
 
 #: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`).
@@ -245,7 +245,7 @@ def _reduction(cfg: DictConfig) -> ReductionConf:
 # --------------------------------------------------------------------------------------------
 
 
-def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationExtraArgs:
+def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
     """Builds the cross-shard optimizer described by a config.
 
     Args:
@@ -260,8 +260,10 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> optax.GradientTransformationE
         by their size.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``: per-shard clip -> reduce -> non-finite
-      guard -> global clip -> inner optimizer with the scheduled learning rate.
+      The `xshard.optimizer.CrossShardTransformation` (an
+      ``optax.GradientTransformationExtraArgs``): per-shard clip -> reduce -> non-finite
+      guard -> global clip -> inner optimizer with the scheduled learning rate. Its ``spec``
+      holds the ``reduction`` node as parsed (e.g. the mode as an `xshard.Reduction`).
 
     Raises:
       ConfigError: for a missing required key, an unknown reduction mode, a learning rate

@@ -26,6 +26,7 @@ inner optimizer alone); only the statistics are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable
@@ -142,44 +143,83 @@ def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
-def guarded_update(
-    inner: optax.GradientTransformation,
-    *,
-    skip_nonfinite: bool,
-    track_stats: bool,
-    bins: int = HISTOGRAM_BINS,
-) -> Callable[..., tuple[Any, optax.OptState, StepRecord]]:
-    """The update of `inner` on a reduced gradient, guarded and measured in one branch.
+class Guarded(NamedTuple):
+    """A `GuardedUpdate`'s result."""
 
-    Args:
-      inner: the optimizer (extra arguments are forwarded to it).
+    out: Any  # ``finalize(params, updates)``, or ``skipped(params)`` for a skipped update
+    state: SkipIfNonFiniteState  # the guard's new state around the inner optimizer's
+    record: StepRecord  # what the branch taken recorded
+
+
+class _Stepped(NamedTuple):
+    """The inner update of a step, applied (`_GuardedStep.step`) or skipped (``skip``)."""
+
+    out: Any
+    inner_state: optax.OptState
+    updates: Any
+
+
+class _Statistics(NamedTuple):
+    """What a step's level computes besides the update (`_GuardedStep.statistics`)."""
+
+    max_abs: jax.Array
+    leaf_norms: jax.Array
+    measured: Any
+    histograms: Histograms | optax.EmptyState
+
+
+class _Levels(NamedTuple):
+    """The levels a guarded update serves, each ``(statistics, per-leaf norms, histograms)``.
+
+    Attributes:
+      levels: the distinct levels the flags' values may select (per-leaf norms are a
+        statistic: no level has them without the statistics).
+      served: every statistic any level computes: what a rare, non-finite step computes.
+      level: the step's level, an index into `levels` (traced where there are several).
+    """
+
+    levels: list[tuple[bool, bool, bool]]
+    served: tuple[bool, bool, bool]
+    level: jax.Array | int
+
+
+def _levels(flags: tuple[Flag, Flag, Flag]) -> _Levels:
+    """The `_Levels` of the flags ``(with_stats, layer_norms, histograms)``, each None, a
+    Python bool or a traced bool (None: true)."""
+    values = [_values(f) for f in flags]
+    combinations = list(itertools.product(*values))
+    level_of = [(s, s and lv, h) for s, lv, h in combinations]
+    levels = list(dict.fromkeys(level_of))
+    served = (values[0][-1], values[1][-1], values[2][-1])  # the largest value of each
+    index: jax.Array | int = 0
+    if len(levels) > 1:
+        position: jax.Array | int = 0
+        for flag, vals in zip(flags, values, strict=True):
+            position = position * len(vals) + _position(flag, vals)
+        table = [levels.index(lv) for lv in level_of]
+        index = jnp.asarray(table, jnp.int32)[position]
+    return _Levels(levels, served, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardedUpdate:
+    """The update of `inner` on a reduced gradient, guarded and measured in one branch
+    (`guarded_update` builds it; calling it runs one update).
+
+    Attributes:
+      inner: the optimizer, with extra-args support (extra arguments are forwarded to it).
       skip_nonfinite: skip updates whose gradient holds a NaN or Inf (else apply them).
       track_stats: compute max |g| on statistics steps and histograms on histogram steps.
       bins: buckets of every histogram.
-
-    Returns:
-      ``run(gradient, sq_norm, guard_state, params, *, finalize, skipped=None,
-      max_abs=None, shard_axes=None, with_stats=None, layer_norms=None, histograms=None,
-      measure=None, **extra) -> (out, new guard state, StepRecord)``, where the guard state is a
-      `SkipIfNonFiniteState` around the inner optimizer's (its counters advance in the
-      branch taken, with `skip_nonfinite`). ``gradient()`` returns the reduced gradient; it
-      is called in every computation that reads it, so that what it computes (slices of a
-      packed buffer, ``pmean``'s division) fuses into its consumers there. ``sq_norm()`` and
-      ``max_abs()`` return its squared global norm and its largest |g| (None: computed from
-      ``gradient()``, a reduction per leaf). ``shard_axes``: the manual mesh axes inside
-      ``shard_map`` (histograms are then split over the shards). ``finalize(params,
-      updates)`` turns the inner
-      optimizer's updates into `out` (`optax.apply_updates`, or the updates themselves);
-      ``skipped(params)`` is `out` for a skipped update (default: `finalize` of zero
-      updates). ``measure(out, updates, summary)`` returns a pytree of arrays computed on
-      statistics steps (for a skipped update `out` is the skipped one and the updates are
-      zeros). The flags are None, a Python bool or a traced bool: ``with_stats`` (default:
-      every step) for max |g| and `measure`, ``layer_norms`` (default: with the statistics)
-      for the per-leaf norms of a finite gradient, ``histograms`` (default: never).
     """
-    inner = optax.with_extra_args_support(inner)
 
-    def run(
+    inner: optax.GradientTransformationExtraArgs
+    skip_nonfinite: bool
+    track_stats: bool
+    bins: int = HISTOGRAM_BINS
+
+    def __call__(
+        self,
         gradient: Callable[[], Any],
         sq_norm: Callable[[], jax.Array] | None,
         guard_state: SkipIfNonFiniteState,
@@ -194,148 +234,272 @@ def guarded_update(
         histograms: Flag = None,
         measure: Callable[[Any, Any, GradSummary], Any] | None = None,
         **extra: Any,
-    ):
+    ) -> Guarded:
+        """One guarded update.
+
+        Args:
+          gradient: ``gradient()`` returns the reduced gradient; it is called in every
+            computation that reads it, so that what it computes (slices of a packed buffer,
+            ``pmean``'s division) fuses into its consumers there.
+          sq_norm: ``sq_norm()`` returns its squared global norm (None: computed from
+            ``gradient()``, a reduction per leaf).
+          guard_state: the `SkipIfNonFiniteState` around the inner optimizer's (its counters
+            advance in the branch taken, with `skip_nonfinite`).
+          params: the params the update is for.
+          finalize: ``finalize(params, updates)`` turns the inner optimizer's updates into
+            the result's `out` (`optax.apply_updates`, or the updates themselves).
+          skipped: ``skipped(params)`` is `out` for a skipped update (default: `finalize`
+            of zero updates).
+          max_abs: ``max_abs()`` returns the gradient's largest |g| (None: computed from
+            ``gradient()``).
+          shard_axes: the manual mesh axes inside ``shard_map`` (histograms and per-leaf
+            norms are then split over the shards).
+          with_stats: None, a Python bool or a traced bool (as the other flags): max |g| and
+            `measure` (default: every step).
+          layer_norms: the per-leaf norms of a finite gradient (default: with the
+            statistics).
+          histograms: the per-leaf histograms (default: never).
+          measure: ``measure(out, updates, summary)`` returns a pytree of arrays computed on
+            statistics steps (for a skipped update `out` is the skipped one and the updates
+            are zeros).
+          **extra: forwarded to the inner optimizer.
+
+        Returns:
+          The `Guarded` result.
+        """
         total = tree_sq_norm(gradient()) if sq_norm is None else sq_norm()
-        n = len(jax.tree.leaves(jax.eval_shape(gradient)))
-        hist_flag = (False if histograms is None else histograms) if track_stats else False
+        hist_flag = (False if histograms is None else histograms) if self.track_stats else False
         layer_flag = with_stats if layer_norms is None else layer_norms
-        flags = (with_stats, layer_flag, hist_flag)
-        values = [_values(f) for f in flags]
-        # The levels served, and the level of each combination of the flags' values: per-leaf
-        # norms are a statistic, no level has them without the statistics.
-        combinations = list(itertools.product(*values))
-        level_of = [(s, s and lv, h) for s, lv, h in combinations]
-        levels = list(dict.fromkeys(level_of))
-        served = tuple(max(v) for v in values)  # what a rare, non-finite step computes
-
-        def step(g, params, inner_state):
-            updates, new_inner = inner.update(g, inner_state, params, **extra)
-            return finalize(params, updates), new_inner, updates
-
-        def skip(g, params, inner_state):
-            shapes = jax.eval_shape(step, g, params, inner_state)[2]
-            updates = jax.tree.map(_zeros_like_abstract, shapes)
-            out = finalize(params, updates) if skipped is None else skipped(params)
-            return out, inner_state, updates
-
-        def statistics(g, seen, out, updates, summary, stats: bool, layers: bool, hist: bool):
-            """(max |g|, per-leaf norms, the caller's measurements, histograms) at a level."""
-            # Inside shard_map the reduced gradient is the same on every shard: each reads
-            # its 1/N for the per-leaf statistics (a shard's own slice, after a scatter, is
-            # not split).
-            same = shard_axes and not any(_varying(x) & set(shard_axes) for x in jax.tree.leaves(g))
-            split = {
-                statistic: shard_axes if same and worth_splitting(g, statistic) else None
-                for statistic in ("sq_norms", "histograms")
-            }
-            norms = summary.leaf_norms
-            if norms is None:  # finite gradient: the leaf norms are a statistic
-                norms = jnp.full((n,), jnp.nan)
-                if layers:
-                    norms = jnp.sqrt(leaf_sq_norms(g, split["sq_norms"]))
-            biggest = jnp.full((), jnp.nan)
-            if stats and track_stats:
-                biggest = tree_max_abs(seen) if max_abs is None or seen is not g else max_abs()
-            measured = None
-            if measure is not None:
-                summary = summary._replace(leaf_norms=norms)
-                measured = measure(out, updates, summary) if stats else unmeasured()
-            hists: Histograms | optax.EmptyState = optax.EmptyState()
-            if track_stats:
-                compute = lambda: leaf_histograms(g, bins, split["histograms"])
-                hists = compute() if hist else nan_like(jax.eval_shape(compute))
-            return jnp.asarray(biggest, jnp.float32), norms, measured, hists
-
-        def unmeasured():
-            """NaN like `measure`'s result (from shapes only: no update needs to exist)."""
-
-            def shapes(params, inner_state):
-                out, _, updates = step(gradient(), params, inner_state)
-                summary = finite_summary()._replace(leaf_norms=jnp.zeros((n,), jnp.float32))
-                return measure(out, updates, summary)
-
-            return nan_like(jax.eval_shape(shapes, params, guard_state.inner_state))
-
-        def record(summary, applied, stats_out):
-            max_abs, norms, measured, hists = stats_out
-            summary = summary._replace(max_abs=max_abs, leaf_norms=norms)
-            # Constants vary like the gradient (over the axes it was not reduced over).
-            summary = jax.tree.map(lambda x: _vary_like(x, total), summary)
-            return StepRecord(summary, hists, applied, measured)
-
-        def finite_summary():
-            return GradSummary(jnp.sqrt(total), None, jnp.zeros((), jnp.int32), None)
-
-        def rare_summary(g):
-            nonfinite, seen = count_nonfinite(g), finite_values(g)
-            clean = leaf_sq_norms(seen)
-            return GradSummary(jnp.sqrt(jnp.sum(clean)), None, nonfinite, jnp.sqrt(clean)), seen
-
-        def finite_statistics(out, updates):
-            """The statistics of the step's level (a switch over the levels served)."""
-            summary = finite_summary()
-
-            def at_level(stats: bool, layers: bool, hist: bool):
-                g = gradient()  # called in the branch: its slices fuse there
-                return statistics(g, g, out, updates, summary, stats, layers, hist)
-
-            per_level = [functools.partial(at_level, *lv) for lv in levels]
-            stats_out = per_level[0]() if len(per_level) == 1 else jax.lax.switch(level, per_level)
-            return record(summary, jnp.ones((), jnp.bool_), stats_out)
-
-        def rare_statistics(out, updates, applied):
-            """Every statistic the program serves: a non-finite gradient is rare."""
-            g = gradient()
-            summary, seen = rare_summary(g)
-            return record(summary, applied, statistics(g, seen, out, updates, summary, *served))
-
-        level: jax.Array | int = 0  # the traced index of the step's level among `levels`
-        if len(levels) > 1:
-            position: jax.Array | int = 0
-            for flag, vals in zip(flags, values, strict=True):
-                position = position * len(vals) + _position(flag, vals)
-            table = [levels.index(lv) for lv in level_of]
-            level = jnp.asarray(table, jnp.int32)[position]
+        step = _GuardedStep(
+            guard=self,
+            gradient=gradient,
+            total=total,
+            n=len(jax.tree.leaves(jax.eval_shape(gradient))),
+            levels=_levels((with_stats, layer_flag, hist_flag)),
+            finalize=finalize,
+            skipped=skipped,
+            max_abs=max_abs,
+            shard_axes=shard_axes,
+            measure=measure,
+            extra=extra,
+            params=params,
+            inner_state=guard_state.inner_state,
+        )
         finite_sum = jnp.isfinite(total)  # False for a NaN or Inf, or an overflow of squares
-
-        if not skip_nonfinite:  # the update outside any branch: only statistics branch
-            out, new_inner, updates = step(gradient(), params, guard_state.inner_state)
-            applied = jnp.ones((), jnp.bool_)
-            if len(levels) == 1 and not levels[0][0]:  # no statistic reads the update
-                out_, updates_ = None, None
-            else:
-                out_, updates_ = out, updates
-
-            def finite_level():
-                return finite_statistics(out_, updates_)
-
-            rec = jax.lax.cond(
-                finite_sum, finite_level, lambda: rare_statistics(out_, updates_, applied)
-            )
-            return out, guard_state._replace(inner_state=new_inner), rec
-
-        def finite(operands):
-            """Every element is finite: update, then the statistics of the step's level."""
-            params, state = operands
-            g = gradient()
-            out, new_inner, updates = step(g, params, state.inner_state)
-            # Only statistics leave the nested switch: a nested branch that returned the
-            # state would make XLA copy the donated state every step.
-            applied = jnp.ones((), jnp.bool_)
-            return out, counted(state, applied, new_inner), finite_statistics(out, updates)
-
-        def rare(operands):
-            """Skipped: the state as it was, with every statistic the program serves."""
-            params, state = operands
-            g = gradient()
-            out, new_inner, updates = skip(g, params, state.inner_state)
-            applied = jnp.zeros((), jnp.bool_)
-            record = rare_statistics(out, updates, applied)
-            return out, counted(state, applied, new_inner), record
-
+        if not self.skip_nonfinite:  # the update outside any branch: only statistics branch
+            return step.unbranched(finite_sum, params, guard_state)
         # Two branches carry the state, and the counters advance in them: with more branches
         # (or a nested cond returning it), or the counters read after the cond, XLA:CPU
         # copies parts of the donated state on every step.
-        return jax.lax.cond(finite_sum, finite, rare, (params, guard_state))
+        return jax.lax.cond(finite_sum, step.finite, step.rare, (params, guard_state))
 
-    return run
+
+def guarded_update(
+    inner: optax.GradientTransformation,
+    *,
+    skip_nonfinite: bool,
+    track_stats: bool,
+    bins: int = HISTOGRAM_BINS,
+) -> GuardedUpdate:
+    """The update of `inner` on a reduced gradient, guarded and measured in one branch.
+
+    Args:
+      inner: the optimizer (extra arguments are forwarded to it).
+      skip_nonfinite: skip updates whose gradient holds a NaN or Inf (else apply them).
+      track_stats: compute max |g| on statistics steps and histograms on histogram steps.
+      bins: buckets of every histogram.
+
+    Returns:
+      The `GuardedUpdate`: ``update(gradient, sq_norm, guard_state, params, *, finalize,
+      ...) -> Guarded`` (see `GuardedUpdate.__call__`).
+    """
+    inner = optax.with_extra_args_support(inner)
+    return GuardedUpdate(inner, skip_nonfinite, track_stats, bins)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # holds tracers: compared by identity
+class _GuardedStep:
+    """One call of a `GuardedUpdate`: its arguments, and the computations its branches run.
+
+    Attributes:
+      guard: the `GuardedUpdate` called.
+      gradient, finalize, skipped, max_abs, shard_axes, measure: its arguments.
+      total: the gradient's squared global norm (float32).
+      n: the gradient's number of leaves.
+      levels: the levels served, and the step's.
+      extra: the inner optimizer's extra arguments.
+      params, inner_state: the call's params and inner state (for shapes only: the branches
+        read their own operands).
+    """
+
+    guard: GuardedUpdate
+    gradient: Callable[[], Any]
+    total: jax.Array
+    n: int
+    levels: _Levels
+    finalize: Callable[[Any, Any], Any]
+    skipped: Callable[[Any], Any] | None
+    max_abs: Callable[[], jax.Array] | None
+    shard_axes: tuple[str, ...] | None
+    measure: Callable[[Any, Any, GradSummary], Any] | None
+    extra: dict[str, Any]
+    params: Any
+    inner_state: optax.OptState
+
+    # ------------------------------------------------------------------ the update
+
+    def step(self, g: Any, params: Any, inner_state: optax.OptState) -> _Stepped:
+        """The inner update on `g`, finalized."""
+        updates, new_inner = self.guard.inner.update(g, inner_state, params, **self.extra)
+        return _Stepped(self.finalize(params, updates), new_inner, updates)
+
+    def skip(self, g: Any, params: Any, inner_state: optax.OptState) -> _Stepped:
+        """A skipped update: zero updates, the inner state as it was."""
+        shapes = jax.eval_shape(self.step, g, params, inner_state).updates
+        updates = jax.tree.map(_zeros_like_abstract, shapes)
+        out = self.finalize(params, updates) if self.skipped is None else self.skipped(params)
+        return _Stepped(out, inner_state, updates)
+
+    def unbranched(
+        self, finite_sum: jax.Array, params: Any, guard_state: SkipIfNonFiniteState
+    ) -> Guarded:
+        """Without `skip_nonfinite`: the update outside any branch, its statistics in one."""
+        stepped = self.step(self.gradient(), params, guard_state.inner_state)
+        applied = jnp.ones((), jnp.bool_)
+        levels = self.levels.levels
+        if len(levels) == 1 and not levels[0][0]:  # no statistic reads the update
+            out, updates = None, None
+        else:
+            out, updates = stepped.out, stepped.updates
+        record = jax.lax.cond(
+            finite_sum,
+            lambda: self.finite_statistics(out, updates),
+            lambda: self.rare_statistics(out, updates, applied),
+        )
+        new_state = guard_state._replace(inner_state=stepped.inner_state)
+        return Guarded(stepped.out, new_state, record)
+
+    def finite(self, operands: tuple[Any, SkipIfNonFiniteState]) -> Guarded:
+        """Every element is finite: update, then the statistics of the step's level."""
+        params, state = operands
+        g = self.gradient()
+        stepped = self.step(g, params, state.inner_state)
+        # Only statistics leave the nested switch: a nested branch that returned the
+        # state would make XLA copy the donated state every step.
+        applied = jnp.ones((), jnp.bool_)
+        record = self.finite_statistics(stepped.out, stepped.updates)
+        return Guarded(stepped.out, counted(state, applied, stepped.inner_state), record)
+
+    def rare(self, operands: tuple[Any, SkipIfNonFiniteState]) -> Guarded:
+        """Skipped: the state as it was, with every statistic the program serves."""
+        params, state = operands
+        g = self.gradient()
+        stepped = self.skip(g, params, state.inner_state)
+        applied = jnp.zeros((), jnp.bool_)
+        record = self.rare_statistics(stepped.out, stepped.updates, applied)
+        return Guarded(stepped.out, counted(state, applied, stepped.inner_state), record)
+
+    # ------------------------------------------------------------------ the statistics
+
+    def finite_summary(self) -> GradSummary:
+        """A finite gradient's summary: its norm, no non-finite element."""
+        return GradSummary(jnp.sqrt(self.total), None, jnp.zeros((), jnp.int32), None)
+
+    def rare_summary(self, g: Any) -> tuple[GradSummary, Any]:
+        """A gradient with non-finite elements: (the summary of its finite ones, those)."""
+        nonfinite, seen = count_nonfinite(g), finite_values(g)
+        clean = leaf_sq_norms(seen)
+        return GradSummary(jnp.sqrt(jnp.sum(clean)), None, nonfinite, jnp.sqrt(clean)), seen
+
+    def finite_statistics(self, out: Any, updates: Any) -> StepRecord:
+        """The statistics of the step's level (a switch over the levels served)."""
+        summary = self.finite_summary()
+        per_level = [
+            functools.partial(self._at_level, out, updates, summary, *lv)
+            for lv in self.levels.levels
+        ]
+        if len(per_level) == 1:
+            stats = per_level[0]()
+        else:
+            stats = jax.lax.switch(self.levels.level, per_level)
+        return self.record(summary, jnp.ones((), jnp.bool_), stats)
+
+    def _at_level(
+        self, out: Any, updates: Any, summary: GradSummary, stats: bool, layers: bool, hist: bool
+    ) -> _Statistics:
+        g = self.gradient()  # called in the branch: its slices fuse there
+        return self.statistics(g, g, out, updates, summary, stats, layers, hist)
+
+    def rare_statistics(self, out: Any, updates: Any, applied: jax.Array) -> StepRecord:
+        """Every statistic the program serves: a non-finite gradient is rare."""
+        g = self.gradient()
+        summary, seen = self.rare_summary(g)
+        stats = self.statistics(g, seen, out, updates, summary, *self.levels.served)
+        return self.record(summary, applied, stats)
+
+    def statistics(
+        self,
+        g: Any,
+        seen: Any,
+        out: Any,
+        updates: Any,
+        summary: GradSummary,
+        stats: bool,
+        layers: bool,
+        hist: bool,
+    ) -> _Statistics:
+        """max |g|, the per-leaf norms, the caller's measurements and the histograms, at a
+        level (`seen`: the finite values of `g`)."""
+        track_stats = self.guard.track_stats
+        split = self._split(g)
+        norms = summary.leaf_norms
+        if norms is None:  # finite gradient: the leaf norms are a statistic
+            norms = jnp.full((self.n,), jnp.nan)
+            if layers:
+                norms = jnp.sqrt(leaf_sq_norms(g, split["sq_norms"]))
+        biggest = jnp.full((), jnp.nan)
+        if stats and track_stats:
+            packed = self.max_abs is not None and seen is g  # the packed buffer's maximum
+            biggest = self.max_abs() if packed and self.max_abs else tree_max_abs(seen)
+        measured = None
+        if self.measure is not None:
+            summary = summary._replace(leaf_norms=norms)
+            measured = self.measure(out, updates, summary) if stats else self.unmeasured()
+        hists: Histograms | optax.EmptyState = optax.EmptyState()
+        if track_stats:
+            compute = lambda: leaf_histograms(g, self.guard.bins, split["histograms"])
+            hists = compute() if hist else nan_like(jax.eval_shape(compute))
+        return _Statistics(jnp.asarray(biggest, jnp.float32), norms, measured, hists)
+
+    def _split(self, g: Any) -> dict[str, tuple[str, ...] | None]:
+        """Per per-leaf statistic, the axes its work is split over (None: whole here).
+
+        Inside shard_map the reduced gradient is the same on every shard: each reads its 1/N
+        for the per-leaf statistics (a shard's own slice, after a scatter, is not split).
+        """
+        axes = self.shard_axes
+        same = axes and not any(_varying(x) & set(axes) for x in jax.tree.leaves(g))
+        return {
+            statistic: axes if same and worth_splitting(g, statistic) else None
+            for statistic in ("sq_norms", "histograms")
+        }
+
+    def unmeasured(self) -> Any:
+        """NaN like `measure`'s result (from shapes only: no update needs to exist)."""
+        assert self.measure is not None
+        measure = self.measure
+
+        def shapes(params: Any, inner_state: optax.OptState) -> Any:
+            stepped = self.step(self.gradient(), params, inner_state)
+            norms = jnp.zeros((self.n,), jnp.float32)
+            summary = self.finite_summary()._replace(leaf_norms=norms)
+            return measure(stepped.out, stepped.updates, summary)
+
+        return nan_like(jax.eval_shape(shapes, self.params, self.inner_state))
+
+    def record(self, summary: GradSummary, applied: jax.Array, stats: _Statistics) -> StepRecord:
+        """The `StepRecord` of a branch."""
+        summary = summary._replace(max_abs=stats.max_abs, leaf_norms=stats.leaf_norms)
+        # Constants vary like the gradient (over the axes it was not reduced over).
+        summary = jax.tree.map(lambda x: _vary_like(x, self.total), summary)
+        return StepRecord(summary, stats.histograms, applied, stats.measured)

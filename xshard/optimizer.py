@@ -20,37 +20,41 @@ order in one update:
 5. the inner optimizer.
 
 Steps 3-5 (and, in `CrossShardPhases.apply`, the addition of the updates to the params) run
-in one branch of one `lax.switch` (`xshard.guard.guarded_update`).
+in one branch of one `lax.cond` (`xshard.guard.GuardedUpdate`).
+
+`cross_shard` returns a `CrossShardTransformation`: optax's ``(init, update)`` pair, which also
+carries its settings (`CrossShardSpec`) and its update in two phases (`CrossShardPhases`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import jax
 import optax
 
 from xshard.guard import (
+    GuardedUpdate,
     SkipIfNonFiniteState,
-    StepRecord,
     empty_summary,
     guarded_update,
     init_guard,
 )
 from xshard.layer_stats import Histograms, empty_histograms
 from xshard.reduce import (
+    AllReduce,
     AxisNames,
     PerShardClipState,
-    Reduction,
     _manual_axes,
     _shards_in_context,
-    all_reduce,
     axis_tuple,
     divide,
     per_shard_clip,
 )
+from xshard.reduction_mode import Reduction
 from xshard.shard_stats import (
     LocalNorms,
     ShardStats,
@@ -63,7 +67,8 @@ from xshard.stats import Flag, GradSummary, tree_max_abs, tree_sq_norm, when
 
 @dataclasses.dataclass(frozen=True)
 class CrossShardSpec:
-    """The settings of a `cross_shard` optimizer, for code that runs it (the trainer)."""
+    """The settings of a `cross_shard` optimizer, checked and parsed, for code that runs it
+    (the trainer reads them from `CrossShardTransformation.spec`)."""
 
     reduction: Reduction
     axis_name: tuple[str, ...]
@@ -71,11 +76,7 @@ class CrossShardSpec:
     comm_dtype: Any
     skip_nonfinite: bool
     track_stats: bool
-
-
-def cross_shard_spec(tx: optax.GradientTransformation) -> CrossShardSpec | None:
-    """The `CrossShardSpec` of `tx` if it was made by `cross_shard` (not wrapped), else None."""
-    return getattr(tx.update, "cross_shard_spec", None)
+    num_shards: int | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -126,6 +127,14 @@ class LocalReduction:
         return tree_max_abs(list(self.parts)) / self.mean_over
 
 
+class Applied(NamedTuple):
+    """`CrossShardPhases.apply`'s result."""
+
+    params: Any  # the new params
+    state: CrossShardState  # the optimizer's new state
+    measured: Any  # the caller's measurements (NaN off statistics steps; None without)
+
+
 class CrossShardPhases(NamedTuple):
     """A `cross_shard` update in two phases, for trainers that run them in different places.
 
@@ -135,24 +144,19 @@ class CrossShardPhases(NamedTuple):
     ``scatter_dims``); it returns a `LocalReduction`. ``finish(local, state, params, *,
     with_stats=None, layer_norms=None, histograms=None, **extra)`` runs the summary, the guard
     and the inner optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded
-    slices, where norms over a sharded tensor are global): it returns ``(updates, new state)``.
-    Their composition is the optimizer's ``update``. ``apply(local, state, params, *,
-    with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is ``finish``
-    followed by `optax.apply_updates`, the addition done in the branch that computes the
-    updates (`xshard.guard.guarded_update`), so that XLA fuses it with the inner update: it returns
-    ``(new params, new state, measured)``, where ``measure(new_params, updates, summary)``
-    (optional) is computed in that branch on statistics steps (NaN on the others; None
-    without `measure`).
+    slices, where norms over a sharded tensor are global): it returns ``(updates, new
+    state)``. Their composition is the optimizer's ``update``. ``apply(local, state, params,
+    *, with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is
+    ``finish`` followed by `optax.apply_updates`, the addition done in the branch that
+    computes the updates (`xshard.guard.GuardedUpdate`), so that XLA fuses it with the inner
+    update: it returns `Applied`, whose ``measured`` is ``measure(new_params, updates,
+    summary)`` (optional) computed in that branch on statistics steps (NaN on the others;
+    None without `measure`).
     """
 
-    reduce: Any
-    finish: Any
-    apply: Any
-
-
-def cross_shard_phases(tx: optax.GradientTransformation) -> CrossShardPhases | None:
-    """The `CrossShardPhases` of `tx` if it was made by `cross_shard` (not wrapped), else None."""
-    return getattr(tx.update, "cross_shard_phases", None)
+    reduce: Callable[..., LocalReduction]
+    finish: Callable[..., tuple[Any, CrossShardState]]
+    apply: Callable[..., Applied]
 
 
 class CrossShardState(NamedTuple):
@@ -184,6 +188,54 @@ class CrossShardState(NamedTuple):
         return self.guard.notfinite_count
 
 
+class CrossShardTransformation(optax.GradientTransformationExtraArgs):
+    """What `cross_shard` returns: an `optax.GradientTransformationExtraArgs` that also says
+    how it was built (`spec`) and splits its update in two (`phases`).
+
+    It is optax's pair ``(init, update)``, so optax takes it wherever it takes a
+    transformation (``optax.chain``, ``optax.apply_if_finite``, ``optax.partition``,
+    ``isinstance(tx, optax.GradientTransformationExtraArgs)``); `spec` and `phases` are
+    attributes, not fields, for code that runs the phases in different places
+    (`trainers.Trainer`). A copy made with ``_replace`` has another update: it is a plain
+    `optax.GradientTransformationExtraArgs`.
+    """
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: optax.TransformUpdateExtraArgsFn,
+        spec: CrossShardSpec,
+        phases: CrossShardPhases,
+    ) -> Self:
+        self = super().__new__(cls, init, update)
+        self.__dict__.update(_spec=spec, _phases=phases)
+        return self
+
+    @property
+    def spec(self) -> CrossShardSpec:
+        """The settings it was built with, checked and parsed."""
+        return self.__dict__["_spec"]
+
+    @property
+    def phases(self) -> CrossShardPhases:
+        """Its update in two phases: `CrossShardPhases`."""
+        return self.__dict__["_phases"]
+
+    def _replace(self, /, **fields: Any) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(**(self._asdict() | fields))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy, pickle
+        return (*self, self.spec, self.phases)
+
+
+# A pytree like optax's pair (its two functions), `spec` and `phases` its static data.
+jax.tree_util.register_pytree_node(
+    CrossShardTransformation,
+    lambda tx: (tuple(tx), (tx.spec, tx.phases)),
+    lambda static, pair: CrossShardTransformation(*pair, *static),  # type: ignore[call-arg]
+)
+
+
 def cross_shard(
     inner: optax.GradientTransformation,
     reduction: Reduction | str = Reduction.MEAN,
@@ -194,7 +246,7 @@ def cross_shard(
     skip_nonfinite: bool = False,
     num_shards: int | None = None,
     track_stats: bool = True,
-) -> optax.GradientTransformationExtraArgs:
+) -> CrossShardTransformation:
     """Wraps `inner` so that gradients are reduced across data-parallel shards first.
 
     Args:
@@ -217,110 +269,201 @@ def cross_shard(
         share of shards clipped (``state.clip``).
 
     Returns:
-      An `optax.GradientTransformationExtraArgs`. Its `update` accepts the extra keywords
-      ``shard_weight`` (a scalar per shard) for a weighted reduction, and the statistics
-      flags, each None, a Python bool or a traced bool (one executable for both values):
-      ``with_stats`` (default: on every update) — when false only the norms and the
-      non-finite count of the reduced gradient are recorded (what the guard needs), and
-      nothing that needs a collective; ``layer_norms`` (default: with the statistics) —
-      the per-leaf norms of the reduced gradient (a reduction per leaf; the global norm
-      and max |g| are one reduction each over the packed gradient on CPU);
-      ``histograms`` (default: never) — per-leaf histograms of the reduced gradient.
-      Statistics not computed on an update are NaN. Every other extra argument is forwarded
-      to `inner`.
+      A `CrossShardTransformation`, an `optax.GradientTransformationExtraArgs` whose
+      ``spec`` and ``phases`` say how it was built and split its update. Its `update` accepts
+      the extra keywords ``shard_weight`` (a scalar per shard) for a weighted reduction, and
+      the statistics flags, each None, a Python bool or a traced bool (one executable for
+      both values): ``with_stats`` (default: on every update) — when false only the norms
+      and the non-finite count of the reduced gradient are recorded (what the guard needs),
+      and nothing that needs a collective; ``layer_norms`` (default: with the statistics) —
+      the per-leaf norms of the reduced gradient (a reduction per leaf; the global norm and
+      max |g| are one reduction each over the packed gradient on CPU); ``histograms``
+      (default: never) — per-leaf histograms of the reduced gradient. Statistics not
+      computed on an update are NaN. Every other extra argument is forwarded to `inner`.
 
     Raises:
       ValueError: at construction for an unknown reduction or bad clip value; at update time
         (`DoubleReductionError`) when gradients are already reduced over the axis.
     """
     axes = axis_tuple(axis_name)
-    mode = Reduction.parse(reduction)
-    clip = None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes)
-    reduce = all_reduce(mode, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards)
-    guarded = guarded_update(inner, skip_nonfinite=skip_nonfinite, track_stats=track_stats)
-    inner = optax.with_extra_args_support(inner)
-    empty = optax.EmptyState()
+    reducer = AllReduce.build(
+        reduction, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards
+    )
+    spec = CrossShardSpec(
+        reducer.mode, axes, clip_per_shard, comm_dtype, skip_nonfinite, track_stats, num_shards
+    )
+    parts = _CrossShard(
+        spec,
+        optax.with_extra_args_support(inner),
+        None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes),
+        reducer,
+        guarded_update(inner, skip_nonfinite=skip_nonfinite, track_stats=track_stats),
+    )
+    phases = CrossShardPhases(parts.reduce, parts.finish, parts.apply)
+    return CrossShardTransformation(parts.init, parts.update, spec, phases)
 
-    def init_fn(params):
+
+@dataclasses.dataclass(frozen=True, eq=False)  # as a closure: equal only to itself
+class _CrossShard:
+    """A `cross_shard` optimizer: its parts, and the steps of its update (module docstring).
+
+    Attributes:
+      spec: its settings.
+      inner: the inner optimizer, with extra-args support.
+      clip: the per-shard clip (`xshard.reduce.per_shard_clip`), or None.
+      reducer: the reduction across shards.
+      guarded: steps 3-5, in one branch (`xshard.guard.GuardedUpdate`).
+    """
+
+    spec: CrossShardSpec
+    inner: optax.GradientTransformationExtraArgs
+    clip: optax.GradientTransformationExtraArgs | None
+    reducer: AllReduce
+    guarded: GuardedUpdate
+
+    def init(self, params: Any) -> CrossShardState:
+        """The optimizer's initial state for `params`."""
+        empty = optax.EmptyState()
+        track = self.spec.track_stats
         return CrossShardState(
-            empty if clip is None else clip.init(params),
-            empty_shard_stats() if track_stats else empty,
+            empty if self.clip is None else self.clip.init(params),
+            empty_shard_stats() if track else empty,
             empty_summary(params),
-            empty_histograms(params) if track_stats else empty,
-            init_guard(inner, params),
+            empty_histograms(params) if track else empty,
+            init_guard(self.inner, params),
         )
 
-    def reduce_fn(
-        updates,
-        params=None,
+    def update(
+        self,
+        updates: Any,
+        state: CrossShardState,
+        params: Any = None,
         *,
-        shard_weight=None,
+        shard_weight: jax.Array | None = None,
+        with_stats: Flag = None,
+        layer_norms: Flag = None,
+        histograms: Flag = None,
+        **extra_args: Any,
+    ) -> tuple[Any, CrossShardState]:
+        """The optax update: `reduce`, then `finish`."""
+        local = self.reduce(updates, params, shard_weight=shard_weight, with_stats=with_stats)
+        return self.finish(
+            local,
+            state,
+            params,
+            with_stats=with_stats,
+            layer_norms=layer_norms,
+            histograms=histograms,
+            **extra_args,
+        )
+
+    def reduce(
+        self,
+        updates: Any,
+        params: Any = None,
+        *,
+        shard_weight: jax.Array | None = None,
         with_stats: Flag = None,
         scatter_dims: Any = None,
     ) -> LocalReduction:
         """Steps 1-2 and the local gradients' statistics: where the shards' gradients are."""
+        spec = self.spec
         raw = updates
-        clip_state = empty if clip is None else None
-        if clip is not None:
-            updates, clip_state = clip.update(
+        clip_state = optax.EmptyState() if self.clip is None else None
+        if self.clip is not None:
+            updates, clip_state = self.clip.update(
                 updates,
-                clip.init(params),
+                self.clip.init(params),
                 params,
-                with_stats=with_stats if track_stats else False,
+                with_stats=with_stats if spec.track_stats else False,
             )
         local = None
-        if track_stats and _manual_axes(axes):  # local gradients exist here
+        if spec.track_stats and _manual_axes(spec.axis_name):  # local gradients exist here
             local = local_norms(
                 raw,
-                axes,
+                spec.axis_name,
                 with_stats=with_stats,
-                clip_norm=clip_per_shard,
+                clip_norm=spec.clip_per_shard,
                 weighted=shard_weight is not None,
             )
-        reduced = reduce.update.deferred(
-            updates, shard_weight=shard_weight, scatter_dims=scatter_dims
+        reduced = self.reducer.reduced(
+            updates, shard_weight=shard_weight, scatter_dims=scatter_dims, defer_mean=True
         )
         return LocalReduction(
             reduced.tree, clip_state, local, reduced.parts, reduced.mean_over, reduced.unpack
         )
 
-    def after_reduction(
+    def finish(
+        self,
+        local: LocalReduction,
+        state: CrossShardState,
+        params: Any = None,
+        *,
+        with_stats: Flag = None,
+        layer_norms: Flag = None,
+        histograms: Flag = None,
+        **extra_args: Any,
+    ) -> tuple[Any, CrossShardState]:
+        """Steps 3-5 on the reduced gradient: (updates, new state)."""
+        done = self._after_reduction(
+            local,
+            state,
+            params,
+            finalize=lambda params, updates: updates,
+            skipped=None,
+            flags=(with_stats, layer_norms, histograms),
+            measure=None,
+            extra_args=extra_args,
+        )
+        return done.params, done.state
+
+    def apply(
+        self,
+        local: LocalReduction,
+        state: CrossShardState,
+        params: Any,
+        *,
+        with_stats: Flag = None,
+        layer_norms: Flag = None,
+        histograms: Flag = None,
+        measure: Callable[..., Any] | None = None,
+        **extra_args: Any,
+    ) -> Applied:
+        """`finish`, then the updates applied to `params` in the same branch."""
+        return self._after_reduction(
+            local,
+            state,
+            params,
+            finalize=optax.apply_updates,
+            skipped=lambda params: params,
+            flags=(with_stats, layer_norms, histograms),
+            measure=measure,
+            extra_args=extra_args,
+        )
+
+    def _after_reduction(
+        self,
         local: LocalReduction,
         state: CrossShardState,
         params: Any,
         *,
         finalize: Callable[[Any, Any], Any],
         skipped: Callable[[Any], Any] | None,
-        with_stats: Flag,
-        layer_norms: Flag,
-        histograms: Flag,
+        flags: tuple[Flag, Flag, Flag],
         measure: Callable[..., Any] | None,
-        **extra_args,
-    ):
-        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not): returns
-        (`finalize` of the updates, the new state, the caller's measurements)."""
-        clip_state = state.clip if clip is None else local.clip
-        if not (track_stats or skip_nonfinite):  # nothing to check or record: no branch
-            updates, new_inner = inner.update(
-                local.gradient(), state.guard.inner_state, params, **extra_args
+        extra_args: dict[str, Any],
+    ) -> Applied:
+        """Steps 3-5 on the reduced gradient, wherever it is (sharded or not): `finalize` of
+        the updates (as `Applied.params`), the new state, the caller's measurements."""
+        spec = self.spec
+        clip_state = state.clip if self.clip is None else local.clip
+        with_stats, layer_norms, histograms = flags
+        if not (spec.track_stats or spec.skip_nonfinite):  # nothing to check or record
+            return self._unguarded(
+                local, state, params, clip_state, finalize, measure, flags[0], extra_args
             )
-            out = finalize(params, updates)
-            measured = None
-            if measure is not None:
-                measured = when(with_stats, lambda: measure(out, updates, state.reduced))
-            guard_state = state.guard._replace(inner_state=new_inner)
-            new_state = state._replace(clip=clip_state, guard=guard_state)
-            return out, new_state, measured
-
-        def measured_with_shards(out, updates, summary: GradSummary):
-            shards = None
-            if local.shards is not None:  # the noise scale's big-batch term, from the norm
-                summed = _shards_in_context(axes, num_shards) if mode is Reduction.SUM else 1
-                shards = shard_stats(local.shards, summary.norm, summed)
-            return shards, (None if measure is None else measure(out, updates, summary))
-
-        record: StepRecord
-        out, guard_state, record = guarded(
+        axes = spec.axis_name
+        guarded = self.guarded(
             local.gradient,
             local.sq_norm,
             state.guard,
@@ -332,93 +475,56 @@ def cross_shard(
             with_stats=with_stats,
             layer_norms=layer_norms,
             histograms=histograms,
-            measure=measured_with_shards,
+            measure=functools.partial(self._measured_with_shards, local, measure),
             **extra_args,
         )
+        record = guarded.record
         shards, measured = record.measured
         new_state = CrossShardState(
             clip_state,
             state.shards if shards is None else shards,
             record.summary,
-            record.histograms if track_stats else state.histograms,
-            guard_state,
+            record.histograms if spec.track_stats else state.histograms,
+            guarded.state,
         )
-        return out, new_state, measured
+        return Applied(guarded.out, new_state, measured)
 
-    def finish_fn(
+    def _unguarded(
+        self,
         local: LocalReduction,
-        state,
-        params=None,
-        *,
-        with_stats: Flag = None,
-        layer_norms: Flag = None,
-        histograms: Flag = None,
-        **extra_args,
-    ):
-        """Steps 3-5 on the reduced gradient: (updates, new state)."""
-        updates, new_state, _ = after_reduction(
-            local,
-            state,
-            params,
-            finalize=lambda params, updates: updates,
-            skipped=None,
-            with_stats=with_stats,
-            layer_norms=layer_norms,
-            histograms=histograms,
-            measure=None,
-            **extra_args,
-        )
-        return updates, new_state
+        state: CrossShardState,
+        params: Any,
+        clip_state: PerShardClipState | optax.EmptyState,
+        finalize: Callable[[Any, Any], Any],
+        measure: Callable[..., Any] | None,
+        with_stats: Flag,
+        extra_args: dict[str, Any],
+    ) -> Applied:
+        """Steps 3-5 with nothing to check or record: the inner update, no branch."""
+        inner_state = state.guard.inner_state
+        updates, new_inner = self.inner.update(local.gradient(), inner_state, params, **extra_args)
+        out = finalize(params, updates)
+        measured = None
+        if measure is not None:
+            measured = when(with_stats, lambda: measure(out, updates, state.reduced))
+        guard_state = state.guard._replace(inner_state=new_inner)
+        return Applied(out, state._replace(clip=clip_state, guard=guard_state), measured)
 
-    def apply_fn(
+    def _measured_with_shards(
+        self,
         local: LocalReduction,
-        state,
-        params,
-        *,
-        with_stats: Flag = None,
-        layer_norms: Flag = None,
-        histograms: Flag = None,
-        measure: Callable[..., Any] | None = None,
-        **extra_args,
-    ):
-        """`finish_fn`, then the updates applied to `params` in the same branch."""
-        return after_reduction(
-            local,
-            state,
-            params,
-            finalize=optax.apply_updates,
-            skipped=lambda params: params,
-            with_stats=with_stats,
-            layer_norms=layer_norms,
-            histograms=histograms,
-            measure=measure,
-            **extra_args,
-        )
-
-    def update_fn(
-        updates,
-        state,
-        params=None,
-        *,
-        shard_weight=None,
-        with_stats: Flag = None,
-        layer_norms: Flag = None,
-        histograms: Flag = None,
-        **extra_args,
-    ):
-        local = reduce_fn(updates, params, shard_weight=shard_weight, with_stats=with_stats)
-        return finish_fn(
-            local,
-            state,
-            params,
-            with_stats=with_stats,
-            layer_norms=layer_norms,
-            histograms=histograms,
-            **extra_args,
-        )
-
-    update_fn.cross_shard_phases = CrossShardPhases(reduce_fn, finish_fn, apply_fn)  # type: ignore[attr-defined]
-    update_fn.cross_shard_spec = CrossShardSpec(  # type: ignore[attr-defined]
-        mode, axes, clip_per_shard, comm_dtype, skip_nonfinite, track_stats
-    )
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        measure: Callable[..., Any] | None,
+        out: Any,
+        updates: Any,
+        summary: GradSummary,
+    ) -> tuple[ShardStats | None, Any]:
+        """The guard's ``measure``: the per-shard statistics (the noise scale's big-batch
+        term comes from the reduced gradient's norm), and the caller's `measure`."""
+        shards = None
+        if local.shards is not None:
+            spec = self.spec
+            summed = 1
+            if spec.reduction is Reduction.SUM:
+                summed = _shards_in_context(spec.axis_name, spec.num_shards)
+            shards = shard_stats(local.shards, summary.norm, summed)
+        return shards, (None if measure is None else measure(out, updates, summary))

@@ -16,8 +16,7 @@ computed:
 
 from __future__ import annotations
 
-import enum
-import functools
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -28,6 +27,7 @@ import optax
 
 from xshard.buckets import psum_scatter_tree, psum_tree
 from xshard.clipping import clip_recorded
+from xshard.reduction_mode import Reduction
 from xshard.stats import when
 
 logger = logging.getLogger(__name__)
@@ -37,33 +37,6 @@ AxisNames = str | Sequence[str]
 
 class PerShardGradientsRequired(ValueError):
     """Per-shard clipping or weighting was asked for gradients that were already reduced."""
-
-
-class Reduction(enum.StrEnum):
-    """How gradients are combined across shards (TF's `losses.Reduction.SUM`/`MEAN`)."""
-
-    SUM = "sum"
-    MEAN = "mean"
-
-    @classmethod
-    def parse(cls, value: Reduction | str, *, key: str = "reduction") -> Reduction:
-        """Returns the `Reduction` for `value` ("sum"/"mean" in any case, or a member).
-
-        Raises:
-          ValueError: naming `key`, the bad value and the allowed values.
-        """
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
-        allowed = ", ".join(repr(m.value) for m in cls)
-        raise ValueError(
-            f"Unsupported {key}: {value!r}. Allowed: {allowed} "
-            "(any case) or xshard.Reduction.SUM / xshard.Reduction.MEAN."
-        )
 
 
 class DoubleReductionError(ValueError):
@@ -301,6 +274,97 @@ def per_shard_clip(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+    """The reduction across shards with its arguments checked: `all_reduce`'s transform, and
+    what `xshard.cross_shard` reduces with (`reduced`, whose MEAN may leave its division to
+    the consumers).
+
+    Attributes:
+      mode: SUM or MEAN.
+      axes: the mesh axes reduced over.
+      comm_dtype: the collective's dtype (a `jnp.dtype`), or None: the gradient's own.
+      num_shards: the shard count for SUM outside a manual axis, or None: the mesh's.
+    """
+
+    mode: Reduction
+    axes: tuple[str, ...]
+    comm_dtype: Any = None
+    num_shards: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        reduction: Reduction | str = Reduction.MEAN,
+        *,
+        axis_name: AxisNames = "data",
+        comm_dtype: Any = None,
+        num_shards: int | None = None,
+    ) -> AllReduce:
+        """Checks `all_reduce`'s arguments (see there) and returns its `AllReduce`.
+
+        Raises:
+          ValueError: for an unknown reduction, bad axis names or a bad `num_shards`.
+        """
+        mode = Reduction.parse(reduction)
+        axes = axis_tuple(axis_name)
+        if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
+            raise ValueError(f"num_shards must be a positive int or None, got {num_shards!r}.")
+        comm = None if comm_dtype is None else jnp.dtype(comm_dtype)
+        return cls(mode, axes, comm, num_shards)
+
+    def init(self, params: Any) -> optax.EmptyState:
+        """The (empty) state."""
+        del params
+        return optax.EmptyState()
+
+    def reduced(
+        self,
+        updates: Any,
+        *,
+        shard_weight: jax.Array | None = None,
+        scatter_dims: Any = None,
+        defer_mean: bool = False,
+    ) -> Reduced:
+        """The reduction of `updates` (see `all_reduce`) as a `Reduced`: with `defer_mean`, a
+        plain MEAN inside shard_map is the psum and the shard count, the division left to the
+        consumers (`divide`)."""
+        if shard_weight is not None:
+            _require_per_shard(updates, self.axes, "shard_weight")
+        if _manual_axes(self.axes):
+            _check_per_shard(updates, self.axes)
+            return _all_reduce(
+                updates,
+                self.mode,
+                self.axes,
+                self.comm_dtype,
+                shard_weight,
+                scatter_dims,
+                defer_mean=defer_mean,
+            )
+        if scatter_dims is not None and any(d is not None for d in jax.tree.leaves(scatter_dims)):
+            raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
+        if self.mode is Reduction.MEAN:
+            return Reduced(updates)
+        n = _shards_in_context(self.axes, self.num_shards)
+        return Reduced(jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates))
+
+    def update(
+        self,
+        updates: Any,
+        state: optax.EmptyState,
+        params: Any = None,
+        *,
+        shard_weight: jax.Array | None = None,
+        scatter_dims: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, optax.EmptyState]:
+        """The optax update: the reduced `updates`, and `state` unchanged."""
+        del params, extra_args
+        out = self.reduced(updates, shard_weight=shard_weight, scatter_dims=scatter_dims)
+        return divide(out.tree, out.mean_over), state
+
+
 def all_reduce(
     reduction: Reduction | str = Reduction.MEAN,
     *,
@@ -325,48 +389,17 @@ def all_reduce(
       comm_dtype: dtype of the collective (e.g. ``"bfloat16"``); the result is cast back.
       num_shards: number of shards for SUM outside a manual axis, if no mesh is in context.
 
+    Returns:
+      The transform (`AllReduce`'s ``init`` and ``update``).
+
     Raises:
       ValueError: for an unknown reduction or bad argument; at update time as
         `reduce_gradients`.
     """
-    mode = Reduction.parse(reduction)
-    axes = axis_tuple(axis_name)
-    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
-        raise ValueError(f"num_shards must be a positive int or None, got {num_shards!r}.")
-    comm = None if comm_dtype is None else jnp.dtype(comm_dtype)
-
-    def init_fn(params):
-        del params
-        return optax.EmptyState()
-
-    def reduced(
-        updates, *, shard_weight=None, scatter_dims=None, defer_mean: bool = False
-    ) -> Reduced:
-        if shard_weight is not None:
-            _require_per_shard(updates, axes, "shard_weight")
-        if _manual_axes(axes):
-            _check_per_shard(updates, axes)
-            return _all_reduce(
-                updates, mode, axes, comm, shard_weight, scatter_dims, defer_mean=defer_mean
-            )
-        if scatter_dims is not None and any(d is not None for d in jax.tree.leaves(scatter_dims)):
-            raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
-        if mode is Reduction.MEAN:
-            return Reduced(updates)
-        n = _shards_in_context(axes, num_shards)
-        return Reduced(jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates))
-
-    def update_fn(
-        updates, state, params=None, *, shard_weight=None, scatter_dims=None, **extra_args
-    ):
-        del params, extra_args
-        out = reduced(updates, shard_weight=shard_weight, scatter_dims=scatter_dims)
-        return divide(out.tree, out.mean_over), state
-
-    # The `Reduced` result: with a plain MEAN inside shard_map the psum and the shard count,
-    # the division left to the consumers (`divide`); what `cross_shard` reduces with.
-    update_fn.deferred = functools.partial(reduced, defer_mean=True)  # type: ignore[attr-defined]
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    op = AllReduce.build(
+        reduction, axis_name=axis_name, comm_dtype=comm_dtype, num_shards=num_shards
+    )
+    return optax.GradientTransformationExtraArgs(op.init, op.update)
 
 
 def reduce_gradients(

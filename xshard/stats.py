@@ -25,9 +25,10 @@ class GradSummary(NamedTuple):
     """Scalars describing one gradient pytree, and the norm of each of its leaves."""
 
     norm: jax.Array  # global L2 norm (float32)
-    max_abs: jax.Array  # largest |g| (float32)
+    max_abs: jax.Array | None  # largest |g| (float32); None until a step measures it
     nonfinite: jax.Array  # number of NaN/Inf elements (int32)
-    leaf_norms: jax.Array  # f32[L]: L2 norm of every leaf, in jax.tree.leaves order
+    #: f32[L]: L2 norm of every leaf, in jax.tree.leaves order; None until a step measures it
+    leaf_norms: jax.Array | None
 
 
 def _f32(x: jax.Array) -> jax.Array:

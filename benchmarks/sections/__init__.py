@@ -9,7 +9,6 @@ from benchmarks.context import Bench
 from benchmarks.sections import (
     collectives,
     compile_time,
-    executables,
     host,
     memory,
     overhead,
@@ -20,7 +19,6 @@ from benchmarks.sections import (
 SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "overhead": overhead.run,
     "stats": stats.run,
-    "executables": executables.run,
     "collectives": collectives.run,
     "memory": memory.run,
     "compile": compile_time.run,

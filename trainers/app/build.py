@@ -76,8 +76,8 @@ class RunParts:
 
     task: Any
     hooks: list[Any]  # the user's, from trainer.hooks
-    tx: Any  # the cross-shard optimizer
-    spec: Any  # its `xshard.optimizer.CrossShardSpec`: the reduction the trainer reads
+    tx: Any  # the cross-shard optimizer (`xshard.optimizer.CrossShardTransformation`)
+    spec: Any  # its `xshard.optimizer.CrossShardSpec` (``tx.spec``)
     trainer: Any  # a `trainers.Trainer`
 
 
@@ -95,29 +95,24 @@ def build_run(
     """
     from trainers.core.trainer import Trainer
     from xshard.factory import build_optimizer
-    from xshard.optimizer import cross_shard_spec
 
     opts = options.trainer
     task = build_task(cfg)
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
     tx = build_optimizer(cfg, mesh=mesh)
-    spec = cross_shard_spec(tx)  # the trainer reads the reduction from the optimizer
-    assert spec is not None  # build_optimizer returns a cross_shard optimizer
-    check_reduction_axes(spec.axis_name, data_axes)
+    check_reduction_axes(tx.spec.axis_name, data_axes)
     trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
         task,
-        tx,
+        tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
         mesh,
         data_axes=data_axes,
         global_batch_size=opts.batch_size,
         microbatches=opts.microbatches,
         grad_impl=opts.grad_impl,
-        reduction=spec.reduction,
         seed=options.seed,
-        step_executables=opts.step_executables,
         zero_stage=options.sharding.zero_stage,
     )
-    return RunParts(task=task, hooks=hooks, tx=tx, spec=spec, trainer=trainer)
+    return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 
 
 def build_task(cfg: DictConfig) -> Any:

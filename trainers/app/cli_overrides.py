@@ -4,7 +4,9 @@ Hydra composes the config before any of xshard's code runs. A config group given
 is not the name of an option (``schedule=null``, ``optimizer=1``) stops that composition with
 a ``ValueError`` and a 25-line traceback (exit 1). `check_group_overrides` reads the command
 line first, so such an override is one line naming the group, the value and the group's
-options, with exit status 2, as every other bad value (`trainers.train`'s docstring).
+options, with exit status 2, as every other bad value (`trainers.train`'s docstring). An
+override of a key that was removed (`trainers.config.run.REMOVED_KEYS`), which Hydra would
+refuse as "not in struct", is one line too, saying that it was removed and why.
 """
 
 from __future__ import annotations
@@ -69,17 +71,41 @@ def group_override_error(
 
 def check_group_overrides(argv: Sequence[str] | None = None) -> None:
     """Exits with status 2 and one line on stderr if an override gives a config group a value
-    that is not an option name (`group_override_error`); returns otherwise.
+    that is not an option name (`group_override_error`) or sets a removed key
+    (`removed_key_error`); returns otherwise.
 
     Args:
       argv: the command line's arguments; None: ``sys.argv[1:]``.
     """
     from trainers.errors import EXIT_CONFIG_ERROR
 
-    error = group_override_error(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    error = removed_key_error(args) or group_override_error(args)
     if error is not None:
         print(f"xshard: error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
+
+
+def removed_key_error(overrides: Sequence[str]) -> ConfigError | None:
+    """The error for the first override that sets a removed key, if any.
+
+    Args:
+      overrides: the command line's arguments (``trainer.step_executables=one``, with or
+        without ``+``/``++``; flags and deletions are skipped).
+
+    Returns:
+      A `ConfigError` naming the key, saying that it was removed and why
+      (`trainers.config.run.REMOVED_KEYS`), or None.
+    """
+    from trainers.config.run import REMOVED_KEYS
+
+    for arg in overrides:
+        if arg.startswith(("-", "~")) or "=" not in arg:
+            continue
+        key, _, value = arg.lstrip("+").partition("=")
+        if key in REMOVED_KEYS:
+            return ConfigError(f"{key}={value}: this key was removed: {REMOVED_KEYS[key]}")
+    return None
 
 
 _NONE = object()

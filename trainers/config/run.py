@@ -16,9 +16,16 @@ from xshard.errors import ConfigError
 
 #: How per-shard gradients are computed: in `jax.shard_map` or by the compiler (GSPMD).
 GRAD_IMPLS = ("manual", "gspmd")
-#: How plain, statistics and logging steps map to compiled programs (the first is the
-#: default; `trainers.core.step_levels.STEP_EXECUTABLES` has the groups).
-STEP_EXECUTABLE_DESIGNS = ("per_level", "two", "one")
+#: Keys removed from the run's nodes, and what a user of one should know: an override of one
+#: is refused with this (`trainers.app.cli_overrides.removed_key_error`), not with Hydra's "not in
+#: struct".
+REMOVED_KEYS = {
+    "trainer.step_executables": (
+        "every kind of step (plain, statistics, per-layer norms, histograms) has its own "
+        "compiled program, the design docs/benchmarks.md measured fastest; the others "
+        "('one', 'two') are gone, and 'per_level' is what every run does. Delete the override."
+    ),
+}
 #: CPU collectives JAX can use between processes.
 CPU_COLLECTIVES = ("gloo", "mpi")
 #: Seeds are unsigned 32-bit integers (JAX PRNG keys and NumPy generators take them all).
@@ -102,10 +109,6 @@ class TrainerOptions:
       batch_size: the global batch, split over the data-parallel axes.
       microbatches: gradient accumulation steps per update.
       grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd" (grad under plain jit).
-      step_executables: "per_level" (a compiled program per kind of step: plain, statistics,
-        per-layer norms, histograms; those a run needs are compiled before its first step),
-        "two" (plain and statistics steps / logging steps) or "one" (every kind in one
-        program, the differences under ``lax.cond``: one compilation, slower steps on CPU).
       log_every: TensorBoard scalars every N steps (the last step always).
       stats_every: update/param norms and per-shard statistics every N steps (0: the last
         only; null: every `log_every`); the loss and the reduced gradient's norm come every
@@ -138,7 +141,6 @@ class TrainerOptions:
     batch_size: int = 64
     microbatches: int = 1
     grad_impl: str = "manual"
-    step_executables: str = STEP_EXECUTABLE_DESIGNS[0]
     log_every: int = 10
     stats_every: int | None = None
     layer_stats_every: int = 100
@@ -165,11 +167,6 @@ class TrainerOptions:
             raise ConfigError(
                 f"trainer.grad_impl={shown(self.grad_impl)} is not allowed; choose one of "
                 f"{list(GRAD_IMPLS)}."
-            )
-        if self.step_executables not in STEP_EXECUTABLE_DESIGNS:
-            raise ConfigError(
-                f"trainer.step_executables={shown(self.step_executables)} is not allowed; "
-                f"choose one of {list(STEP_EXECUTABLE_DESIGNS)}."
             )
         check_int(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
         if self.stats_every is None:

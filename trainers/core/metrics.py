@@ -176,34 +176,35 @@ def stack_metrics(metrics: dict[str, jax.Array]) -> tuple[tuple[str, ...], jax.A
 
 
 def state_metrics(
-    cs: CrossShardState,
-    opt_state: Any,
+    opt_state: CrossShardState,
     *,
-    own_optimizer: bool,
+    skips: bool,
     per_shard: bool,
     batch_sizes: tuple[int, int],
 ) -> tuple[dict[str, jax.Array], set[str]]:
     """The scalars the optimizer state records, and which of them only statistics steps have.
 
     Args:
-      cs: the `cross_shard` state of this step (the optimizer's, or the trainer's own
-        reduction's for a plain optax optimizer).
-      opt_state: the optimizer's whole state (for the learning rate and the recorded clip).
-      own_optimizer: whether `cs` belongs to the optimizer (else its skip counters mean
-        nothing: a plain optimizer skips nothing).
+      opt_state: the `cross_shard` optimizer's state after this step (its statistics, the
+        inner optimizer's learning rate and the recorded clip's state).
+      skips: whether the optimizer skips non-finite steps (``skip_nonfinite``): only then do
+        its skip counters count anything (a plain optax optimizer, wrapped by the trainer,
+        skips nothing).
       per_shard: whether per-shard gradients existed (``grad_impl=manual``).
       batch_sizes: (examples per shard, examples per step), for the noise scale.
 
     Returns:
       (metrics, names of those computed on statistics steps only: NaN on the others).
     """
+    cs = opt_state
+    assert cs.reduced.max_abs is not None  # a recorded step has measured it
     metrics = {
         "grad/global_norm": cs.reduced.norm,  # the reduced gradient, before the global clip
         "grad/max_abs": cs.reduced.max_abs,
         "grad/nonfinite": cs.reduced.nonfinite,
     }
     stats_only = {"grad/global_norm"}
-    if own_optimizer:
+    if skips:
         metrics["train/skipped_steps"] = cs.skipped_steps
         metrics["train/consecutive_skipped"] = cs.consecutive_skipped
     lr = get_hyperparams(opt_state).get("learning_rate")

@@ -13,14 +13,20 @@ state records every step), 1 statistics (update/param norms, the reduced gradien
 per-shard statistics), 2 statistics plus the per-layer norms of the applied gradient and of
 the params (taken from the same sums of squares as the global norms: returning them is all
 level 2 adds), 3 those and gradient histograms. All of it comes from the step's own gradient,
-inside the step; levels the program may take at run time are a traced int under `lax.cond`s,
-the others are decided when tracing (see `Trainer`, ``step_executables``).
+inside the step. A step program serves one level, decided when tracing: the trainer compiles a
+program per level its run meets (one program for several levels, the differences under
+`lax.cond`, was measured slower on every step: docs/benchmarks.md).
+
+There is one update path: the optimizer is a `cross_shard` (`Trainer` wraps a plain optax
+one), whose phases (`xshard.optimizer.CrossShardPhases`) the step runs: ``reduce`` where the
+per-shard gradients are, ``apply`` (the guard, the inner update and its addition to the params,
+in one branch) after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -33,19 +39,10 @@ from trainers.config.run import GRAD_IMPLS
 from trainers.core.metrics import StepMetrics, stack_metrics, state_metrics
 from trainers.core.model_state import LossFn, loss_fn, reduce_over_shards
 from trainers.core.zero import ZeroLayout
-from trainers.core.zero_step import (
-    check_unwrapped,
-    constrain_for_update,
-    gathered,
-    manual_zero_step,
-    updated,
-    zero_phases,
-)
-from xshard import Reduction
+from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
 from xshard.errors import ConfigError
-from xshard.optimizer import LocalReduction, cross_shard, cross_shard_phases
-from xshard.slots import cross_shard_state, has_cross_shard_state
-from xshard.stats import Flag, leaf_sq_norms, when
+from xshard.optimizer import Applied, CrossShardTransformation, LocalReduction
+from xshard.stats import leaf_sq_norms
 
 __all__ = [
     "StepMetrics",
@@ -82,21 +79,8 @@ class LossAndGrads(NamedTuple):
     model_state: Any
 
 
-class Updated(NamedTuple):
-    """What the update of one step produced (`make_train_step`'s ``update``)."""
-
-    params: Any
-    opt_state: optax.OptState
-    #: The `cross_shard` state this step recorded (the optimizer's, or the trainer's own).
-    cross_shard: Any
-    #: Whether `cross_shard` is the optimizer's own state (it counts skipped steps).
-    own_optimizer: bool
-    #: (update/param norm metrics, the new params' per-leaf norms), NaN off statistics steps.
-    measured: Any
-
-
 class Trained(NamedTuple):
-    """The update and its measurements (`make_train_step`'s ``train_and_measure``)."""
+    """The update and its measurements (`_StepProgram.train_and_measure`)."""
 
     params: Any
     opt_state: optax.OptState
@@ -117,7 +101,7 @@ class StepResult(NamedTuple):
 class TrainStep(NamedTuple):
     """`make_train_step`'s result: the step function and what its metrics mean."""
 
-    fn: Callable[[TrainState, Any, Any], StepResult]
+    fn: Callable[[TrainState, Any], StepResult]
     #: The metrics computed on statistics steps only (NaN below level 1); filled when `fn` is
     #: traced.
     stats_keys: set[str]
@@ -132,7 +116,6 @@ class StepSpec:
     global_batch_size: int
     microbatches: int = 1
     grad_impl: str = "manual"
-    reduction: Reduction = Reduction.MEAN
     seed: int = 0
 
 
@@ -200,167 +183,173 @@ def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Ar
     return metrics, jnp.sqrt(leaf_sq)
 
 
-def level_flags(level: int | jax.Array, levels: Sequence[int]) -> dict[str, Flag]:
-    """The statistics flags for a step of `level`, one of `levels`.
+class LevelFlags(NamedTuple):
+    """The statistics flags of a step's level, the keyword arguments of the optimizer's
+    phases (`xshard.cross_shard`)."""
 
-    A flag that holds on every level of `levels` is True, one that holds on none is False
-    (both decided when tracing); otherwise it is the traced comparison of `level`:
-    ``with_stats`` from level 1, ``layer_norms`` (the gradient's per-leaf norms, a reduction
-    per leaf, which statistics steps skip: their global norm and max |g| are one reduction
-    each over the packed gradient) from level 2, ``histograms`` at level 3.
+    #: From level 1: max |g|, the update/param norms, the per-shard statistics.
+    with_stats: bool
+    #: From level 2: the gradient's per-leaf norms (a reduction per leaf, which statistics
+    #: steps skip: their global norm and max |g| are one reduction each over the packed
+    #: gradient).
+    layer_norms: bool
+    #: At level 3: the gradient's per-leaf histograms.
+    histograms: bool
+
+
+def level_flags(level: int) -> LevelFlags:
+    """The statistics flags for a step of `level`, decided when tracing.
+
+    Args:
+      level: one of `LEVELS`.
+
+    Returns:
+      The `LevelFlags`: each holds from its level up.
     """
+    return LevelFlags(
+        with_stats=level >= STATS, layer_norms=level >= LAYERS, histograms=level >= HISTOGRAMS
+    )
 
-    def flag(threshold: int) -> Flag:
-        if all(lv >= threshold for lv in levels):
-            return True
-        if not any(lv >= threshold for lv in levels):
-            return False
-        return level >= threshold
 
-    return {
-        "with_stats": flag(STATS),
-        "layer_norms": flag(LAYERS),
-        "histograms": flag(HISTOGRAMS),
-    }
+def _measure(new_params: Any, updates: Any, summary: Any) -> tuple[Any, jax.Array]:
+    """What statistics steps measure of the update (`xshard.CrossShardPhases.apply`'s
+    ``measure``): `_norm_metrics`."""
+    del summary
+    return _norm_metrics(new_params, jnp.sqrt(jnp.sum(leaf_sq_norms(updates))))
 
 
 def make_train_step(
     task: Any,
-    tx: optax.GradientTransformation,
+    tx: CrossShardTransformation,
     mesh: Mesh,
     spec: StepSpec,
-    levels: Sequence[int] = LEVELS,
+    level: int,
     layout: ZeroLayout | None = None,
 ) -> TrainStep:
-    """Returns ``step(state, batch, level) -> StepResult``, to be jitted, in a `TrainStep`.
+    """Returns ``step(state, batch) -> StepResult`` of one level, to be jitted, in a
+    `TrainStep`.
 
     Args:
-      task, tx, mesh, spec: the task, the optimizer (with extra-args support), the mesh and
-        the static description of the step.
-      levels: the levels this program serves. With several, `level` is a traced int32 and
-        what differs between them runs under `lax.cond` (one executable); with one, `level`
-        is ignored and the program computes exactly that level.
+      task: the task.
+      tx: the optimizer, made by `xshard.cross_shard` (`Trainer` wraps a plain optax one):
+        the step runs its phases.
+      mesh: the device mesh.
+      spec: the static description of the step.
+      level: the level the program computes (`LEVELS`).
       layout: with a ZeRO stage >= 1, where the gradient is reduced and the update runs
         (`trainers.core.zero_step`); None or stage 0: everything replicated over the data axes.
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
       NaN below level 1, and `TrainStep.stats_keys` (filled when the step is traced) names
-      them. `diag` (present when a level >= 2 is served) holds the per-layer statistics:
-      ``grad_norms`` (the applied gradient's per-leaf norms), ``param_norms`` (the new
-      params') and, when level 3 is served, ``grad_hist`` (`xshard.layer_stats.Histograms`).
+      them. `diag` (from level 2) holds the per-layer statistics: ``grad_norms`` (the applied
+      gradient's per-leaf norms), ``param_norms`` (the new params') and, at level 3,
+      ``grad_hist`` (`xshard.layer_stats.Histograms`).
 
-      A `tx` without a `cross_shard` state (a plain optax optimizer) gets the per-shard
-      gradients reduced by the trainer first (``spec.reduction``: MEAN = ``pmean``), with the
-      same statistics but no skip counters (it skips nothing).
+    Raises:
+      ConfigError: for a `spec.grad_impl` that is not allowed.
+      ValueError: for a level that is not one of `LEVELS`.
     """
     if spec.grad_impl not in GRAD_IMPLS:
         raise ConfigError(
             f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
         )
-    levels = tuple(sorted(set(levels)))
-    if not levels or not set(levels) <= set(LEVELS):
-        raise ValueError(f"levels must be a non-empty subset of {LEVELS}, got {levels!r}.")
-    axes = spec.data_axes
-    per_shard = spec.grad_impl == "manual"
-    per_shard_batch = spec.global_batch_size // spec.num_data_shards
-    diag_wanted = levels[-1] >= LAYERS
-    stats_keys: set[str] = set()
-    # The reduction for a plain optax optimizer: cross_shard's own, statistics and all.
-    front = cross_shard(optax.identity(), spec.reduction, axis_name=axes)
-    task_loss = loss_fn(task)
-    zero = layout is not None and layout.stage > 0
-    phases = zero_phases(tx, front) if zero else None
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}.")
+    program = _StepProgram(loss_fn(task), tx, mesh, spec, level_flags(level), layout, set())
+    if spec.grad_impl == "gspmd":
+        return TrainStep(program.gspmd, program.stats_keys)
+    return TrainStep(program.manual_zero if program.zero else program.manual, program.stats_keys)
 
-    own_phases = cross_shard_phases(tx)
 
-    def measure(new_params, updates, summary=None):
-        """What statistics steps measure of the update: `_norm_metrics`."""
-        del summary
-        return _norm_metrics(new_params, jnp.sqrt(jnp.sum(leaf_sq_norms(updates))))
+@dataclasses.dataclass(frozen=True, eq=False)  # as a closure: equal only to itself
+class _StepProgram:
+    """The train step of one level (`make_train_step`): gradients, update, metrics.
 
-    def update(params, opt_state, grads, flags) -> Updated:
-        """The update; `measure` where ``flags["with_stats"]`` holds, NaN elsewhere."""
+    Attributes:
+      task_loss: the task's loss (`trainers.core.model_state.loss_fn`).
+      tx: the cross-shard optimizer, run by its phases.
+      mesh: the device mesh.
+      spec: the static description of the step.
+      flags: the level's statistics flags.
+      layout: the ZeRO layout, or None.
+      stats_keys: the metrics only statistics steps compute, filled when tracing.
+    """
 
-        def applied(updates, opt_state, cs, own: bool) -> Updated:
-            new_params = optax.apply_updates(params, updates)
-            measured = when(flags["with_stats"], lambda: measure(new_params, updates))
-            return Updated(new_params, opt_state, cs, own, measured)
+    task_loss: LossFn
+    tx: CrossShardTransformation
+    mesh: Mesh
+    spec: StepSpec
+    flags: LevelFlags
+    layout: ZeroLayout | None
+    stats_keys: set[str]
 
-        if isinstance(grads, LocalReduction):  # reduced in the shard_map (ZeRO, manual)
-            assert phases is not None  # set with ZeRO
-            if phases.own:
-                new_params, opt_state, measured = phases.apply(
-                    grads, opt_state, params, measure=measure, **flags
-                )
-                return Updated(new_params, opt_state, cross_shard_state(opt_state), True, measured)
-            check_unwrapped(opt_state)
-            grads, cs = phases.finish(grads, front.init(params), params, **flags)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return applied(updates, opt_state, cs, False)
-        if own_phases is not None and has_cross_shard_state(opt_state):
-            # The optimizer is cross_shard itself: the update applied in the guard's branch.
-            local = own_phases.reduce(grads, params, with_stats=flags["with_stats"])
-            new_params, opt_state, measured = own_phases.apply(
-                local, opt_state, params, measure=measure, **flags
-            )
-            return Updated(new_params, opt_state, cross_shard_state(opt_state), True, measured)
-        if has_cross_shard_state(opt_state):  # cross_shard inside a chain
-            updates, opt_state = tx.update(grads, opt_state, params, **flags)
-            return applied(updates, opt_state, cross_shard_state(opt_state), True)
-        grads, cs = front.update(grads, front.init(params), params, **flags)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return applied(updates, opt_state, cs, False)
+    @property
+    def zero(self) -> bool:
+        """Whether the update runs on slices (a ZeRO stage >= 1)."""
+        return self.layout is not None and self.layout.stage > 0
 
-    def train_and_measure(params, opt_state, grads, level) -> Trained:
-        flags = level_flags(level, levels)
-        if zero:  # the update on each device's slice
-            assert layout is not None  # zero implies a layout
-            params, grads = constrain_for_update(layout, params, grads)
-        done = update(params, opt_state, grads, flags)
-        new_params = done.params
-        if zero:
-            assert layout is not None
-            new_params = updated(layout, done.params)
+    @property
+    def zero_layout(self) -> ZeroLayout:
+        """The ZeRO layout (a ZeRO step only)."""
+        assert self.layout is not None
+        return self.layout
+
+    def update(self, params: Any, opt_state: Any, grads: Any) -> Applied:
+        """The optimizer's phases on `grads` (per shard, or already reduced: a
+        `LocalReduction` from the ZeRO shard_map); the update applied in the guard's branch,
+        with `_measure` there on statistics steps (NaN elsewhere)."""
+        phases, flags = self.tx.phases, self.flags
+        local = grads
+        if not isinstance(grads, LocalReduction):
+            local = phases.reduce(grads, params, with_stats=flags.with_stats)
+        return phases.apply(local, opt_state, params, measure=_measure, **flags._asdict())
+
+    def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
+        """The update, and the metrics and per-layer statistics of the step's level."""
+        flags = self.flags
+        if self.zero:  # the update on each device's slice
+            params, grads = constrain_for_update(self.zero_layout, params, grads)
+        done = self.update(params, opt_state, grads)
+        new_params = updated(self.zero_layout, done.params) if self.zero else done.params
         metrics, stats_only = state_metrics(
-            done.cross_shard,
-            done.opt_state,
-            own_optimizer=done.own_optimizer,
-            per_shard=per_shard,
-            batch_sizes=(per_shard_batch, spec.global_batch_size),
+            done.state,
+            skips=self.tx.spec.skip_nonfinite,
+            per_shard=self.spec.grad_impl == "manual",
+            batch_sizes=(
+                self.spec.global_batch_size // self.spec.num_data_shards,
+                self.spec.global_batch_size,
+            ),
         )
         norms, param_leaf_norms = done.measured
         metrics |= norms
-        stats_keys.update(stats_only | set(norms))
-        if flags["with_stats"] is False:  # a plain program: no kernel for hidden metrics
+        self.stats_keys.update(stats_only | set(norms))
+        if not flags.with_stats:  # a plain program: no kernel for hidden metrics
             metrics |= {k: jnp.full((), jnp.nan, jnp.float32) for k in stats_only | set(norms)}
         diag = None
-        if diag_wanted:
-            cs = done.cross_shard
-            diag = {"grad_norms": cs.reduced.leaf_norms, "param_norms": param_leaf_norms}
-            if flags["histograms"] is not False:
-                diag["grad_hist"] = cs.histograms
-        return Trained(new_params, done.opt_state, metrics, diag)
+        if flags.layer_norms:
+            reduced = done.state.reduced
+            diag = {"grad_norms": reduced.leaf_norms, "param_norms": param_leaf_norms}
+            if flags.histograms:
+                diag["grad_hist"] = done.state.histograms
+        return Trained(new_params, done.state, metrics, diag)
 
-    def manual(state: TrainState, batch, level) -> StepResult:
-        traced = () if len(levels) == 1 else (level,)  # a single level is static
+    def _loss_and_grads(self, params: Any, model_state: Any, batch: Any, rng: jax.Array):
+        """Inside the shard_map: this shard's loss and gradient (params cast to varying)."""
+        axes = self.spec.data_axes
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+        local = jax.lax.pcast(params, axes, to="varying")
+        return loss_and_grads(
+            self.task_loss, local, model_state, batch, rng, self.spec.microbatches
+        )
 
-        def shard_step(params, opt_state, model_state, batch, rng, *traced):
-            level = traced[0] if traced else levels[0]
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-            local = jax.lax.pcast(params, axes, to="varying")
-            out = loss_and_grads(task_loss, local, model_state, batch, rng, spec.microbatches)
-            trained = train_and_measure(params, opt_state, out.grads, level)
-            trained.metrics["train/loss"] = jax.lax.pmean(out.loss, axes)
-            trained.metrics.update(
-                {f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()}
-            )
-            return trained, reduce_over_shards(out.model_state, axes)
-
+    def manual(self, state: TrainState, batch: Any) -> StepResult:
+        """``grad_impl=manual``, replicated: the whole step in a shard_map."""
+        axes = self.spec.data_axes
         trained, model_state = jax.shard_map(
-            shard_step,
-            mesh=mesh,
-            in_specs=(P(), P(), P(), P(axes), P()) + (P(),) * len(traced),
+            self._manual_shard_step,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), P(axes), P()),
             out_specs=P(),
             axis_names=set(axes),
         )(
@@ -368,46 +357,56 @@ def make_train_step(
             state.opt_state,
             state.model_state,
             batch,
-            step_rng(spec.seed, state.step),
-            *traced,
+            step_rng(self.spec.seed, state.step),
         )
         new_state = TrainState(state.step + 1, trained.params, trained.opt_state, model_state)
         return StepResult(new_state, trained.metrics, trained.diag)
 
-    def gspmd(state: TrainState, batch, level) -> StepResult:
-        rng = step_rng(spec.seed, state.step)
-        params = state.params
-        if zero:
-            assert layout is not None
-            params = gathered(layout, state.params)
-        out = loss_and_grads(task_loss, params, state.model_state, batch, rng, spec.microbatches)
-        level = level if len(levels) > 1 else levels[0]
-        trained = train_and_measure(state.params, state.opt_state, out.grads, level)
+    def _manual_shard_step(
+        self, params: Any, opt_state: Any, model_state: Any, batch: Any, rng: jax.Array
+    ) -> tuple[Trained, Any]:
+        axes = self.spec.data_axes
+        out = self._loss_and_grads(params, model_state, batch, rng)
+        trained = self.train_and_measure(params, opt_state, out.grads)
+        trained.metrics["train/loss"] = jax.lax.pmean(out.loss, axes)
+        trained.metrics.update({f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()})
+        return trained, reduce_over_shards(out.model_state, axes)
+
+    def gspmd(self, state: TrainState, batch: Any) -> StepResult:
+        """``grad_impl=gspmd``: the gradient of the global-mean loss under plain jit."""
+        rng = step_rng(self.spec.seed, state.step)
+        params = gathered(self.zero_layout, state.params) if self.zero else state.params
+        out = loss_and_grads(
+            self.task_loss, params, state.model_state, batch, rng, self.spec.microbatches
+        )
+        trained = self.train_and_measure(state.params, state.opt_state, out.grads)
         metrics = trained.metrics | {"train/loss": out.loss}
         metrics |= {f"train/{k}": v for k, v in out.aux.items()}
         new_state = TrainState(state.step + 1, trained.params, trained.opt_state, out.model_state)
         return StepResult(new_state, metrics, trained.diag)
 
-    def manual_zero(state: TrainState, batch, level) -> StepResult:
-        def shard_grads(params, model_state, batch, rng) -> LossAndGrads:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
-            local = jax.lax.pcast(params, axes, to="varying")
-            out = loss_and_grads(task_loss, local, model_state, batch, rng, spec.microbatches)
-            return out._replace(model_state=reduce_over_shards(out.model_state, axes))
-
-        assert layout is not None and phases is not None  # manual_zero runs with ZeRO only
+    def manual_zero(self, state: TrainState, batch: Any) -> StepResult:
+        """``grad_impl=manual`` with ZeRO: the reduction in a shard_map, the update on the
+        slices outside it (`trainers.core.zero_step`)."""
         reduce = manual_zero_step(
-            layout, mesh, axes, levels, phases.reduce, shard_grads, level_flags
+            self.zero_layout,
+            self.mesh,
+            self.spec.data_axes,
+            self.flags.with_stats,
+            self.tx.phases.reduce,
+            self._shard_grads,
         )
-        rng = step_rng(spec.seed, state.step)
-        reduced = reduce(gathered(layout, state.params), state.model_state, batch, rng, level)
-        level = level if len(levels) > 1 else levels[0]
-        trained = train_and_measure(state.params, state.opt_state, reduced.local, level)
+        rng = step_rng(self.spec.seed, state.step)
+        reduced = reduce(gathered(self.zero_layout, state.params), state.model_state, batch, rng)
+        trained = self.train_and_measure(state.params, state.opt_state, reduced.local)
         new_state = TrainState(
             state.step + 1, trained.params, trained.opt_state, reduced.model_state
         )
         return StepResult(new_state, trained.metrics | reduced.metrics, trained.diag)
 
-    if zero and per_shard:
-        return TrainStep(manual_zero, stats_keys)
-    return TrainStep(manual if per_shard else gspmd, stats_keys)
+    def _shard_grads(
+        self, params: Any, model_state: Any, batch: Any, rng: jax.Array
+    ) -> LossAndGrads:
+        out = self._loss_and_grads(params, model_state, batch, rng)
+        axes = self.spec.data_axes
+        return out._replace(model_state=reduce_over_shards(out.model_state, axes))

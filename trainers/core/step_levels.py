@@ -1,30 +1,17 @@
-"""Which level each step of a run has, and which compiled programs serve the levels.
+"""Which level each step of a run has, and which levels a run meets.
 
 A step's *level* (`trainers.core.step`: plain, statistics, per-layer norms, histograms) is what it
 computes besides the update. `step_level` is the schedule `Trainer.fit` follows, from the
 periods of ``trainer.stats_every``, ``trainer.layer_stats_every`` and
 ``trainer.histogram_every``; `levels_in_run` the levels a run will meet, so that their
-programs are compiled before its first step. `STEP_EXECUTABLES` maps the designs of
-``trainer.step_executables`` to groups of levels that share one executable.
+programs (one per level, `trainers.Trainer`) are compiled before its first step.
 """
 
 from __future__ import annotations
 
 import math
 
-from trainers.config.run import STEP_EXECUTABLE_DESIGNS
-from trainers.core.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN, STATS
-
-#: ``trainer.step_executables`` -> groups of levels, each group one executable (a traced
-#: level under `lax.cond` when a group has several). docs/benchmarks.md ("One executable or
-#: several") measures them: on XLA:CPU every cond a plain step carries costs more than the
-#: statistics it skips, so by default every level has its own program.
-STEP_EXECUTABLES: dict[str, tuple[tuple[int, ...], ...]] = {
-    "per_level": tuple((lv,) for lv in LEVELS),
-    "two": ((PLAIN, STATS), (LAYERS, HISTOGRAMS)),
-    "one": (LEVELS,),
-}
-assert tuple(STEP_EXECUTABLES) == STEP_EXECUTABLE_DESIGNS
+from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 
 
 def step_level(

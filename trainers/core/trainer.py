@@ -27,7 +27,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.config.run import STEP_EXECUTABLE_DESIGNS
 from trainers.core.hook import Hook, StopTraining, end_hooks
 from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.model_state import init_fn
@@ -41,16 +40,18 @@ from trainers.core.step import (
     TrainState,
     make_train_step,
 )
-from trainers.core.step_levels import STEP_EXECUTABLES, levels_in_run, step_level
+from trainers.core.step_levels import levels_in_run, step_level
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.zero import zero_layout
-from xshard import Reduction
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
 from xshard.mesh import check_batch_divisible
+from xshard.optimizer import CrossShardTransformation, cross_shard
 from xshard.reduce import PerShardGradientsRequired
+from xshard.reduction_mode import Reduction
+from xshard.slots import has_cross_shard_state
 
-__all__ = ["STEP_EXECUTABLES", "Hook", "StopTraining", "StopVote", "Trainer"]
+__all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,34 +64,36 @@ class Trainer:
 
     Args:
       task: a `trainers.tasks.base.Task`.
-      tx: the optimizer, normally from `xshard.build_optimizer` (a `cross_shard` wrapper,
-        which reduces the gradients and records the statistics). A plain optax optimizer
-        works too: the trainer then reduces the gradients itself (`reduction`) and reports
-        the same statistics, except the skip counters (nothing is skipped).
+      tx: the optimizer, normally from `xshard.build_optimizer` or `xshard.cross_shard` (a
+        `xshard.optimizer.CrossShardTransformation`, which reduces the gradients and records
+        the statistics). A plain optax optimizer works too: the trainer wraps it once, in
+        ``cross_shard(tx, reduction, axis_name=data_axes)``, and reports the same statistics,
+        except the skip counters (it skips nothing). A transformation that holds a
+        `cross_shard` inside (``optax.chain(cross_shard(...), ...)``) is refused by `init`:
+        put the other transformations inside the `cross_shard` instead.
       mesh: the device mesh.
       data_axes: the data-parallel mesh axes (the batch is split and gradients reduced over
         them); other axes are model axes, used by the task's sharding rules.
       global_batch_size: examples per step over all shards.
       microbatches: gradient accumulation steps per update.
       grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd".
-      reduction: how the trainer reduces the gradients for a plain optax `tx` (MEAN:
-        ``pmean``); a `cross_shard` optimizer reduces as it was built, and this is unused.
+      reduction: how a plain optax `tx` is reduced (None: MEAN, ``pmean``); a `cross_shard`
+        optimizer reduces as it was built, and a `reduction` given with it must agree.
       seed: the run's seed (step RNGs are derived from it and the step).
-      step_executables: ``trainer.step_executables``, how plain, statistics and logging
-        steps map to compiled programs (`trainers.core.step_levels.STEP_EXECUTABLES`):
-        "per_level" (the default: a program per level, those `fit` will need compiled before
-        its first step), "two" (plain and statistics steps / per-layer logging steps) or
-        "one" (every level in one program, the differences under `lax.cond`). See
-        docs/benchmarks.md for the measurement.
       agree_stop: whether the processes agree on stops within the steps (default: with more
         than one process); see `fit`. One process needs no vote: its step takes none.
       zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
         sharded over them, 2 also the gradient reduce-scattered, 3 also the params at rest
         (`trainers.core.zero`, docs/scaling.md).
 
+    Each kind of step (plain, statistics, per-layer norms, histograms: `trainers.core.step`'s
+    levels) has its own compiled program, those `fit` will need compiled before its first
+    step (docs/benchmarks.md measured the alternatives slower).
+
     Raises:
-      ConfigError: for a batch not divisible over the data shards, a bad microbatch count,
-        `grad_impl` or `step_executables`.
+      ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
+        `grad_impl`.
+      ValueError: for a `reduction` that disagrees with a `cross_shard` optimizer's.
     """
 
     def __init__(
@@ -103,16 +106,15 @@ class Trainer:
         global_batch_size: int,
         microbatches: int = 1,
         grad_impl: str = "manual",
-        reduction: Reduction | str = Reduction.MEAN,
+        reduction: Reduction | str | None = None,
         seed: int = 0,
-        step_executables: str = STEP_EXECUTABLE_DESIGNS[0],
         agree_stop: bool | None = None,
         zero_stage: int = 0,
     ):
-        # The step passes the statistics flags to the optimizer; plain transforms ignore them.
-        tx = optax.with_extra_args_support(tx)
-        self.task, self.tx, self.mesh = task, tx, mesh
         data_axes = tuple(data_axes)
+        self.task, self.mesh = task, mesh
+        #: The optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
+        self.tx = as_cross_shard(tx, reduction, data_axes)
         per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)
         n = global_batch_size // per_shard
         if microbatches < 1 or per_shard % microbatches:
@@ -123,34 +125,27 @@ class Trainer:
             )
         # The rules are read once the params exist (a Flax task's come from its model).
         self.layout = zero_layout(zero_stage, mesh, data_axes, lambda: task.sharding_rules)
-        if step_executables not in STEP_EXECUTABLES:
-            raise ConfigError(
-                f"step_executables={step_executables!r} is not allowed; choose one of "
-                f"{list(STEP_EXECUTABLES)}."
-            )
         self.spec = StepSpec(
             data_axes=data_axes,
             num_data_shards=n,
             global_batch_size=global_batch_size,
             microbatches=microbatches,
             grad_impl=grad_impl,
-            reduction=Reduction.parse(reduction, key="reduction.mode"),
             seed=seed,
         )
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
-        self._groups = STEP_EXECUTABLES[step_executables]
-        # Validates grad_impl now (ConfigError), not at the first step.
+        # A step function per level. Validates grad_impl now (ConfigError), not at the first
+        # step.
         self._step_fns = {
-            g: make_train_step(task, tx, mesh, self.spec, g, self.layout) for g in self._groups
+            lv: make_train_step(task, self.tx, mesh, self.spec, lv, self.layout) for lv in LEVELS
         }
-        self._executables: dict[tuple[int, ...], jax.stages.Compiled] = {}
-        # Per executable: the shapes of the per-layer statistics after its metrics.
-        self._diag_layouts: dict[tuple[int, ...], dict[str, tuple[int, ...]]] = {}
+        self._executables: dict[int, jax.stages.Compiled] = {}
+        # Per level: the shapes of the per-layer statistics after its metrics.
+        self._diag_layouts: dict[int, dict[str, tuple[int, ...]]] = {}
         self._metric_keys: tuple[str, ...] = ()
         self._stats_keys: frozenset[str] = frozenset()
         self._leaf_names: tuple[str, ...] = ()
         self._replicated = NamedSharding(mesh, P())
-        self._levels = {lv: jax.device_put(np.int32(lv), self._replicated) for lv in LEVELS}
         self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
         # One vote per device, each process filling its own devices (`_votes`).
         self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
@@ -186,19 +181,19 @@ class Trainer:
         """Returns the initial `TrainState` for `params` and `model_state` (placed on the
         mesh; None: the empty model state of a plain task)."""
         shardings = self.param_shardings(params)
+        refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
         params = jax.device_put(params, shardings)
         with jax.set_mesh(self.mesh):
-            opt_shardings = self.opt_state_shardings(params, shardings)
+            opt_shardings = self.opt_state_shardings(params)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
         return TrainState(step, params, opt_state, model_state)
 
-    def opt_state_shardings(self, params: Any, param_shardings: Any) -> Any:
+    def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
         hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`."""
-        del param_shardings  # the layout derives them from the rules
         return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
 
     def state_shardings(self, state: TrainState) -> Any:
@@ -214,17 +209,15 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
 
-    def _group(self, level: int) -> tuple[int, ...]:
-        return next(g for g in self._groups if level in g)
-
-    def _compile(self, group: tuple[int, ...], state: TrainState, batch: dict[str, jax.Array]):
+    def _compile(self, level: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
+        """Compiles the program of `level` for `state` and batches like `batch` (global)."""
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
-        step_fn = self._step_fns[group]
+        step_fn = self._step_fns[level]
 
-        def train_step(state, batch, level, *votes):
-            state, metrics, diag = step_fn.fn(state, batch, level)
+        def train_step(state, batch, *votes):
+            state, metrics, diag = step_fn.fn(state, batch)
             if votes:  # agree_stop: the highest vote of all devices
                 metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
             names, values = stack_metrics(metrics)
@@ -236,7 +229,7 @@ class Trainer:
 
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding, self._replicated)
+            in_shardings=(shardings, self.batch_sharding)
             + ((self._vote_sharding,) if self.agree_stop else ()),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
@@ -244,9 +237,7 @@ class Trainer:
         start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                compiled = jitted.lower(
-                    state, batch, self._levels[group[0]], *self._votes(0)
-                ).compile()
+                compiled = jitted.lower(state, batch, *self._votes(0)).compile()
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
@@ -255,40 +246,40 @@ class Trainer:
             ) from None
         seconds = time.perf_counter() - start
         self.compile_seconds = (self.compile_seconds or 0.0) + seconds
-        self._executables[group] = compiled
+        self._executables[level] = compiled
         if self._metric_keys and keys[0] != self._metric_keys:  # one metric layout for all
             raise AssertionError(f"metric keys differ between executables: {keys[0]}")
         self._metric_keys = keys[0]
-        self._diag_layouts[group] = layouts[0]
+        self._diag_layouts[level] = layouts[0]
         self._stats_keys = frozenset(step_fn.stats_keys)
         self._leaf_names = tuple(leaf_names(state.params))
         self._report_compile = True
-        logger.info("Compiled the train step for levels %s in %.2f s.", group, seconds)
+        logger.info("Compiled the train step for level %d in %.2f s.", level, seconds)
 
     @property
     def compiled(self) -> jax.stages.Compiled | None:
         """The compiled step of the lowest level compiled so far (plain steps, the most
         frequent: for HLO, cost and memory analysis); None before the first compilation."""
-        return next((self._executables[g] for g in self._groups if g in self._executables), None)
+        return next((self._executables[lv] for lv in LEVELS if lv in self._executables), None)
 
     def executable_for(self, level: int) -> jax.stages.Compiled | None:
         """The compiled step that runs steps of `level` (None: not compiled yet)."""
-        return self._executables.get(self._group(level))
+        return self._executables.get(level)
 
     def compile_levels(
         self, state: TrainState, batch: dict[str, Any], levels: Iterable[int]
     ) -> None:
-        """Compiles, ahead of time, the executables that run steps of `levels` (those not
+        """Compiles, ahead of time, the programs that run steps of `levels` (those not
         compiled yet), for `state` and batches like `batch` (host-local or global)."""
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
-        for group in dict.fromkeys(self._group(lv) for lv in sorted(levels)):
-            if group not in self._executables:
-                self._compile(group, state, batch)
+        for level in sorted(set(levels)):
+            if level not in self._executables:
+                self._compile(level, state, batch)
 
-    def executables(self) -> dict[tuple[int, ...], jax.stages.Compiled]:
-        """Every compiled step so far, by the levels it serves (see `STEP_EXECUTABLES`)."""
-        return dict(self._executables)
+    def executables(self) -> dict[int, jax.stages.Compiled]:
+        """Every compiled step so far, by the level it serves, lowest first."""
+        return {lv: self._executables[lv] for lv in LEVELS if lv in self._executables}
 
     def step(
         self,
@@ -302,9 +293,9 @@ class Trainer:
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
-        The step is compiled ahead of time on first use (each executable of
-        ``step_executables`` on the first step that needs it); later calls reuse it (a batch
-        of another shape is an error, never a silent recompilation). The metrics are a
+        The step is compiled ahead of time on first use (the program of each level on the
+        first step that needs it); later calls reuse it (a batch of another shape is an
+        error, never a silent recompilation). The metrics are a
         mapping of floats, fetched from the device on first read.
 
         Args:
@@ -327,17 +318,16 @@ class Trainer:
         level = (
             HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
         )
-        group = self._group(level)
-        if group not in self._executables:
-            self._compile(group, state, batch)
-        executable = self._executables[group]
-        state, values = executable(state, batch, self._levels[level], *self._votes(stop_vote))
+        if level not in self._executables:
+            self._compile(level, state, batch)
+        executable = self._executables[level]
+        state, values = executable(state, batch, *self._votes(stop_vote))
         hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
         return state, StepMetrics(
             self._metric_keys,
             values,
             hidden=hidden,
-            diag=self._diag_layouts[group] if level >= LAYERS else None,
+            diag=self._diag_layouts[level] if level >= LAYERS else None,
             diag_names=self._leaf_names,
             histograms=level == HISTOGRAMS,
         )
@@ -445,7 +435,7 @@ class Trainer:
                     stop_vote=vote() if agree else 0,
                 )
                 if self._report_compile:
-                    assert self.compile_seconds is not None  # set where _report_compile is
+                    assert self.compile_seconds is not None  # set by the compilation
                     metrics = metrics.with_host_values(
                         **{"perf/compile_time_s": self.compile_seconds}
                     )
@@ -485,3 +475,58 @@ class Trainer:
         if diag is not None:
             for h in hooks:
                 h.on_diagnostics(step, diag)
+
+
+def as_cross_shard(
+    tx: optax.GradientTransformation,
+    reduction: Reduction | str | None,
+    data_axes: tuple[str, ...],
+) -> CrossShardTransformation:
+    """`tx` as the step runs it: a `cross_shard` optimizer as it is, a plain optax one wrapped
+    once in ``cross_shard(tx, reduction, axis_name=data_axes)``.
+
+    Args:
+      tx: the `Trainer`'s optimizer.
+      reduction: the reduction of a plain `tx` (None: MEAN); with a `cross_shard` `tx`,
+        None or its own.
+      data_axes: the data-parallel mesh axes (the gradients are reduced over them).
+
+    Returns:
+      The `CrossShardTransformation`.
+
+    Raises:
+      ValueError: for an unknown `reduction`, or one that disagrees with `tx`'s.
+    """
+    if not isinstance(tx, CrossShardTransformation):
+        return cross_shard(
+            tx, Reduction.MEAN if reduction is None else reduction, axis_name=data_axes
+        )
+    if reduction is not None and Reduction.parse(reduction) is not tx.spec.reduction:
+        raise ValueError(
+            f"reduction={reduction!r} disagrees with the optimizer's "
+            f"{tx.spec.reduction.value!r}: a cross_shard optimizer reduces as it was built. "
+            "Leave reduction= out, or pass the inner optax optimizer."
+        )
+    return tx
+
+
+def refuse_nested_cross_shard(opt_state: Any) -> None:
+    """Refuses an optimizer state with a `cross_shard` state inside the outer one's inner
+    state: `tx` held a `cross_shard` inside another transformation (an ``optax.chain``), so
+    the trainer wrapped it, and every gradient would be reduced twice.
+
+    Args:
+      opt_state: the state (or its shapes) of `Trainer.tx`.
+
+    Raises:
+      ValueError: naming what to pass instead.
+    """
+    if has_cross_shard_state(opt_state.inner_state):
+        raise ValueError(
+            "The optimizer holds an xshard.cross_shard inside another transformation (e.g. "
+            "optax.chain(cross_shard(...), ...)), so the Trainer wrapped it in a cross_shard "
+            "of its own and would reduce every gradient twice. Put the other transformations "
+            "inside the cross_shard, as xshard.build_optimizer does: "
+            "cross_shard(optax.chain(inner, ...), ...); or pass the plain optax optimizer, "
+            "which the Trainer wraps once (reduction=...)."
+        )

@@ -20,18 +20,15 @@ global norm under GSPMD, which keeps lamb, lars, adafactor and global-norm clipp
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import optax
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.zero import ZeroLayout
 from xshard.buckets import all_gather_tree
-from xshard.errors import ConfigError
-from xshard.optimizer import LocalReduction, cross_shard_phases
-from xshard.slots import has_cross_shard_state
+from xshard.optimizer import LocalReduction
 
 
 def _is_none(x: Any) -> bool:
@@ -110,37 +107,33 @@ def manual_zero_step(
     layout: ZeroLayout,
     mesh: jax.sharding.Mesh,
     axes: tuple[str, ...],
-    levels: Sequence[int],
+    with_stats: bool,
     reduce_fn: Callable[..., LocalReduction],
     shard_grads: Callable[..., Any],
-    level_flags: Callable[..., dict[str, Any]],
 ) -> Callable[..., ZeroReduced]:
     """The reducing half of a ZeRO step on the manual path.
 
     Args:
       layout: the run's layout (stage >= 1).
-      mesh, axes: the mesh and its data axes (manual in the shard_map).
-      levels: the levels the step serves (a traced level when several).
+      mesh: the mesh.
+      axes: its data axes (manual in the shard_map).
+      with_stats: whether the step's level takes the statistics (`trainers.core.step.LevelFlags`).
       reduce_fn: the first phase of the cross-shard optimizer (`CrossShardPhases.reduce`).
       shard_grads: ``(params, model_state, batch, rng) -> trainers.core.step.LossAndGrads`` for
         one shard (params replicated, the gradient per shard, the new model state already
         reduced over the shards), run inside the shard_map.
-      level_flags: `trainers.core.step.level_flags`.
 
     Returns:
-      ``reduce(params, model_state, batch, rng, level) -> ZeroReduced``.
+      ``reduce(params, model_state, batch, rng) -> ZeroReduced``.
     """
-    traced_level = len(levels) > 1
 
-    def reduce(params, model_state, batch, rng, level):
+    def reduce(params, model_state, batch, rng) -> ZeroReduced:
         dims = layout.scatter_dims(params, layout.base_shardings(params))
-
         specs = jax.tree.map(lambda d: data_spec(d, axes), dims, is_leaf=_is_none)
 
-        def shard_step(params, model_state, batch, rng, *traced):
-            flags = level_flags(traced[0] if traced else levels[0], levels)
+        def shard_step(params, model_state, batch, rng) -> ZeroReduced:
             out = shard_grads(params, model_state, batch, rng)
-            local = reduce_fn(out.grads, params, with_stats=flags["with_stats"], scatter_dims=dims)
+            local = reduce_fn(out.grads, params, with_stats=with_stats, scatter_dims=dims)
             # Divided here: the reduction leaves the shard_map as the gradient itself.
             local = dataclasses.replace(
                 local, updates=local.gradient(), parts=None, mean_over=1, unpack=None
@@ -149,58 +142,13 @@ def manual_zero_step(
             metrics |= {f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()}
             return ZeroReduced(local, out.model_state, metrics)
 
-        traced = (level,) if traced_level else ()
         return jax.shard_map(
             shard_step,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P()) + (P(),) * len(traced),
-            out_specs=ZeroReduced(LocalReduction(specs, P(), P()), P(), P()),
+            in_specs=(P(), P(), P(axes), P()),
+            # Specs in place of values: a pytree prefix of the result's structure.
+            out_specs=ZeroReduced(LocalReduction(specs, P(), P()), P(), P()),  # type: ignore[arg-type]
             axis_names=set(axes),
-        )(params, model_state, batch, rng, *traced)
+        )(params, model_state, batch, rng)
 
     return reduce
-
-
-@dataclasses.dataclass(frozen=True)
-class ZeroPhases:
-    """The two phases a ZeRO step runs on the manual path.
-
-    Attributes:
-      reduce, finish, apply: `xshard.CrossShardPhases` of the optimizer (``own``) or, for a
-        plain optax optimizer, of the trainer's own reduction (then the optimizer's update
-        follows).
-      own: whether they are the optimizer's.
-    """
-
-    reduce: Callable[..., LocalReduction]
-    finish: Callable[..., Any]
-    apply: Callable[..., Any]
-    own: bool
-
-
-def zero_phases(
-    tx: optax.GradientTransformation, front: optax.GradientTransformation
-) -> ZeroPhases:
-    """The phases of `tx` if `cross_shard` made it, else those of `front` (the trainer's
-    reduction for a plain optax optimizer)."""
-    own = cross_shard_phases(tx)
-    if own is not None:
-        return ZeroPhases(own.reduce, own.finish, own.apply, True)
-    theirs = cross_shard_phases(front)
-    assert theirs is not None
-    return ZeroPhases(theirs.reduce, theirs.finish, theirs.apply, False)
-
-
-def check_unwrapped(opt_state: Any) -> None:
-    """Refuses an optimizer that holds a `cross_shard` state without being one (a chain around
-    it): its reduction cannot be split from its update.
-
-    Raises:
-      ConfigError: naming ``sharding.zero_stage``.
-    """
-    if has_cross_shard_state(opt_state):
-        raise ConfigError(
-            "sharding.zero_stage>0 with trainer.grad_impl=manual needs the optimizer made by "
-            "xshard.cross_shard itself (not wrapped in a chain); use trainer.grad_impl=gspmd, "
-            "or sharding.zero_stage=0."
-        )

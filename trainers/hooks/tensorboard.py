@@ -123,10 +123,6 @@ class TensorBoardHook(Hook):
             self.writer.close()
             raise LoggerError(self._error_message("before training"))
 
-    def log_scalar(self, tag: str, value: float, step: int) -> None:
-        """Writes one scalar (e.g. `perf/compile_time_s`)."""
-        self.writer.add_scalar(tag, value, step)
-
     def wants_stop(self) -> bool:
         return self.on_error == "stop" and self.writer.failure is not None
 

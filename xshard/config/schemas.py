@@ -33,6 +33,7 @@ from omegaconf import MISSING
 
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
+from xshard.reduction_mode import Reduction
 
 SCHEMA_GROUP = "xshard_schemas"
 
@@ -276,8 +277,6 @@ class ExponentialScheduleConf(ScheduleConf):
 # reduction/: the keyword arguments of xshard.cross_shard (`mode` is its `reduction`).
 # --------------------------------------------------------------------------------------------
 
-#: Allowed `reduction.mode` values (`xshard.Reduction`, any case).
-REDUCTION_MODES = ("sum", "mean")
 #: Dtypes the all-reduce may run in (`reduction.comm_dtype`).
 COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
@@ -286,19 +285,21 @@ COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
 class ReductionConf:
     """How gradients are combined across data-parallel shards (see `xshard.cross_shard`)."""
 
-    mode: str = "mean"  # "sum" or "mean", any case
+    mode: str = "mean"  # "sum" or "mean", any case; read as a `xshard.Reduction`
     axis_name: Any = None  # a mesh axis or a list of them; null: the mesh's data axes
     clip_per_shard: float | None = None  # clip each shard's gradient to this global norm
     comm_dtype: str | None = None  # dtype of the all-reduce, e.g. bfloat16
     skip_nonfinite: bool = True  # a NaN/Inf reduced gradient skips the step on every shard
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, str) or self.mode.strip().lower() not in REDUCTION_MODES:
+        # Validated and parsed here, once: `xshard.cross_shard` receives the `Reduction`.
+        try:
+            self.mode = Reduction.parse(self.mode, key="reduction.mode")
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in Reduction)
             raise ConfigError(
-                f"Unsupported reduction.mode: {shown(self.mode)}. Allowed: 'sum', 'mean' "
-                "(any case)."
-            )
-        self.mode = self.mode.strip().lower()
+                f"Unsupported reduction.mode: {shown(self.mode)}. Allowed: {allowed} (any case)."
+            ) from None
         axes = self.axis_name
         if axes is not None:
             names = [axes] if isinstance(axes, str) else axes

@@ -64,7 +64,24 @@ LONGEST_FIRST = (
 )
 
 
+#: Markers by cost, given to every test of these files (pyproject.toml lists them): select or
+#: skip them with -m, e.g. ``make test-fast PYTEST_ARGS="-m 'not multiprocess'"``.
+COST_MARKERS = {
+    "multiprocess": (
+        "test_multihost.py",
+        "test_multihost_cli.py",
+        "test_stop_agreement.py",
+    ),
+    "wheel": ("test_packaging.py", "test_example_repo.py"),
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Runs the files of `LONGEST_FIRST` first, in that order (stable: the rest keep theirs)."""
+    """Marks tests by cost (`COST_MARKERS`) and runs the files of `LONGEST_FIRST` first, in
+    that order (stable: the rest keep theirs)."""
+    for item in items:
+        for marker, files in COST_MARKERS.items():
+            if item.path.name in files:
+                item.add_marker(marker)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

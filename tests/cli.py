@@ -12,8 +12,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainers.errors import EXIT_CONFIG_ERROR
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 def run_train(
     *overrides: str,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 from functools import cache
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 CONF = REPO / "conf"
 NUM_DEVICES = 8  # conftest.py
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from tests.cli import REPO
+from tests import REPO
 
 PROCESSES = 2
 #: A small run: task=mlp on mesh=cpu8 (4 devices per process), metrics every step.

@@ -12,7 +12,8 @@ from pathlib import Path
 import grimp
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 WINGS = ["app", "checkpoint", "cluster", "config", "core", "data", "hooks", "rundir", "tasks"]
 
 
@@ -79,3 +80,27 @@ def test_the_layering_contract_holds():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "0 broken" in result.stdout
+
+
+def test_tests_mirror_the_wings():
+    """Test files live beside the code they test: `tests/trainers/<wing>/` for each wing,
+    `tests/xshard/` for the library, `tests/config/` for the config tree; only project-wide
+    tests (layering, packaging, examples, benchmarks) stay at the top."""
+    tests = REPO / "tests"
+    folders = {
+        p.name for p in (tests / "trainers").iterdir() if p.is_dir() and p.name != "__pycache__"
+    }
+    wings_with_tests = set(WINGS) - {"config"}  # trainers/config is tested from tests/config/
+    assert folders <= set(WINGS), f"test folders without a wing: {sorted(folders - set(WINGS))}"
+    assert wings_with_tests <= folders, f"wings without tests: {sorted(wings_with_tests - folders)}"
+    top = sorted(p.name for p in tests.glob("test_*.py"))
+    project_wide = {
+        "test_architecture.py",
+        "test_benchmarks_smoke.py",
+        "test_example_repo.py",
+        "test_examples.py",
+        "test_imports.py",
+        "test_packaging.py",
+        "test_zero_bench_smoke.py",
+    }
+    assert set(top) <= project_wide, f"put these in the folder of what they test: {top}"

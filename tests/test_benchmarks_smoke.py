@@ -11,12 +11,13 @@ import math
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO
+
+ROOT = REPO
 SECTIONS = (
     "overhead",
     "stats",

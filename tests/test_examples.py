@@ -3,11 +3,10 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 
 
 @pytest.mark.slow

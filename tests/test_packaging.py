@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
+
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIRS = ("xshard", "trainers", "hydra_plugins")
 _IGNORE = shutil.ignore_patterns(
     ".git", ".venv", "build", "dist", "outputs", "multirun", "__pycache__", "*.egg-info"

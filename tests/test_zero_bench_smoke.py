@@ -9,11 +9,10 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 
 
 @pytest.mark.slow

@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
-from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
 import yaml
 from omegaconf import MISSING
 
+from tests import REPO
 from trainers.config import (
     CheckpointOptions,
     DistributedOptions,
@@ -27,7 +27,7 @@ from xshard.factory import MASK_ARGS
 from xshard.mesh_spec import mesh_spec
 from xshard.optimizer import cross_shard
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = REPO / "conf"
 
 
 def _target(path: str):

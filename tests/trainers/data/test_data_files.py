@@ -1,6 +1,6 @@
 """``task.data``: the built-in tasks train on the user's own .npz/.npy/.txt file, and every bad
 file or value is one `ConfigError` naming the key (in-process here; through the real CLI, exit
-2 and one line, in tests/test_data_cli.py)."""
+2 and one line, in tests/trainers/data/test_data_cli.py)."""
 
 from __future__ import annotations
 

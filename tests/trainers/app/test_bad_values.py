@@ -17,10 +17,10 @@ import subprocess
 import sys
 
 import pytest
-from cli import run_train
 from omegaconf import OmegaConf
 
 import xshard
+from tests.cli import run_train
 from trainers.app.cli_overrides import group_override_error, removed_key_error
 from trainers.config import TrainerOptions
 from trainers.train import train

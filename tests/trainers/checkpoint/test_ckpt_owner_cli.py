@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tests.reliability_helpers import snapshot, steps_snapshot, wait_until
 from trainers.checkpoint.owner import LOCK_FILE, read_owner
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
-
-REPO = Path(__file__).resolve().parents[1]
 
 COMMON = [
     "task=mlp",

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli import hparams_dashboard, load_events, run_train, scalars
-from reliability_helpers import assert_bitwise_equal, load_state
 
+from tests.cli import hparams_dashboard, load_events, run_train, scalars
+from tests.reliability_helpers import assert_bitwise_equal, load_state
 from trainers.checkpoint.io import complete_steps
 
 pytestmark = pytest.mark.slow

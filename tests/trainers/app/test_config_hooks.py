@@ -6,9 +6,9 @@ import json
 import textwrap
 
 import pytest
-from cli import run_train
 from hydra import compose, initialize_config_module
 
+from tests.cli import run_train
 from trainers.app.build import build_hooks
 from trainers.train import train
 from xshard.errors import ConfigError

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import REPO, refused, run_train
+from tests import REPO
+from tests.cli import refused, run_train
 
 COMMON = ["task=mlp", "mesh=cpu8", "trainer.batch_size=16", "trainer.steps=2", "checkpoint=none"]
 

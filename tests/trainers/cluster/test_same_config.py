@@ -1,7 +1,7 @@
 """`trainers.cluster.same_config`: what is compared between processes and how differences read.
 
 The comparison itself, across real processes, is tested end to end in
-tests/test_multihost_cli.py (``given different configs``).
+tests/trainers/cluster/test_multihost_cli.py (``given different configs``).
 """
 
 from __future__ import annotations

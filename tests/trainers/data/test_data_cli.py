@@ -5,18 +5,18 @@ bitwise equal to an uninterrupted run."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import REPO
 from tests.cli import run_train, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state
-from tests.test_data_files import write_files
+from tests.trainers.data.test_data_files import write_files
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_PREEMPTED
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
+DOC = REPO / "docs" / "tasks.md"
 QUIET = ["trainer.layer_stats_every=0", "trainer.histogram_every=0", "trainer.log_every=1"]
 
 
@@ -87,7 +87,7 @@ def test_tiny_gpt_trains_on_a_text_file(tmp_path):
         (["task.data.path=table.csv"], "unsupported file type .csv"),
         (["task.data.path=good.npz", "task.data.shuffle=maybe"], "task.data.shuffle='maybe'"),
         (["task=tiny_gpt", "task.data.path=latin.txt"], "token 195 at offset 3 is outside"),
-        # Untrusted files (tests/test_data_files.py write_untrusted_files).
+        # Untrusted files (tests/trainers/data/test_data_files.py write_untrusted_files).
         (
             ["task.data.path=forged.npz"],
             (

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli import run_train, scalars
+
+from tests.cli import run_train, scalars
 
 COMMON = ("task=mlp", "trainer.batch_size=32", "trainer.log_every=1", "checkpoint.async_save=false")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import hydra
 import jax
@@ -15,12 +14,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from omegaconf import OmegaConf
 
+from tests import REPO
 from trainers.tasks import corpus
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.sharding import param_shardings, param_specs, path_str
 from trainers.tasks.tiny_gpt import TinyGPTTask
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = REPO / "conf" / "task"
 
 # Small enough to compile and train in seconds; every sharded dim is divisible by 2.
 SMALL_GPT = dict(d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16)

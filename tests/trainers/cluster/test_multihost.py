@@ -4,17 +4,15 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests import REPO
 from tests.cli import run_train, scalars
 from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
 from trainers.checkpoint.io import complete_steps
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:

@@ -15,7 +15,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from cli import run_train, scalars
+
+from tests.cli import run_train, scalars
 
 pytestmark = pytest.mark.slow
 

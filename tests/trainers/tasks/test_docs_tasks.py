@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-from cli import run_train, scalars
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "tasks.md"
+from tests import REPO
+from tests.cli import run_train, scalars
+
+DOC = REPO / "docs" / "tasks.md"
 
 
 def _block(language: str, first_line: str) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cli import REPO, hparams_dashboard, load_events, run_train
+from tests import REPO
+from tests.cli import hparams_dashboard, load_events, run_train
 from trainers.app.sweep import RESULT_FILE, SWEEP_SUMMARY_FILE
 
 pytestmark = pytest.mark.slow

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tests.reliability_helpers import load_state, snapshot, steps_snapshot, truncate_data
 from trainers.app.sweep import write_result
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
@@ -27,7 +28,6 @@ from trainers.rundir.log_file import RunLogFile
 from xshard.config import one_line
 from xshard.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
 COMMON = [
     "task=mlp",
     "trainer.batch_size=16",

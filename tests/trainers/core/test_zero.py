@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ from hydra import compose, initialize_config_module
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from tests import REPO
 from trainers.core.trainer import Trainer
 from trainers.core.zero import state_report, zero_dim, zero_layout
 from trainers.tasks.mlp import MLPTask
@@ -25,9 +25,7 @@ from xshard.slots import get_slot
 
 BATCH = 32
 STEPS = 20
-OPTIMIZERS = sorted(
-    p.stem for p in (Path(__file__).parents[1] / "conf" / "optimizer").glob("*.yaml")
-)
+OPTIMIZERS = sorted(p.stem for p in (REPO / "conf" / "optimizer").glob("*.yaml"))
 # hidden 128: adafactor factors the (128, 128) matrix (its min_dim_size_to_factor is 128).
 TASK = MLPTask(hidden=(128, 128))
 

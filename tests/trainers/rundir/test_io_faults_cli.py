@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tests.reliability_helpers import fill, load_state, resize, tmpfs, wait_until
 from trainers.app.sweep import write_result
 from trainers.checkpoint.io import complete_steps, unfinished_saves
@@ -29,7 +30,6 @@ from trainers.rundir.log_file import RunLogFile
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
 COMMON = [
     "task=mlp",
     "trainer.batch_size=16",
@@ -298,6 +298,7 @@ SIGNALLING_TASK = """\
 import signal
 
 from trainers.tasks.mlp import MLPTask
+from tests import REPO
 
 
 class SignalledMLP(MLPTask):

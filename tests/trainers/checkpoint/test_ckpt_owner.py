@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability_helpers import snapshot
-from tests.test_checkpoints import CONFIG, synthetic_state
+from tests.trainers.checkpoint.test_checkpoints import CONFIG, synthetic_state
 from trainers.checkpoint.hook import CheckpointHook
 from trainers.checkpoint.owner import LOCK_FILE, OWNER_FILE, claim_checkpoint_dir, read_owner
 from trainers.checkpoint.resume import complete_steps

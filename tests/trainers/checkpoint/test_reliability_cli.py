@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests import REPO
 from tests.cli import events_dir
 from tests.reliability_helpers import (
     assert_bitwise_equal,
@@ -26,8 +27,6 @@ from tests.reliability_helpers import (
 )
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
-
-REPO = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------------------------
 # End to end: the real CLI in subprocesses

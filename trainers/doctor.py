@@ -54,7 +54,8 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
       only process 0's report lines are complete.
     """
     from trainers.app.build import read_options
-    from trainers.cluster.multihost import current, detected_cluster
+    from trainers.cluster.join import detected_cluster
+    from trainers.cluster.multihost import current
 
     lines: list[tuple[str, str]] = []
     problems: list[str] = []

@@ -19,7 +19,7 @@ non-finite loss, ends each with its own status). Then the watchdog logs one line
 and ends the process with `EXIT_PEER_LOST` at once (``os._exit``: a checkpoint being written
 stays an unfinished temporary folder, which the next run removes; the last complete one
 stays valid). JAX's own heartbeat timeout is set well beyond ``timeout_s``
-(`trainers.cluster.multihost.jax_heartbeat_timeout_s`) so that this line comes first. When process 0
+(`trainers.cluster.join.jax_heartbeat_timeout_s`) so that this line comes first. When process 0
 dies, JAX's coordinator goes with it and JAX aborts the others itself, at once (exit status
 134, "the leader task was preempted/died"): see docs/multihost.md.
 """

@@ -7,6 +7,7 @@ trainers/app/run_dir_config.py)."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -152,3 +153,22 @@ def test_a_forged_run_dir_is_refused_and_nothing_runs(run, tmp_path, forged, fra
     assert result.returncode == EXIT_CONFIG_ERROR
     refused(result, fragment)
     assert not pwned.exists() and not list(copy.glob("eval_step*.json"))
+
+
+def test_the_documented_load_and_export_example_runs(run, tmp_path):
+    doc = (REPO / "docs" / "tasks.md").read_text()
+    blocks = re.findall(r"```python\n(# load_and_export\.py.*?)```", doc, flags=re.S)
+    assert len(blocks) == 1
+    (tmp_path / "load_and_export.py").write_text(blocks[0])
+    proc = subprocess.run(
+        [sys.executable, "load_and_export.py", str(run)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith(f"{STEPS} trainers.tasks.mlp.MLPTask")
+    assert sorted(np.load(tmp_path / "params.npz").files) == sorted(
+        saved_params(run / "checkpoints" / str(STEPS))
+    )

@@ -7,8 +7,8 @@ trainers/app/run_dir_config.py)."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

@@ -4,8 +4,11 @@
 trainers.train`` and keeps its exit statuses and one-line errors (`trainers.app.entry.run`).
 Decorate that main with `main` (`trainers.app.main.main`) rather than ``@hydra.main``: it
 checks every composed config file before Hydra acts on it and handles stop signals from the
-start. Every name is imported on first use, so ``import trainers`` stays light and an entry
-point can latch stop signals before JAX is imported (`trainers.cluster.signal_latch`).
+start. `load(run_dir, step=None)` loads a saved checkpoint for inference and
+`export_params(params, "params.npz")` writes its params for use without xshard
+(`trainers.app.checkpoint_use`). Every name is imported on first use, so ``import trainers``
+stays light and an entry point can latch stop signals before JAX is imported
+(`trainers.cluster.signal_latch`).
 """
 
 from importlib import import_module
@@ -18,10 +21,22 @@ _EXPORTS = {
     "StopTraining": "trainers.core.trainer",
     "TrainState": "trainers.core.step",
     "Trainer": "trainers.core.trainer",
+    "export_params": "trainers.app.checkpoint_use",
+    "load": "trainers.app.checkpoint_use",
     "main": "trainers.app.main",
     "run": "trainers.app.entry",
 }
-__all__ = ["Hook", "StepMetrics", "StopTraining", "TrainState", "Trainer", "main", "run"]
+__all__ = [
+    "Hook",
+    "StepMetrics",
+    "StopTraining",
+    "TrainState",
+    "Trainer",
+    "export_params",
+    "load",
+    "main",
+    "run",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -31,6 +46,8 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
+    from trainers.app.checkpoint_use import export_params as export_params
+    from trainers.app.checkpoint_use import load as load
     from trainers.app.entry import run as run
     from trainers.app.main import main as main
     from trainers.core.metrics import StepMetrics as StepMetrics

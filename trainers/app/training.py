@@ -14,7 +14,7 @@ start-up stops the run before its first step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
@@ -38,11 +38,12 @@ class Placement(NamedTuple):
 
 
 class Started(NamedTuple):
-    """The state training starts from, and how to read the data from a step on."""
+    """The state training starts from, and the data from its step on (a checkpointable
+    iterator already at the saved position: `trainers.checkpoint.data_state`)."""
 
     state: Any
     start_step: int
-    batches: Callable[[int], Iterator[Any]]
+    data: Iterator[Any]
     evaluator: Any
     config: dict[str, Any]
 
@@ -100,7 +101,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     )
     state, reason = parts.trainer.fit(
         started.state,
-        started.batches(started.start_step),
+        started.data,
         num_steps=opts.steps,
         hooks=hooks,
         layer_stats_every=opts.layer_stats_every,
@@ -196,6 +197,7 @@ def start(
     import jax
 
     from trainers.app.preflight import check_batch_fits
+    from trainers.checkpoint.data_state import is_checkpointable, restore_data_state
     from trainers.checkpoint.hook import run_config
     from trainers.checkpoint.io import check_checkpoint_space
     from trainers.checkpoint.resume import restore_checkpoint
@@ -240,6 +242,9 @@ def start(
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
     start_step = int(jax.device_get(state.step))
+    data = batches(start_step)
+    if source is not None and is_checkpointable(data):  # a stream: its saved position
+        restore_data_state(source.directory / str(start_step), data)
     signals = cluster.all_gather("start_up_stop", stop.signal_name)
     if any(signals):  # a signal during start-up, to any process: stop before writing anything
         by = next(i for i, name in enumerate(signals) if name)
@@ -250,7 +255,7 @@ def start(
     evaluator = build_evaluator(
         task, where.mesh, state, data_axes=where.data_axes, opts=opts, seed=seed
     )
-    return Started(state, start_step, batches, evaluator, config)
+    return Started(state, start_step, data, evaluator, config)
 
 
 # ------------------------------------------------------------------ hooks
@@ -271,6 +276,7 @@ def run_hooks(
     it. The summary only records, so it sees the step that diverged too. Logs and the progress
     bar come from one process.
     """
+    from trainers.checkpoint.data_state import is_checkpointable
     from trainers.checkpoint.hook import CheckpointHook
     from trainers.hooks.evaluation import EvalHook
     from trainers.hooks.monitor import ProgressHook
@@ -303,7 +309,8 @@ def run_hooks(
         ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
-        checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, started.config)
+        data = started.data if is_checkpointable(started.data) else None
+        checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, started.config, data)
         checkpoints.prepare(started.state)  # compiles its check now, not during the first save
         hooks.append(checkpoints)
     return hooks + list(parts.hooks)  # the user's after the built-in ones

@@ -8,6 +8,8 @@ Layout under ``paths.checkpoint_dir`` (Orbax's `CheckpointManager`, one folder p
       100/
         state/       TrainState(step, params, opt_state[, model_state]), Orbax's PyTree format
         metadata/    JSON: format, step, the run's config, the state's signature and checksums
+        data/        with a checkpointable data iterator: its state, a JSON file per process
+                     (trainers.checkpoint.data_state)
       200/ ...
 
 `CheckpointHook` saves on every ``checkpoint.every_steps``-th step and at the end of the run
@@ -41,6 +43,7 @@ import orbax.checkpoint as ocp
 from omegaconf import DictConfig, OmegaConf
 from orbax.checkpoint import type_handlers
 
+from trainers.checkpoint.data_state import DATA_ITEM, data_handler, save_args
 from trainers.checkpoint.io import (
     checkpoint_bytes,
     complete_steps,
@@ -179,12 +182,23 @@ class CheckpointHook(Hook):
       directory: the run's checkpoint directory (``paths.checkpoint_dir``).
       options: the ``checkpoint`` config.
       config: the run's config (`run_config`), stored in each checkpoint's metadata.
+      data: the run's data iterator if it is checkpointable (``get_state``/``set_state``):
+        its state is saved with each step (`trainers.checkpoint.data_state`); None: the
+        data's position is the step.
     """
 
-    def __init__(self, directory: str | Path, options: CheckpointOptions, config: dict[str, Any]):
+    def __init__(
+        self,
+        directory: str | Path,
+        options: CheckpointOptions,
+        config: dict[str, Any],
+        data: Any = None,
+    ):
         self.directory = Path(directory)
         self.options = options
         self.config = config
+        self.data = data
+        handlers: dict[str, Any] = {} if data is None else {DATA_ITEM: data_handler()}
         replica_parallel = options.replica_parallel
         if replica_parallel is None:
             replica_parallel = jax.process_count() > 1
@@ -199,6 +213,7 @@ class CheckpointHook(Hook):
             item_handlers={
                 STATE_ITEM: state_handler(replica_parallel=replica_parallel),
                 METADATA_ITEM: ocp.JsonCheckpointHandler(),
+                **handlers,
             },
         )
         self.last_saved: int | None = self.manager.latest_step()
@@ -272,15 +287,16 @@ class CheckpointHook(Hook):
             "checksums": checksums,
             "config": self.config,
         }
+        items = {
+            STATE_ITEM: ocp.args.PyTreeSave(saved_tree(state)),
+            METADATA_ITEM: ocp.args.JsonSave(metadata),
+        }
+        if self.data is not None:  # its position now: after this step's batch, before the next
+            items[DATA_ITEM] = save_args(self.data)
         with self._write_errors(step):
             self.manager.save(
                 step,
-                args=ocp.args.Composite(
-                    **{
-                        STATE_ITEM: ocp.args.PyTreeSave(saved_tree(state)),
-                        METADATA_ITEM: ocp.args.JsonSave(metadata),
-                    }
-                ),
+                args=ocp.args.Composite(**items),
                 force=True,  # this hook decides the steps (wants_state, end of run)
             )
         self._pending = step if self.options.async_save else None

@@ -34,7 +34,7 @@ from trainers.data.batch import Batch
 from trainers.data.source import EpochData
 
 
-def _grain() -> Any:
+def import_grain() -> Any:
     """The `grain` module, or a one-line error saying how to install it."""
     try:
         import grain
@@ -71,7 +71,7 @@ class GrainData(EpochData):
         num_epochs: int | None = None,
         name: str = "the Grain dataset",
     ):
-        grain = _grain()
+        grain = import_grain()
         if not isinstance(dataset, grain.MapDataset):
             if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
                 raise TypeError(

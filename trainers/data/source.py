@@ -159,3 +159,41 @@ class EpochData(abc.ABC):
                 step += 1
 
         return generate()  # a plain function: bad arguments raise at the call, not at next()
+
+    def eval_batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """One pass over the examples as an eval split: every example exactly once.
+
+        Global batch ``j`` is positions ``[j * B, (j + 1) * B)`` of epoch 0's order (the
+        dataset's order when not shuffling), the last one holding the remainder; process
+        ``p`` reads its slice of each, which may be short or empty in the last batch. The
+        evaluation pads and masks short batches (`trainers.hooks.evaluation`), so no example
+        is dropped and none counts twice.
+
+        Args:
+          global_batch_size: rows of a global eval batch; divisible by `process_count`.
+          seed: the data seed (the order of a shuffled dataset's epoch 0).
+          process_index: this process.
+          process_count: number of processes.
+
+        Returns:
+          ``ceil(num_examples / global_batch_size)`` batches on every process.
+        """
+        lo, hi = process_rows(global_batch_size, 0, process_index, process_count)
+        n = self.num_examples
+
+        def generate() -> Iterator[Batch]:
+            for first in range(0, n, global_batch_size):
+                start, stop = min(first + lo, n), min(first + hi, n)
+                if stop > start:
+                    yield self.read(seed, 0, start, stop)
+                else:  # this process's share of the last batch is empty
+                    yield {k: v[:0] for k, v in self.read(seed, 0, 0, 1).items()}
+
+        return generate()

@@ -1,13 +1,16 @@
 """Evaluation on the task's eval split: a compiled eval step, and the hook that runs it.
 
 A task has an eval split when it has ``eval_batches`` (`trainers.tasks.base.Task`). Every
-evaluation reads the same ``trainer.eval_batches`` global batches of ``trainer.eval_batch_size``
-rows (fewer if the split is smaller), sharded over the data axes like training batches, and
-averages the per-batch means: the task's ``eval_metrics(params, batch)`` if it has one
-(``eval_metrics(params, model_state, batch)`` for a task with model state,
-`trainers.core.model_state`), else its loss with a fixed RNG (``loss`` and the aux metrics; the
-model state is read, its update dropped). Metrics are named ``eval/<name>``; ``eval/loss`` is
-always among them.
+evaluation reads the same eval batches (at most ``trainer.eval_batches``) of
+``trainer.eval_batch_size`` global rows, sharded over the data axes like training batches. A
+short batch (the last one of a finite split, or a process's empty share of it) is padded with
+zero rows and masked (`trainers.data.padding`), so every example of the split is scored
+exactly once, on any number of shards and processes: each metric is the mean over the scored
+examples (`trainers.hooks.eval_scoring`), of the task's ``eval_metrics(params, batch)`` if it
+has one (``eval_metrics(params, model_state, batch)`` for a task with model state,
+`trainers.core.model_state`; with a ``mask`` keyword it gets the mask), else of its loss with
+a fixed RNG (``loss`` and the aux metrics; the model state is read, its update dropped).
+Metrics are named ``eval/<name>``; ``eval/loss`` is always among them.
 
 The eval step is its own jitted program over the global batch, compiled once ahead of time
 when the run starts (a bad task or eval batch fails before training, and no evaluation ever
@@ -22,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -33,8 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
-from trainers.core.model_state import is_stateful, loss_fn
 from trainers.core.step import TrainState
+from trainers.data.batch import Batch
+from trainers.data.padding import pad_rows, padding_like
+from trainers.hooks.eval_scoring import masked_sums, metrics_fn
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
 
@@ -90,6 +95,7 @@ class Evaluator:
             )
         self.task, self.mesh = task, mesh
         self.global_batch_size = global_batch_size
+        self.local_rows = global_batch_size // jax.process_count()
         self.num_batches = num_batches
         self.seed = seed
         self.batch_key = batch_key
@@ -101,83 +107,78 @@ class Evaluator:
         self.metric_names: tuple[str, ...] = ()
         #: How many times the eval step was compiled (once per run).
         self.compiles = 0
+        #: Eval batches per evaluation, set by `prepare`: the most any process has.
+        self.count = 0
+        #: Examples (real rows) the latest evaluation scored.
+        self.examples = 0
+        self._template: Batch = {}
         self._warned_short = False
 
-    def _batches(self):
-        """This process's rows of the eval batches (at most `num_batches`)."""
+    def _batches(self) -> Iterator[tuple[Batch, np.ndarray]]:
+        """This process's rows of the eval batches (at most `num_batches`), each padded to
+        its share of the global batch, with its mask (`trainers.data.padding`)."""
         batches = self.task.eval_batches(
             self.global_batch_size,
             seed=self.seed,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-        return itertools.islice(batches, self.num_batches)
-
-    def _metrics(self, params: Any, model_state: Any, batch: Any) -> dict[str, jax.Array]:
-        """The batch's mean metrics, by their ``eval/`` names (traced)."""
-        eval_metrics = getattr(self.task, "eval_metrics", None)
-        if callable(eval_metrics):
-            if is_stateful(self.task):
-                metrics = dict(eval_metrics(params, model_state, batch))
-            else:
-                metrics = dict(eval_metrics(params, batch))
-            if "loss" not in metrics:
+        for local in itertools.islice(batches, self.num_batches):
+            try:
+                yield pad_rows(local, self.local_rows)
+            except ValueError as e:
                 raise ValueError(
-                    f"{type(self.task).__name__}.eval_metrics returned {sorted(metrics)}: "
-                    "it must return 'loss' too."
-                )
-        else:
-            loss, aux, _ = loss_fn(self.task)(params, model_state, batch, self._rng)
-            metrics = {**aux, "loss": loss}
-        out = {}
-        for name, value in metrics.items():
-            value = jnp.asarray(value, jnp.float32)
-            if value.shape != ():
-                raise ValueError(
-                    f"eval metric {name!r} of {type(self.task).__name__} has shape "
-                    f"{value.shape}; metrics must be scalars (means over the batch)."
-                )
-            out[EVAL_PREFIX + name] = value
-        return out
+                    f"{type(self.task).__name__}.eval_batches: {e} (this process's share of "
+                    f"{self.batch_key}={self.global_batch_size})."
+                ) from None
 
     def prepare(self, state: TrainState) -> None:
         """Compiles the eval step for `state`'s params and model state (placed as training
-        keeps them) and the eval batches, once; sets `metric_names`.
+        keeps them) and the eval batches, once; sets `metric_names` and counts the batches
+        (the most any process has: the others pad).
 
         Raises:
-          ConfigError: the eval split yields no batch of the eval batch size.
+          ConfigError: the eval split yields no batch.
         """
-        first = next(self._batches(), None)
+        count, first = 0, None
+        for padded in self._batches():
+            count, first = count + 1, padded if first is None else first
+        self.count = agreed_count(count)
         if first is None:
             raise ConfigError(
                 f"{self.batch_key}={self.global_batch_size}: the task's eval split yields no "
-                "batch of this size (too small?); use a smaller one, or trainer.eval_batches=0 "
-                "to turn evaluation off."
+                "batch; give it examples, or trainer.eval_batches=0 to turn evaluation off."
             )
-        batch = self._global(first)
+        self._template = first[0]
+        global_batch, mask = self._global(*first)
         variables = (state.params, state.model_state)
-        shapes = jax.eval_shape(self._metrics, *variables, batch)
+        fn, takes_mask = metrics_fn(self.task, self._rng)
+
+        def sums_of(params, model_state, batch, mask):
+            return masked_sums(self.task, fn, takes_mask, (params, model_state), batch, mask)
+
+        shapes = jax.eval_shape(sums_of, *variables, global_batch, mask)[0]
         names = tuple(sorted(shapes))
 
-        def eval_step(params, model_state, batch, sums):
-            metrics = self._metrics(params, model_state, batch)
-            return sums + jnp.stack([metrics[n] for n in names])
+        def eval_step(params, model_state, batch, mask, sums):
+            metrics, rows = sums_of(params, model_state, batch, mask)
+            return sums + jnp.stack([*(metrics[n] for n in names), rows])
 
         shardings = jax.tree.map(lambda x: x.sharding, variables)
         jitted = jax.jit(
             eval_step,
-            in_shardings=(*shardings, self.batch_sharding, self._replicated),
+            in_shardings=(*shardings, self.batch_sharding, self.batch_sharding, self._replicated),
             out_shardings=self._replicated,
         )
         start = time.perf_counter()
         with jax.set_mesh(self.mesh):
-            zeros = self._zeros(len(names))
-            self._compiled = jitted.lower(*variables, batch, zeros).compile()
+            zeros = self._zeros(len(names) + 1)
+            self._compiled = jitted.lower(*variables, global_batch, mask, zeros).compile()
         self.compiles += 1
-        self.metric_names = names
+        self.metric_names = tuple(EVAL_PREFIX + n for n in names)
         logger.info(
             "Compiled the eval step (%d batches of %d) in %.2f s.",
-            self.num_batches,
+            self.count,
             self.global_batch_size,
             time.perf_counter() - start,
         )
@@ -185,41 +186,55 @@ class Evaluator:
     def _zeros(self, n: int) -> jax.Array:
         return jax.device_put(np.zeros((n,), np.float32), self._replicated)
 
-    def _global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def _global(self, local: Batch, mask: np.ndarray) -> tuple[dict[str, jax.Array], jax.Array]:
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
-            local,
+            (local, mask),
         )
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """The mean metrics of `state` over the eval batches, ``{"eval/loss": ..., ...}``.
+        """The mean metrics of `state` over the eval examples, ``{"eval/loss": ..., ...}``:
+        every real row of the eval batches scored once (`trainers.hooks.eval_scoring`).
 
         Runs the compiled step on each batch, at most two in flight, and waits for the
-        result: `state` may be donated to the next train step right after.
+        result: `state` may be donated to the next train step right after. A process with
+        fewer batches than another scores batches of padding, so all run `count` steps.
 
         Raises:
           RuntimeError: if `prepare` was not called.
         """
         if self._compiled is None:
             raise RuntimeError("Evaluator.prepare(state) must run before evaluate.")
-        sums = self._zeros(len(self.metric_names))
-        count = 0
-        for local in self._batches():
+        sums = self._zeros(len(self.metric_names) + 1)
+        batches = self._batches()
+        for _ in range(self.count):
+            local = next(batches, None) or padding_like(self._template, self.local_rows)
             previous = sums
-            sums = self._compiled(state.params, state.model_state, self._global(local), previous)
+            sums = self._compiled(state.params, state.model_state, *self._global(*local), previous)
             previous.block_until_ready()  # bounds the steps in flight (XLA:CPU collectives)
-            count += 1
-        if count < self.num_batches and not self._warned_short:
+        totals = np.asarray(jax.device_get(sums), np.float64)
+        self.examples = int(totals[-1])
+        if self.count < self.num_batches and not self._warned_short:
             self._warned_short = True
             logger.info(
-                "The eval split has %d batches of %d, fewer than trainer.eval_batches=%d: "
-                "each evaluation uses those.",
-                count,
+                "The eval split has %d batches of %d (%d examples), fewer than "
+                "trainer.eval_batches=%d: each evaluation scores those.",
+                self.count,
                 self.global_batch_size,
+                self.examples,
                 self.num_batches,
             )
-        values = np.asarray(jax.device_get(sums)) / count
+        values = totals[:-1] / max(totals[-1], 1.0)
         return {name: float(v) for name, v in zip(self.metric_names, values)}
+
+
+def agreed_count(count: int) -> int:
+    """The most eval batches any process has (`count` with one process)."""
+    if jax.process_count() == 1:
+        return count
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.int32(count))))
 
 
 class EvalHook(Hook):

@@ -37,6 +37,9 @@ class Task(Protocol):
     #   eval_metrics(params, batch) -> dict[str, jax.Array] (optional): scalar means over the
     #       batch, "loss" among them; without it evaluation uses `loss` with a fixed RNG. A
     #       task with model state (`trainers.core.model_state`) takes (params, model_state, batch).
+    #       With a `mask` keyword (1.0 real row, 0.0 padding) it returns masked means; without
+    #       one it is called per example (`trainers.hooks.eval_scoring`). The last eval batch may
+    #       be short: the evaluation pads and masks it, scoring every example once.
 
     def init(self, rng: jax.Array, batch: Batch) -> Params:
         """Returns freshly initialised params for an example batch."""

@@ -123,7 +123,8 @@ class TeacherData:
     def eval_batches(
         self, global_batch_size: int, *, seed: int, process_index: int = 0, process_count: int = 1
     ) -> Iterator[dict[str, np.ndarray]]:
-        """This process's rows of the eval split's batches, from the first (one pass, in order).
+        """This process's rows of the eval split's batches: one pass in order, every example
+        once (the last batch is short; xshard pads and masks it).
 
         Args:
           global_batch_size: rows of an eval global batch.
@@ -134,10 +135,6 @@ class TeacherData:
         Returns:
           An iterator over the eval split's batches.
         """
-        return self.eval.batches(
-            global_batch_size,
-            seed=seed,
-            start_step=0,
-            process_index=process_index,
-            process_count=process_count,
+        return self.eval.eval_batches(
+            global_batch_size, seed=seed, process_index=process_index, process_count=process_count
         )

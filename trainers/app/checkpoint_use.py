@@ -1,0 +1,201 @@
+"""A saved checkpoint put to use: `load` for a notebook, `evaluate_checkpoint` for
+``python -m trainers.evaluate``, `export_params` to a plain ``.npz``.
+
+Each reads the run's saved config as untrusted input (`trainers.app.run_dir_config`), builds
+the task, optimizer and trainer with the same builders as training (`trainers.app.build`), and
+restores the checkpoint into them with the same checks (`trainers.checkpoint.resume`: the
+state's structure, shapes and dtypes, the checksums). The mesh is the one this process has:
+`load` uses one device and hands back host NumPy arrays (no mesh of 8 needed), `evaluate` the
+run's ``mesh`` when its devices exist here (``mesh=cpu8`` simulates them), or any ``mesh=``
+override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from omegaconf import DictConfig, open_dict
+
+from trainers.app.run_dir_config import CHECKPOINTS, checked_run_dir, read_run_config
+
+
+class Loaded(NamedTuple):
+    """A checkpoint, loaded for inference.
+
+    Attributes:
+      params: the trained params, host NumPy arrays in the task's own tree structure.
+      model_state: the model state (BatchNorm statistics, ...; ``{}`` for a plain task).
+      config: the run's config (`trainers.app.run_dir_config.read_run_config`).
+      step: the checkpoint's step.
+      task: the task built from the config (its ``apply``, ``loss`` and data).
+    """
+
+    params: Any
+    model_state: Any
+    config: DictConfig
+    step: int
+    task: Any
+
+
+class Restored(NamedTuple):
+    """A checkpoint restored onto a mesh: the run's parts and its `TrainState`."""
+
+    parts: Any
+    state: Any
+    step: int
+
+
+def restore_run(
+    cfg: DictConfig, run_dir: Path, step: int | None, mesh: Any, data_axes: tuple[str, ...]
+) -> Restored:
+    """Builds the run's task and trainer on `mesh` and restores checkpoint `step` (None: the
+    latest complete one) into them.
+
+    Raises:
+      ConfigError: a bad config value (naming the key).
+      CheckpointError: no such step, or a checkpoint that does not match or is corrupted.
+    """
+    import jax
+
+    from trainers.app.build import build_run, read_options
+    from trainers.checkpoint.hook import run_config
+    from trainers.checkpoint.io import complete_steps
+    from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
+    from trainers.errors import CheckpointError
+
+    with open_dict(cfg):
+        cfg.trainer.hooks = []  # the user's hooks log training; none is needed here
+    options = read_options(cfg)
+    directory = run_dir / CHECKPOINTS
+    steps = complete_steps(directory)
+    if not steps or (step is not None and step not in steps):
+        raise CheckpointError(
+            f"{directory} has no complete checkpoint"
+            + (f" of step={step}" if step is not None else "")
+            + (f"; its steps: {steps}." if steps else ".")
+        )
+    parts = build_run(cfg, options, mesh, data_axes)
+    trainer, task, seed = parts.trainer, parts.task, options.seed
+    first = next(iter(task.batches(options.trainer.batch_size, seed=seed)), None)
+    if first is None:
+        raise CheckpointError(f"the task of {run_dir} yields no batch to build its state from.")
+    state = trainer.init(*trainer.init_variables(first))
+    state = restore_checkpoint(RestoreSource(directory, step), state, run_config(cfg))
+    return Restored(parts, state, int(jax.device_get(state.step)))
+
+
+def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] = ()) -> Loaded:
+    """Loads a run's checkpoint for inference, on one device, as host NumPy arrays.
+
+        run = trainers.load("outputs/2025-01-01/12-00-00")      # the latest checkpoint
+        preds = run.task.apply(run.params, x)                    # a built-in task's model
+
+    Args:
+      run_dir: the run's dir (its ``hydra.run.dir``: ``.hydra/config.yaml``, ``checkpoints/``).
+      step: the checkpoint's step; None: the latest complete one.
+      overrides: ``key=value`` config overrides; ``+allowed_targets=[mypkg.]`` trusts your
+        own package's ``_target_``s the saved config names (a saved config cannot widen the
+        allowlist itself).
+
+    Returns:
+      A `Loaded`.
+
+    Raises:
+      ConfigError: not a run dir, or a bad or untrusted config.
+      CheckpointError: no such step, or an unusable checkpoint.
+    """
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    path = checked_run_dir(run_dir)
+    cfg = read_run_config(path, overrides)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
+    restored = restore_run(cfg, path, step, mesh, ("data",))
+    state = jax.device_get(restored.state)
+    return Loaded(state.params, state.model_state, cfg, restored.step, restored.parts.task)
+
+
+def flat_params(params: Any) -> dict[str, np.ndarray]:
+    """``{parameter path: array}``, the paths as sharding rules match them
+    (``blocks/0/attn/wq``, `xshard.stats.path_str`)."""
+    import jax
+
+    from xshard.stats import path_str
+
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {path_str(p): np.asarray(jax.device_get(x)) for p, x in leaves}
+
+
+def export_params(params: Any, path: str | Path) -> Path:
+    """Writes `params` to a ``.npz`` keyed by parameter path, loadable with ``np.load`` alone.
+
+    Returns:
+      The file written (``.npz`` appended if missing, as NumPy does).
+    """
+    out = Path(path)
+    if out.suffix != ".npz":
+        out = out.with_name(out.name + ".npz")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(out, **flat_params(params))  # type: ignore[arg-type]
+    return out
+
+
+class Evaluation(NamedTuple):
+    """What `evaluate_checkpoint` did: the step, its metrics and where they were written."""
+
+    step: int
+    metrics: dict[str, float]
+    path: Path
+
+
+def evaluate_checkpoint(
+    run_dir: str | Path, step: int | None = None, overrides: Sequence[str] = ()
+) -> Evaluation:
+    """Evaluates a run's checkpoint on the task's eval split, every example once
+    (`trainers.hooks.evaluation`), and writes the metrics to ``<run dir>/eval_step<N>.json``.
+
+    Args:
+      run_dir: the run's dir.
+      step: the checkpoint's step; None: the latest complete one.
+      overrides: ``key=value`` config overrides (``trainer.eval_batches=100``, ``mesh=cpu4``).
+
+    Raises:
+      ConfigError: not a run dir, a bad or untrusted config, or a task with no eval split.
+      CheckpointError: no such step, or an unusable checkpoint.
+    """
+    import json
+
+    from trainers.app.build import read_options
+    from trainers.hooks.evaluation import build_evaluator
+    from trainers.rundir.links import write_file
+    from xshard.mesh import build_mesh, configure_devices
+    from xshard.mesh_spec import data_axes as mesh_data_axes
+
+    path = checked_run_dir(run_dir)
+    cfg = read_run_config(path, overrides)
+    configure_devices(cfg.mesh)
+    mesh, data_axes = build_mesh(cfg.mesh), mesh_data_axes(cfg.mesh)
+    restored = restore_run(cfg, path, step, mesh, data_axes)
+    options = read_options(cfg)
+    evaluator = build_evaluator(
+        restored.parts.task,
+        mesh,
+        restored.state,
+        data_axes=data_axes,
+        opts=options.trainer,
+        seed=options.seed,
+    )
+    if evaluator is None:
+        from xshard.errors import ConfigError
+
+        raise ConfigError(
+            f"the task of {run_dir} has no eval split (or trainer.eval_batches=0): nothing to "
+            "evaluate."
+        )
+    metrics = evaluator.evaluate(restored.state)
+    record = {"step": restored.step, "examples": evaluator.examples, "metrics": metrics}
+    out = write_file(path / f"eval_step{restored.step}.json", json.dumps(record, indent=2) + "\n")
+    return Evaluation(restored.step, metrics, out)

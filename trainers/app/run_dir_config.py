@@ -1,0 +1,97 @@
+"""A finished run's saved config, read as untrusted input: what `trainers.evaluate` and
+`trainers.load` build from.
+
+A run dir may come from elsewhere (copied, downloaded), so its ``.hydra/config.yaml`` is a
+config file like any other that is not the user's primary config (`trainers.app.config_guard`):
+it may not set ``hydra`` keys that run code, nor widen ``allowed_targets`` beyond what the
+user's own sources grant (the command line's ``+allowed_targets=[...]``,
+``XSHARD_ALLOWED_TARGETS``, installed packages; `trainers.app.allowlist`). The file is read
+with OmegaConf alone, no Hydra app acts on it, and every ``_target_`` of it is then built under
+that allowlist by the same builders as training (`trainers.app.build`). Its ``paths`` are the
+run dir's own: ``<run dir>/checkpoints`` holds the checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from xshard.errors import ConfigError
+from xshard.targets import ALLOWED_TARGETS_KEY
+
+#: The saved config of a run, relative to its dir (Hydra's ``hydra.output_subdir``).
+CONFIG_FILE = Path(".hydra") / "config.yaml"
+#: The run's checkpoints, relative to its dir.
+CHECKPOINTS = "checkpoints"
+
+
+def checked_run_dir(run_dir: str | Path) -> Path:
+    """`run_dir` if it is a run dir: a directory with a saved config and checkpoints.
+
+    Raises:
+      ConfigError: naming what is missing.
+    """
+    path = Path(run_dir).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"run dir {str(run_dir)!r}: no such directory.")
+    for needed in (CONFIG_FILE, Path(CHECKPOINTS)):
+        if not (path / needed).exists():
+            raise ConfigError(
+                f"run dir {str(run_dir)!r} is not a run dir of trainers.train: it has no "
+                f"{needed} (expected a run's hydra.run.dir, holding .hydra/ and checkpoints/)."
+            )
+    return path
+
+
+def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
+    """The run's saved config, checked as an untrusted file, with `overrides` applied.
+
+    Args:
+      run_dir: a checked run dir (`checked_run_dir`).
+      overrides: ``key=value`` overrides, as typed (``trainer.eval_batches=20``); an
+        ``allowed_targets`` entry among them is the user's, and so trusted.
+
+    Returns:
+      The config, ``paths`` set to the run dir's.
+
+    Raises:
+      UntrustedConfigError: the file sets a key a copied file may not set (a ``hydra`` key
+        that runs code, an ``allowed_targets`` entry nobody trusted granted).
+      ConfigError: the file is not a YAML mapping, or an override is not ``key=value``.
+    """
+    from trainers.app.allowlist import command_line_entries, environment_entries, installed_entries
+    from trainers.app.config_guard import ComposedFile, check_file
+
+    path = run_dir / CONFIG_FILE
+    try:
+        content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as e:  # noqa: BLE001 - a broken file is bad input, one line
+        raise ConfigError(f"{path}: not a readable YAML config ({type(e).__name__}).") from None
+    if not isinstance(content, dict):
+        raise ConfigError(f"{path}: expected a mapping of config keys.")
+    granted = frozenset(command_line_entries(overrides) | environment_entries())
+    granted |= installed_entries()
+    check_file(ComposedFile(str(path), False, "", content), granted)
+    cfg = OmegaConf.create({k: v for k, v in content.items() if k not in ("hydra", "paths")})
+    for override in overrides:
+        key, sep, value = override.lstrip("+").partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r}: expected key=value.")
+        OmegaConf.update(cfg, key, _value(value), force_add=True)
+    entries = list(cfg.get(ALLOWED_TARGETS_KEY) or [])
+    cfg[ALLOWED_TARGETS_KEY] = entries + sorted(granted - set(entries))
+    cfg.paths = {
+        "output_dir": str(run_dir),
+        "tb_dir": str(run_dir / "tb"),
+        "checkpoint_dir": str(run_dir / CHECKPOINTS),
+    }
+    return cfg
+
+
+def _value(text: str) -> object:
+    """An override's value as Hydra's parser reads it (``[a.]``, ``3``, ``null``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(f"k={text}").value()

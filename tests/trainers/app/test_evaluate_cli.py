@@ -21,7 +21,8 @@ import orbax.checkpoint as ocp
 import pytest
 import yaml
 
-from tests.cli import REPO, refused, run_train, scalars
+from tests import REPO
+from tests.cli import refused, run_train, scalars
 from trainers.app.checkpoint_use import flat_params
 from trainers.errors import EXIT_CONFIG_ERROR
 

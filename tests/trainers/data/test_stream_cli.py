@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tests.cli import scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
 from trainers.checkpoint.io import complete_steps
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "experiment_repo"
 COMMON = [
     "--config-dir",

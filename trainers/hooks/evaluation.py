@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
 from trainers.core.model_state import is_stateful, loss_fn
+from trainers.core.periodic import outer_params
 from trainers.core.step import TrainState
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
@@ -155,7 +156,7 @@ class Evaluator:
                 "to turn evaluation off."
             )
         batch = self._global(first)
-        variables = (state.params, state.model_state)
+        variables = (outer_params(state), state.model_state)
         shapes = jax.eval_shape(self._metrics, *variables, batch)
         names = tuple(sorted(shapes))
 
@@ -206,7 +207,9 @@ class Evaluator:
         count = 0
         for local in self._batches():
             previous = sums
-            sums = self._compiled(state.params, state.model_state, self._global(local), previous)
+            sums = self._compiled(
+                outer_params(state), state.model_state, self._global(local), previous
+            )
             previous.block_until_ready()  # bounds the steps in flight (XLA:CPU collectives)
             count += 1
         if count < self.num_batches and not self._warned_short:

@@ -6,7 +6,8 @@ every ``every_steps`` steps a sync step, run inside ``jax.shard_map`` with the a
 1. pseudo-gradient of each replica: ``delta = outer_params - replica_params`` (DiLoCo's outer
    gradient; with error feedback the codec's residual of the last sync is added to it);
 2. reduced over the axis (``rule: mean``), in one packed all-reduce per dtype, or through the
-   axis's codec (``comm_dtype``) when one is set;
+   axis's codec (``comm_dtype``, `xshard.compressed.compressed_all_reduce`) when one is set,
+   the codec's residual kept per replica with ``error_feedback``;
 3. non-finite guard: the reduced pseudo-gradient is the same on every replica, so a NaN/Inf in
    it makes every replica skip the sync alike (outer params, outer state and residuals are
    kept; every replica restarts from the kept outer params, dropping the diverged local steps);
@@ -26,7 +27,7 @@ optimizer state per fragment holds exactly its leaves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -36,26 +37,15 @@ import optax
 
 from xshard.axis_rules import AxisRule
 from xshard.buckets import psum_tree
+from xshard.codecs import get_codec
+from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
 from xshard.stats import tree_sq_norm
-
-#: ``codec_reduce(message, axis, residual) -> CodecReduced``: the reduction of a message (a
-#: list of leaves) over `axis` through the axis's codec, with the residual of error feedback.
-CodecReduce = Callable[[list[jax.Array], str, Any], "CodecReduced"]
-
-
-class CodecReduced(NamedTuple):
-    """What a codec's reduction gives back (`CodecReduce`)."""
-
-    mean: list[jax.Array]  # the decoded mean over the axis, the same on every replica
-    residual: Any  # the new residual (per replica), or None without error feedback
-    error_sq: jax.Array  # this replica's squared compression error
-    bytes_sent: jax.Array | int  # bytes this replica sent over the axis
 
 
 class OuterState(NamedTuple):
-    """The state a periodic axis adds: per fragment, the outer params, the outer optimizer's
-    state and the error-feedback residuals (a list of leaves each; None without a codec's
-    error feedback)."""
+    """The state a periodic axis adds: per fragment, the outer params (a list of leaves), the
+    outer optimizer's state and the error-feedback residual (per replica a flat float32
+    vector, `xshard.compressed.compressed_all_reduce`'s; None without error feedback)."""
 
     params: tuple[list[jax.Array], ...]
     opt_state: tuple[Any, ...]
@@ -136,10 +126,26 @@ def init_outer(
     params = tuple([leaves[i] for i in g] for g in groups)
     opt = tuple(rule.outer_optimizer.init(p) for p in params)
     residual = tuple(
-        [jnp.zeros((replicas, *x.shape), x.dtype) for x in p] if rule.error_feedback else None
+        jnp.zeros((replicas, residual_size(p, replicas, rule)), jnp.float32)
+        if rule.error_feedback
+        else None
         for p in params
     )
     return OuterState(params, opt, residual)
+
+
+def residual_size(leaves: Sequence[Any], replicas: int, rule: AxisRule) -> int:
+    """Elements of one replica's error-feedback residual for `leaves` (the codec's padding)."""
+    codec = get_codec(rule.comm_dtype or "float32")
+    return padded_size(tree_size(leaves), replicas, codec.block_size)
+
+
+def bytes_per_sync(leaves: Sequence[Any], replicas: int, rule: AxisRule) -> int:
+    """Bytes one replica sends over the axis to sync `leaves` (its codec's, if any)."""
+    if rule.comm_dtype is None:  # a packed all-reduce in the params' dtype
+        size = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves)
+        return 2 * (replicas - 1) * size // replicas
+    return bytes_sent(tree_size(leaves), replicas, get_codec(rule.comm_dtype))
 
 
 def _mean_over(axis: str, delta: list[jax.Array], drift_sq: jax.Array) -> tuple[list, jax.Array]:
@@ -156,7 +162,6 @@ def sync_fragment(
     opt_state: Any,
     residual: Any,
     replica: list[jax.Array],
-    codec_reduce: CodecReduce | None = None,
 ) -> Synced:
     """One fragment's sync, inside ``shard_map`` with `axis` manual (module docstring).
 
@@ -167,8 +172,6 @@ def sync_fragment(
       opt_state: the fragment's outer optimizer state.
       residual: this replica's error-feedback residuals (a list), or None.
       replica: this replica's params of the fragment.
-      codec_reduce: the reduction through the axis's codec (``rule.comm_dtype``); None: a
-        plain mean in the params' dtype.
 
     Returns:
       The `Synced` fragment; its ``replica`` leaves equal its ``params`` (varying over
@@ -176,13 +179,13 @@ def sync_fragment(
     """
     delta = [o - r for o, r in zip(outer_params, replica, strict=True)]
     drift_sq = tree_sq_norm(delta)
-    if codec_reduce is None:
+    if rule.comm_dtype is None:
         mean, drift_sq = _mean_over(axis, delta, drift_sq)
         new_residual, error_sq = residual, jnp.zeros((), jnp.float32)
-    else:
-        reduced = codec_reduce(delta, axis, residual)
-        mean, new_residual = reduced.mean, reduced.residual
-        drift_sq, error_sq = jax.lax.pmean((drift_sq, reduced.error_sq), axis)
+    else:  # through the codec: the same decoded mean on every replica
+        reduced = compressed_all_reduce(delta, axis, rule.comm_dtype, residual=residual)
+        mean, new_residual = reduced.value, reduced.residual
+        drift_sq, error_sq = jax.lax.pmean((drift_sq, jnp.square(reduced.error_norm)), axis)
     ok = jnp.isfinite(tree_sq_norm(mean))  # the same on every replica: after the reduction
     updates, new_opt = rule.outer_optimizer.update(mean, opt_state, outer_params)
     new_params = optax.apply_updates(outer_params, updates)
@@ -199,11 +202,3 @@ def sync_fragment(
     )
     back = [jax.lax.pcast(p, axis, to="varying") for p in new_params]
     return Synced(new_params, new_opt, new_residual, back, stats)
-
-
-def bytes_per_sync(leaves: Sequence[Any], codec_bits: int | None = None) -> int:
-    """Bytes one replica's pseudo-gradient of `leaves` takes (in the codec's bits, if given)."""
-    sizes = [int(np.prod(np.shape(x))) for x in leaves]
-    if codec_bits is None:
-        return sum(s * np.dtype(x.dtype).itemsize for s, x in zip(sizes, leaves, strict=True))
-    return sum(sizes) * codec_bits // 8

@@ -125,9 +125,9 @@ class Periodic:
                 opt_shardings(outer_tx, p, b)
                 for p, b in zip(frag(leaves), frag(jax.tree.leaves(base)), strict=True)
             ),
-            tuple(
-                self.at_rest(s) if self.rule.error_feedback else None
-                for s in frag(jax.tree.leaves(shardings))
+            tuple(  # a flat vector per replica
+                NamedSharding(self.mesh, P(self.axis)) if self.rule.error_feedback else None
+                for _ in groups
             ),
         )
         return jax.jit(
@@ -137,8 +137,12 @@ class Periodic:
     def bytes_per_step(self, params: Any) -> float:
         """Bytes one replica sends over the axis per step, averaged over a period: every
         fragment's pseudo-gradient once per ``every_steps`` steps."""
-        bits = {"int8": 8, "float8_e4m3fn": 8, "bfloat16": 16}.get(self.rule.comm_dtype or "")
-        return bytes_per_sync(jax.tree.leaves(params), bits) / self.rule.every_steps
+        leaves = jax.tree.leaves(params)
+        sent = sum(
+            bytes_per_sync([leaves[i] for i in g], self.replicas, self.rule)
+            for g in self.groups(params)
+        )
+        return sent / self.rule.every_steps
 
     # ------------------------------------------------------------------ programs
 

@@ -585,7 +585,12 @@ def periodic_inner_axes(
     """
     if periodic is None:
         return data_axes
-    axis = periodic[0]
+    axis, rule = periodic
+    if rule.warmup_steps:
+        raise ConfigError(
+            f"reduction.axes.{axis}.warmup_steps={rule.warmup_steps}: synchronous warm-up steps "
+            "are not implemented yet; use 0 (replicas train alone from the first step)."
+        )
     inner = tuple(a for a in data_axes if a != axis)
     if axis not in data_axes or not inner:
         raise ConfigError(

@@ -66,3 +66,32 @@ def reduced_grads(reduction, grads_fn, mesh, axes=("data",), **kwargs):
 
 def assert_trees_close(a, b, **tol):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol), a, b)
+
+
+SLICE_AXES = ("slice", "data")
+
+
+def make_slice_mesh():
+    """The (2, 4) mesh ('slice', 'data') of `mesh=cpu2x4_slices`, as jax.make_mesh builds it."""
+    return jax.make_mesh((2, 4), SLICE_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def per_replica(fn, *xs, mesh=None):
+    """``fn(*rows)`` on every device of the (slice, data) mesh, row ``i`` of each of `xs` (a
+    leading dimension of 8) on device ``i``; every output stacked back to a leading 8."""
+    mesh = make_slice_mesh() if mesh is None else mesh
+    spec = P(SLICE_AXES)
+
+    def body(*blocks):
+        out = fn(*(jax.tree.map(lambda b: b[0], x) for x in blocks))
+        return jax.tree.map(lambda o: jnp.asarray(o)[None], out)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))(*xs)
+
+
+def assert_same_on_every_replica(stacked):
+    """Every row of every leaf (a leading replica dimension) bitwise equal to row 0."""
+    for leaf in jax.tree.leaves(stacked):
+        leaf = np.asarray(leaf)
+        for row in leaf[1:]:
+            np.testing.assert_array_equal(row, leaf[0])

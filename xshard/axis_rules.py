@@ -36,6 +36,9 @@ class AxisRule(NamedTuple):
       error_feedback: keep the codec's residual in state and add it to the next message.
       fragments: parameter fragments a periodic axis syncs on a staggered schedule.
       rule: ``mean``, ``sum`` or ``adasum`` (one of `RULE_NAMES`); None: the reduction's mode.
+      warmup_steps: synchronous steps of a periodic axis before its replicas train alone
+        (PyTorch's ``start_localSGD_iter``): until then the gradient is reduced over the axis
+        every step too.
     """
 
     every_steps: int = 1
@@ -44,6 +47,7 @@ class AxisRule(NamedTuple):
     error_feedback: bool = False
     fragments: int = 1
     rule: str | None = None
+    warmup_steps: int = 0
 
     @property
     def periodic(self) -> bool:

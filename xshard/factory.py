@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
+from xshard.axis_factory import axis_rules
+from xshard.axis_rules import AxisRule
 from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
 from xshard.config.schemas import ReductionConf, check_optimizer_args, reduction_kwargs
@@ -230,14 +232,52 @@ def _inject_learning_rate(
 # --------------------------------------------------------------------------------------------
 
 
+def _data_axes(cfg: DictConfig) -> tuple[str, ...]:
+    """The mesh's data axes (``mesh.data_axes`` of the config, else ``data``)."""
+    mesh_node = section(cfg, "mesh", required=False)
+    return mesh_data_axes(mesh_node) if mesh_node is not None else ("data",)
+
+
 def _reduction(cfg: DictConfig) -> ReductionConf:
     """The ``reduction`` node (`ReductionConf`); a null ``axis_name`` becomes the mesh's data
-    axes (``mesh.data_axes`` of the config, else ``data``)."""
+    axes but a periodic one (``reduction.axes``): its replicas do not reduce every step."""
     conf = read_node(ReductionConf, section(cfg, "reduction", required=True), "reduction")
+    periodic = [name for name, axis in conf.axes.items() if axis.periodic]
     if conf.axis_name is None:
-        mesh_node = section(cfg, "mesh", required=False)
-        conf.axis_name = mesh_data_axes(mesh_node) if mesh_node is not None else ("data",)
+        conf.axis_name = tuple(a for a in _data_axes(cfg) if a not in periodic)
+    elif set(periodic) & set(conf.axis_name):
+        raise ConfigError(
+            f"reduction.axis_name={list(conf.axis_name)} names the periodic axis "
+            f"{periodic[0]!r} (reduction.axes.{periodic[0]}.outer_optimizer is set), which "
+            "is synced every_steps steps, never every step; leave it out (or null)."
+        )
     return conf
+
+
+def _axis_rules(
+    cfg: DictConfig, conf: ReductionConf, mesh: Any, allowed: tuple[str, ...]
+) -> dict[str, AxisRule]:
+    shape = None if mesh is None else dict(mesh.shape)
+    return axis_rules(conf.axes, shape, _data_axes(cfg), allowed)
+
+
+def build_axis_rules(cfg: Any, mesh: Any = None) -> dict[str, AxisRule]:
+    """The `xshard.AxisRule` of every ``reduction.axes.<axis>`` node, by axis name.
+
+    Args:
+      cfg: a config node with a ``reduction`` child (and ``mesh``, ``allowed_targets``).
+      mesh: the ``jax.sharding.Mesh`` the run trains on; given, each axis must be one of
+        its axes (a periodic one a data axis, an Adasum one of power-of-two size).
+
+    Returns:
+      ``{axis name: AxisRule}``; a periodic rule holds its built outer optax optimizer.
+
+    Raises:
+      ConfigError: naming ``reduction.axes.<axis>`` or the key under it, for a bad value.
+    """
+    cfg = as_config(cfg)
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    return _axis_rules(cfg, _reduction(cfg), mesh, allowed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +321,13 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
     if clip is not None:
         positive_number(clip, "clip", "null or a global norm for the reduced gradient")
 
+    rules = _axis_rules(cfg, red, mesh, allowed)
+    every_step = sorted(name for name, rule in rules.items() if not rule.periodic)
+    if every_step:
+        raise ConfigError(
+            f"reduction.axes.{every_step[0]}: only periodic axes (with an outer_optimizer) "
+            "are supported by this build; every-step rules come with xshard.codecs."
+        )
     num_shards = None
     if mesh is not None:
         # Raises MeshConfigError, a ConfigError.

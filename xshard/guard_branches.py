@@ -196,7 +196,8 @@ class GuardedStep:
         # state would make XLA copy the donated state every step.
         applied = jnp.ones((), jnp.bool_)
         record = self.finite_statistics(stepped.out, stepped.updates)
-        return Guarded(stepped.out, counted(state, applied, stepped.inner_state), record)
+        inner_state = _varying_like(stepped.inner_state, state.inner_state)
+        return Guarded(stepped.out, counted(state, applied, inner_state), record)
 
     def rare(self, operands: tuple[Any, SkipIfNonFiniteState]) -> Guarded:
         """Skipped: the state as it was, with every statistic the program serves."""
@@ -311,3 +312,16 @@ class GuardedStep:
         # Constants vary like the gradient (over the axes it was not reduced over).
         summary = jax.tree.map(lambda x: _vary_like(x, self.total), summary)
         return StepRecord(summary, stats.histograms, applied, stats.measured)
+
+
+def _varying_like(new: Any, old: Any) -> Any:
+    """`new` (a state) varying over the manual axes `old`'s leaves vary over, as the skipped
+    branch returns `old`: a leaf the update recomputes from constants (an injected constant
+    learning rate) is otherwise invariant where the state held per replica is varying (a
+    periodic axis, `xshard.periodic`), and the two branches' types would differ."""
+
+    def one(n: Any, o: Any) -> Any:
+        missing = tuple(sorted(_varying(o) - _varying(n)))
+        return jax.lax.pcast(n, missing, to="varying") if missing else n
+
+    return jax.tree.map(one, new, old)

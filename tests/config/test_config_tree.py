@@ -311,7 +311,7 @@ def test_plugin_discovery_registers_schemas_without_importing_jax():
 
 
 def test_cli_overrides_in_printed_job_config(tmp_path):
-    from cli import run_train
+    from tests.cli import run_train
 
     proc = run_train(
         "--cfg=job", "optimizer=sgd", "optimizer.learning_rate=3e-4", "reduction=sum", cwd=tmp_path
@@ -331,7 +331,7 @@ def test_cli_overrides_in_printed_job_config(tmp_path):
     ],
 )
 def test_cli_rejects_bad_override_with_hydras_message(tmp_path, override, message):
-    from cli import run_train
+    from tests.cli import run_train
 
     proc = run_train("--cfg=job", override, cwd=tmp_path, check=False)
     assert proc.returncode != 0
@@ -339,7 +339,7 @@ def test_cli_rejects_bad_override_with_hydras_message(tmp_path, override, messag
 
 
 def test_cli_reports_config_error_from_the_factory(tmp_path):
-    from cli import run_train
+    from tests.cli import run_train
 
     proc = run_train("trainer.steps=1", "optimizer.learning_rate=-1", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr

@@ -81,6 +81,14 @@ def test_preset_builds_in_process(name):
 
 def test_cpu_presets_shapes():
     assert dict(build_mesh(presets()["cpu8"]).shape) == {"data": 8}
+    slices = presets()["cpu2x4_slices"]
+    assert dict(build_mesh(slices).shape) == {"slice": 2, "data": 4}
+    assert data_axes(slices) == ("slice", "data")
+    # slice is the DCN axis: each slice holds 4 contiguous devices
+    assert [sorted(d.id for d in row) for row in build_mesh(slices).devices] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
     assert dict(build_mesh(presets()["cpu4x2"]).shape) == {"data": 4, "model": 2}
     assert dict(build_mesh(OmegaConf.create(presets()["auto"])).shape) == {"data": 8}
 
@@ -119,9 +127,10 @@ def test_presets_build_on_simulated_devices_of_their_size(n):
         _expect(batch[name], tuple(got["shape"]), tuple(got["axes"]), n)
         assert got["types"] == ["Auto"] * len(got["axes"])
         assert sorted(got["ids"]) == list(range(n))
-    if "2xv5e-16" in built:  # data spans 2 simulated slices of 16 contiguous devices
+    if "2xv5e-16" in built:  # `slice` spans 2 simulated slices of 16 contiguous devices
         got = built["2xv5e-16"]
-        assert got["shape"] == [32, 1]
+        assert got["axes"] == ["slice", "data", "model"]
+        assert got["shape"] == [2, 16, 1]
         assert sorted(got["ids"][:16]) == list(range(16))
 
 

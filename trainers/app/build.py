@@ -93,14 +93,16 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
-    from trainers.core.trainer import Trainer
-    from xshard.factory import build_optimizer
+    from trainers.core.trainer import Trainer, periodic_inner_axes
+    from xshard.axis_factory import periodic_axis
+    from xshard.factory import build_axis_rules, build_optimizer
 
     opts = options.trainer
     task = build_task(cfg)
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
     tx = build_optimizer(cfg, mesh=mesh)
-    check_reduction_axes(tx.spec.axis_name, data_axes)
+    periodic = periodic_axis(build_axis_rules(cfg, mesh=mesh))
+    check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
     trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
         task,
         tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
@@ -111,6 +113,7 @@ def build_run(
         grad_impl=opts.grad_impl,
         seed=options.seed,
         zero_stage=options.sharding.zero_stage,
+        periodic=periodic,
     )
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 
@@ -177,7 +180,8 @@ def allowed_targets(cfg: DictConfig) -> tuple[str, ...]:
 
 
 def check_reduction_axes(axis_name: Any, data_axes: tuple[str, ...]) -> None:
-    """The trainer reduces over exactly the axes it splits the batch over.
+    """The trainer reduces every step over exactly the axes it splits the batch over (but a
+    periodic one, `trainers.core.periodic`: `data_axes` are those).
 
     Reducing over fewer would leave replicas with different params; over more (a model axis)
     would sum gradients of different parameter shards.

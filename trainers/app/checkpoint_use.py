@@ -110,12 +110,15 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     import jax
     from jax.sharding import AxisType, Mesh
 
+    from trainers.core.periodic import outer_params
+
     path = checked_run_dir(run_dir)
     cfg = read_run_config(path, overrides)
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
     restored = restore_run(cfg, path, step, mesh, ("data",))
     state = jax.device_get(restored.state)
-    return Loaded(state.params, state.model_state, cfg, restored.step, restored.parts.task)
+    params = outer_params(state)  # a periodic axis's replicas: the params they last agreed on
+    return Loaded(params, state.model_state, cfg, restored.step, restored.parts.task)
 
 
 def flat_params(params: Any) -> dict[str, np.ndarray]:

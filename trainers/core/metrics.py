@@ -58,6 +58,11 @@ class StepMetrics(Mapping[str, float]):
         other steps.
       diag_names: the leaf names of the rows of the per-layer statistics.
       histograms: whether they hold gradient histograms.
+      extra: further ``(keys, vector)`` pairs of device values merged in (a periodic axis's
+        sync statistics, `with_device_values`).
+
+    With a periodic mesh axis `values` holds a row per replica (`trainers.core.periodic`):
+    the host averages the rows it holds (`host_mean`).
     """
 
     # The metrics vector. It shadows `Mapping.values()`, which StepMetrics does not offer.
@@ -72,8 +77,10 @@ class StepMetrics(Mapping[str, float]):
         diag: dict[str, Any] | None = None,
         diag_names: Sequence[str] = (),
         histograms: bool = False,
+        extra: tuple[tuple[tuple[str, ...], jax.Array], ...] = (),
     ):
         self.keys_ = tuple(keys)
+        self.extra = tuple(extra)
         self.values = values
         self.hidden = hidden  # not computed on this step (statistics on a plain step)
         self.diag = diag
@@ -95,6 +102,21 @@ class StepMetrics(Mapping[str, float]):
             self.diag,
             self.diag_names,
             self.histograms,
+            self.extra,
+        )
+
+    def with_device_values(self, keys: Sequence[str], values: jax.Array) -> StepMetrics:
+        """A copy with the device vector `values` (named by `keys`) merged in, fetched with
+        the rest."""
+        return StepMetrics(
+            self.keys_,
+            self.values,
+            self._host,
+            self.hidden,
+            self.diag,
+            self.diag_names,
+            self.histograms,
+            (*self.extra, (tuple(keys), values)),
         )
 
     @property
@@ -129,9 +151,11 @@ class StepMetrics(Mapping[str, float]):
 
     def _fetch(self) -> dict[str, float]:
         if not self._fetched:
-            self._array = np.asarray(self.values)  # replicated: this process's copy
+            self._array = host_mean(self.values)
             device = self._array[: len(self.keys_)].tolist()
             self._device = dict(zip(self.keys_, device, strict=True))
+            for keys, values in self.extra:
+                self._device |= dict(zip(keys, host_mean(values).tolist(), strict=True))
             shown = {k: v for k, v in self._device.items() if k not in self.hidden}
             self._host = {**shown, **self._host}
             self._fetched = True
@@ -150,14 +174,16 @@ class StepMetrics(Mapping[str, float]):
             None if self.diag is None else tuple(self.diag.items()),
             self.diag_names,
             self.histograms,
+            tuple(keys for keys, _ in self.extra),
         )
-        return (self.values,), aux
+        return (self.values, *(values for _, values in self.extra)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, host, hidden, diag, names, histograms = aux
+        keys, host, hidden, diag, names, histograms, extra_keys = aux
         diag = None if diag is None else dict(diag)
-        return cls(keys, children[0], dict(host), hidden, diag, names, histograms)
+        extra = tuple(zip(extra_keys, children[1:], strict=True))
+        return cls(keys, children[0], dict(host), hidden, diag, names, histograms, extra)
 
     def __getitem__(self, key: str) -> float:
         return self._fetch()[key]
@@ -167,6 +193,19 @@ class StepMetrics(Mapping[str, float]):
 
     def __len__(self) -> int:
         return len(self._fetch())
+
+
+def host_mean(values: jax.Array) -> np.ndarray:
+    """A metrics vector on the host: this process's copy of a replicated vector, or of a
+    vector per replica (rows over a periodic axis) the mean of the rows this process holds
+    (all of them on one process)."""
+    if values.ndim < 2:
+        return np.asarray(values)  # replicated: this process's copy
+    rows = {}
+    for shard in values.addressable_shards:
+        for i, row in zip(range(*shard.index[0].indices(values.shape[0])), np.asarray(shard.data)):
+            rows[i] = row
+    return np.mean(np.stack([rows[i] for i in sorted(rows)]), axis=0)
 
 
 def stack_metrics(metrics: dict[str, jax.Array]) -> tuple[tuple[str, ...], jax.Array]:

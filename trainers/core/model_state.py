@@ -98,8 +98,9 @@ class _SavedState(NamedTuple):
 
 
 def saved_tree(state: Any) -> Any:
-    """What a checkpoint holds for `state`: the state, without an empty ``model_state``."""
-    if jax.tree.leaves(state.model_state):
+    """What a checkpoint holds for `state`: the state, without an empty ``model_state`` (and
+    without ``outer`` where there is none)."""
+    if jax.tree.leaves(state.model_state) or getattr(state, "outer", None) is not None:
         return state
     return _SavedState(state.step, state.params, state.opt_state)
 

@@ -68,6 +68,9 @@ class TrainState(NamedTuple):
     #: Variables that change but are not trained (BatchNorm statistics, RNG counters):
     #: ``{}`` for a plain task (`trainers.core.model_state`).
     model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
+    #: With a periodic mesh axis (local SGD, DiLoCo): the outer params and optimizer state
+    #: (`xshard.periodic.OuterState`, `trainers.core.periodic`); None otherwise.
+    outer: Any = None
 
 
 class LossAndGrads(NamedTuple):
@@ -117,6 +120,10 @@ class StepSpec:
     microbatches: int = 1
     grad_impl: str = "manual"
     seed: int = 0
+    #: A periodic mesh axis whose replicas each run this step (`trainers.core.periodic`):
+    #: folded into each shard's RNG, so shard i of the whole mesh draws as it would in a
+    #: synchronous step; None: none.
+    replica_axis: str | None = None
 
 
 def step_rng(seed: int, step: jax.Array) -> jax.Array:
@@ -337,7 +344,9 @@ class _StepProgram:
     def _loss_and_grads(self, params: Any, model_state: Any, batch: Any, rng: jax.Array):
         """Inside the shard_map: this shard's loss and gradient (params cast to varying)."""
         axes = self.spec.data_axes
-        rng = jax.random.fold_in(rng, jax.lax.axis_index(axes))
+        replica = self.spec.replica_axis
+        shard = jax.lax.axis_index(axes if replica is None else (replica, *axes))
+        rng = jax.random.fold_in(rng, shard)
         local = jax.lax.pcast(params, axes, to="varying")
         return loss_and_grads(
             self.task_loss, local, model_state, batch, rng, self.spec.microbatches
@@ -375,6 +384,8 @@ class _StepProgram:
     def gspmd(self, state: TrainState, batch: Any) -> StepResult:
         """``grad_impl=gspmd``: the gradient of the global-mean loss under plain jit."""
         rng = step_rng(self.spec.seed, state.step)
+        if self.spec.replica_axis is not None:  # each replica its own draws
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(self.spec.replica_axis))
         params = gathered(self.zero_layout, state.params) if self.zero else state.params
         out = loss_and_grads(
             self.task_loss, params, state.model_state, batch, rng, self.spec.microbatches

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.core.hook import Hook, StopTraining, end_hooks
 from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.model_state import init_fn
+from trainers.core.periodic import BYTES_TAG, Periodic
 from trainers.core.step import (
     HISTOGRAMS,
     LAYERS,
@@ -43,10 +44,12 @@ from trainers.core.step import (
 from trainers.core.step_levels import levels_in_run, step_level
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.zero import zero_layout
+from xshard.axis_rules import AxisRule
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
 from xshard.mesh import check_batch_divisible
 from xshard.optimizer import CrossShardTransformation, cross_shard
+from xshard.periodic import due_fragment
 from xshard.reduce import PerShardGradientsRequired
 from xshard.reduction_mode import Reduction
 from xshard.slots import has_cross_shard_state
@@ -85,6 +88,9 @@ class Trainer:
       zero_stage: ``sharding.zero_stage``: 0 replicated over the data axes, 1 optimizer state
         sharded over them, 2 also the gradient reduce-scattered, 3 also the params at rest
         (`trainers.core.zero`, docs/scaling.md).
+      periodic: ``(axis, rule)``: a data axis whose replicas train alone and sync every
+        ``rule.every_steps`` steps through ``rule.outer_optimizer`` (local SGD, DiLoCo;
+        `trainers.core.periodic`); `tx` must then reduce over the other data axes only.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: `trainers.core.step`'s
     levels) has its own compiled program, those `fit` will need compiled before its first
@@ -110,11 +116,16 @@ class Trainer:
         seed: int = 0,
         agree_stop: bool | None = None,
         zero_stage: int = 0,
+        periodic: tuple[str, AxisRule] | None = None,
     ):
         data_axes = tuple(data_axes)
         self.task, self.mesh = task, mesh
+        #: The periodic axis (`trainers.core.periodic`), or None.
+        self.periodic = None if periodic is None else Periodic(mesh, *periodic)
+        #: The data axes each replica reduces over every step (all without a periodic axis).
+        inner_axes = periodic_inner_axes(data_axes, periodic)
         #: The optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
-        self.tx = as_cross_shard(tx, reduction, data_axes)
+        self.tx = as_cross_shard(tx, reduction, inner_axes)
         per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)
         n = global_batch_size // per_shard
         if microbatches < 1 or per_shard % microbatches:
@@ -123,22 +134,31 @@ class Trainer:
                 f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
                 "shards)."
             )
+        replicas = 1 if self.periodic is None else self.periodic.replicas
         # The rules are read once the params exist (a Flax task's come from its model).
-        self.layout = zero_layout(zero_stage, mesh, data_axes, lambda: task.sharding_rules)
+        self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
         self.spec = StepSpec(
-            data_axes=data_axes,
-            num_data_shards=n,
-            global_batch_size=global_batch_size,
+            data_axes=inner_axes,
+            num_data_shards=n // replicas,
+            global_batch_size=global_batch_size // replicas,
             microbatches=microbatches,
             grad_impl=grad_impl,
             seed=seed,
+            replica_axis=None if self.periodic is None else self.periodic.axis,
         )
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
+        # A replica's step sees the mesh with the periodic axis manual.
+        step_mesh = mesh if self.periodic is None else self.periodic.replica_mesh()
+        step_layout = zero_layout(zero_stage, step_mesh, inner_axes, lambda: task.sharding_rules)
         # A step function per level. Validates grad_impl now (ConfigError), not at the first
         # step.
         self._step_fns = {
-            lv: make_train_step(task, self.tx, mesh, self.spec, lv, self.layout) for lv in LEVELS
+            lv: make_train_step(task, self.tx, step_mesh, self.spec, lv, step_layout)
+            for lv in LEVELS
         }
+        self._groups: tuple[tuple[int, ...], ...] = ()
+        self._syncs: dict[int, jax.stages.Compiled] = {}
+        self._bytes_per_step = 0.0
         self._executables: dict[int, jax.stages.Compiled] = {}
         # Per level: the shapes of the per-layer statistics after its metrics.
         self._diag_layouts: dict[int, dict[str, tuple[int, ...]]] = {}
@@ -188,7 +208,37 @@ class Trainer:
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
-        return TrainState(step, params, opt_state, model_state)
+        if self.periodic is None:
+            return TrainState(step, params, opt_state, model_state)
+        return self._replicate(TrainState(step, params, opt_state, model_state))
+
+    def _replicate(self, state: TrainState) -> TrainState:
+        """A periodic run's state from one replica's: the replicas (a leading dimension over
+        the periodic axis) and the outer state (`trainers.core.periodic`)."""
+        periodic = self.periodic
+        assert periodic is not None
+        if jax.tree.leaves(state.model_state):
+            raise ConfigError(
+                f"reduction.axes.{periodic.axis}: a periodic axis needs a task without model "
+                "state (BatchNorm statistics, RNG counters); this task has some."
+            )
+        layout = self.layout
+        base = layout.base_shardings(state.params)
+        outer_shardings = layout.sharded(state.params, base) if layout.stage >= 1 else base
+        try:
+            self._groups = periodic.groups(state.params)
+        except ValueError as e:
+            raise ConfigError(
+                f"reduction.axes.{periodic.axis}.fragments={periodic.rule.fragments}: {e}"
+            ) from None
+        with jax.set_mesh(self.mesh):
+            outer = periodic.init_outer(
+                state.params, outer_shardings, base, layout.opt_state_shardings
+            )
+            params = periodic.stack(state.params, self.param_shardings(state.params))
+            opt_state = periodic.stack(state.opt_state, self.opt_state_shardings(state.params))
+        self._bytes_per_step = periodic.bytes_per_step(state.params)
+        return TrainState(state.step, params, opt_state, state.model_state, outer)
 
     def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
@@ -216,16 +266,22 @@ class Trainer:
         layouts: list[dict[str, tuple[int, ...]]] = []
         step_fn = self._step_fns[level]
 
-        def train_step(state, batch, *votes):
+        def run(state, batch, vote):
             state, metrics, diag = step_fn.fn(state, batch)
-            if votes:  # agree_stop: the highest vote of all devices
-                metrics = {**metrics, STOP_VOTE_KEY: jnp.max(votes[0])}
+            if vote is not None:  # agree_stop: the highest vote of all devices
+                metrics = {**metrics, STOP_VOTE_KEY: vote}
             names, values = stack_metrics(metrics)
             keys.append(names)  # at trace time
             # The per-layer statistics travel in the same vector: one transfer to the host.
             shapes, tail = pack_diagnostics(diag)
             layouts.append(shapes)
             return state, jnp.concatenate([values, tail])
+
+        def train_step(state, batch, *votes):
+            vote = jnp.max(votes[0]) if votes else None
+            if self.periodic is not None:  # every replica alone: a row of metrics each
+                return self.periodic.inner(run, state, batch, vote)
+            return run(state, batch, vote)
 
         jitted = jax.jit(
             train_step,
@@ -332,6 +388,47 @@ class Trainer:
             histograms=level == HISTOGRAMS,
         )
 
+    def sync(
+        self, state: TrainState, step: int, metrics: StepMetrics
+    ) -> tuple[TrainState, StepMetrics]:
+        """After update `step`: the periodic axis's sync, if one of its fragments is due
+        (`xshard.periodic.due_fragment`), else `state` and `metrics` as they are. Donates
+        `state` when it syncs; the sync's statistics join the step's metrics.
+
+        Each fragment's sync program is compiled on its first use.
+        """
+        periodic = self.periodic
+        if periodic is None:
+            return state, metrics
+        fragment = due_fragment(step, periodic.rule)
+        if fragment is None:
+            return state, metrics
+        if fragment not in self._syncs:
+            shardings = self.state_shardings(state)
+            start = time.perf_counter()
+            with jax.set_mesh(self.mesh):
+                self._syncs[fragment] = (
+                    jax.jit(
+                        lambda s: periodic.sync(s, fragment, self._groups),
+                        in_shardings=(shardings,),
+                        out_shardings=(shardings, self._replicated),
+                        donate_argnums=(0,),
+                    )
+                    .lower(state)
+                    .compile()
+                )
+            self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+        state, values = self._syncs[fragment](state)
+        bytes_tag = BYTES_TAG.format(axis=periodic.axis)
+        return state, metrics.with_device_values(periodic.sync_keys(), values).with_host_values(
+            **{bytes_tag: self._bytes_per_step}
+        )
+
+    def sync_executable(self, fragment: int = 0) -> jax.stages.Compiled | None:
+        """The compiled sync program of `fragment` (None: not compiled yet, or no periodic
+        axis)."""
+        return self._syncs.get(fragment)
+
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:
         """The step's vote input: this process's `vote` on each of its devices (cached); none
         without `agree_stop`."""
@@ -434,6 +531,7 @@ class Trainer:
                     histograms=level >= HISTOGRAMS,
                     stop_vote=vote() if agree else 0,
                 )
+                state, metrics = self.sync(state, step, metrics)
                 if self._report_compile:
                     assert self.compile_seconds is not None  # set by the compilation
                     metrics = metrics.with_host_values(
@@ -475,6 +573,32 @@ class Trainer:
         if diag is not None:
             for h in hooks:
                 h.on_diagnostics(step, diag)
+
+
+def periodic_inner_axes(
+    data_axes: tuple[str, ...], periodic: tuple[str, AxisRule] | None
+) -> tuple[str, ...]:
+    """The data axes a step reduces over: all of them, but a periodic one.
+
+    Raises:
+      ConfigError: for a periodic axis that is not a data axis, or the only one.
+    """
+    if periodic is None:
+        return data_axes
+    axis, rule = periodic
+    if rule.warmup_steps:
+        raise ConfigError(
+            f"reduction.axes.{axis}.warmup_steps={rule.warmup_steps}: synchronous warm-up steps "
+            "are not implemented yet; use 0 (replicas train alone from the first step)."
+        )
+    inner = tuple(a for a in data_axes if a != axis)
+    if axis not in data_axes or not inner:
+        raise ConfigError(
+            f"reduction.axes.{axis}: a periodic axis must be one of the data axes and not the "
+            f"only one (mesh.data_axes={list(data_axes)}): each replica reduces its gradient "
+            "over the others every step."
+        )
+    return inner
 
 
 def as_cross_shard(

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
+from trainers.core.periodic import outer_params
 from trainers.core.step import TrainState
 from trainers.data.batch import Batch
 from trainers.data.padding import pad_rows, padding_like
@@ -151,7 +152,7 @@ class Evaluator:
             )
         self._template = first[0]
         global_batch, mask = self._global(*first)
-        variables = (state.params, state.model_state)
+        variables = (outer_params(state), state.model_state)
         fn, takes_mask = metrics_fn(self.task, self._rng)
 
         def sums_of(params, model_state, batch, mask):
@@ -210,7 +211,9 @@ class Evaluator:
         for _ in range(self.count):
             local = next(batches, None) or padding_like(self._template, self.local_rows)
             previous = sums
-            sums = self._compiled(state.params, state.model_state, *self._global(*local), previous)
+            sums = self._compiled(
+                outer_params(state), state.model_state, *self._global(*local), previous
+            )
             previous.block_until_ready()  # bounds the steps in flight (XLA:CPU collectives)
         totals = np.asarray(jax.device_get(sums), np.float64)
         self.examples = int(totals[-1])

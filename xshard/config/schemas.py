@@ -31,6 +31,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from xshard.config.axes import AxisReductionConf, check_axes
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 from xshard.reduction_mode import Reduction
@@ -290,6 +291,8 @@ class ReductionConf:
     clip_per_shard: float | None = None  # clip each shard's gradient to this global norm
     comm_dtype: str | None = None  # dtype of the all-reduce, e.g. bfloat16
     skip_nonfinite: bool = True  # a NaN/Inf reduced gradient skips the step on every shard
+    # Per mesh axis: how often, in how many bits, by what rule (xshard.config.axes).
+    axes: dict[str, AxisReductionConf] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Validated and parsed here, once: `xshard.cross_shard` receives the `Reduction`.
@@ -326,6 +329,7 @@ class ReductionConf:
                 f"reduction.comm_dtype={shown(self.comm_dtype)}: expected null or a floating "
                 f"dtype name, one of {list(COMM_DTYPES)}."
             )
+        check_axes(self.axes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,9 +362,11 @@ class TPUMeshConf(MeshConf):
 
 
 def reduction_kwargs(conf: ReductionConf) -> dict[str, Any]:
-    """`conf` as keyword arguments of `xshard.cross_shard` (``mode`` is its ``reduction``)."""
+    """`conf` as keyword arguments of `xshard.cross_shard` (``mode`` is its ``reduction``),
+    without ``axes``: `xshard.factory` turns those into `xshard.AxisRule`s."""
     kwargs = dict(vars(conf))
     kwargs["reduction"] = kwargs.pop("mode")
+    del kwargs["axes"]
     return kwargs
 
 
@@ -374,6 +380,10 @@ DEVIATIONS: dict[str, str] = {
         "(as TF's CrossShardOptimizer, and so that it is exactly the inner optimizer)"
     ),
     "axis_name": "null: the mesh's data axes, which the library cannot know",
+    "axes": (
+        "per-axis rules: the every-step ones go to cross_shard, the periodic one (local SGD, "
+        "DiLoCo) to the trainer's sync step (xshard.factory.build_axis_rules)"
+    ),
 }
 
 

@@ -313,7 +313,7 @@ def _checkpoint_arrays(step_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["flax_nnx", "flax_linen"])
 def test_cli_trains_a_flax_task_and_resumes_bitwise(tmp_path, task):
-    from cli import run_train, scalars
+    from tests.cli import run_train, scalars
 
     common = (
         f"task={task}",

@@ -1,0 +1,120 @@
+"""The per-axis reductions from the CLI: the presets on mesh=cpu2x4_slices, their TensorBoard
+tags, a sweep, resume mid-period bitwise with real Orbax checkpoints, and bad values (exit 2,
+one line naming the key)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.cli import load_events, refused, run_train, scalars
+
+COMMON = (
+    "task=mlp",
+    "mesh=cpu2x4_slices",
+    "schedule=constant",
+    "trainer.batch_size=16",
+    "trainer.log_every=1",
+    "checkpoint.async_save=false",
+)
+
+
+def _checkpoint_arrays(step_dir):
+    """Every array of a checkpoint's state, by path (Orbax's own reader, no target)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as reader:
+        tree = reader.restore(step_dir / "state")
+    return {
+        jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["local_sgd", "diloco", "diloco_int8"])
+def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction):
+    run_train(
+        *COMMON,
+        f"reduction={reduction}",
+        "reduction.axes.slice.every_steps=4",
+        "trainer.steps=8",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    tb = tmp_path / "tb"
+    for name in ("pseudo_grad_norm", "outer_update_norm", "replica_drift"):
+        values = scalars(tb, f"sync/slice/{name}")
+        assert sorted(values) == [4, 8] and all(v > 0 for v in values.values()), name
+    error = scalars(tb, "sync/slice/compression_error_norm")
+    assert (error[8] > 0) == (reduction == "diloco_int8")
+    sent = scalars(tb, "comm/slice/bytes_per_step")
+    assert sorted(sent) == [4, 8] and sent[4] > 0
+    assert sorted(scalars(tb, "train/loss")) == list(range(1, 9))
+
+
+@pytest.mark.slow
+def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
+    common = (*COMMON, "reduction=diloco_int8", "reduction.axes.slice.every_steps=4")
+    run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=6", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    whole = _checkpoint_arrays(tmp_path / "whole" / "checkpoints" / "10")
+    parts = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "10")
+    assert whole.keys() == parts.keys()
+    assert any("outer" in k for k in whole)  # outer params, state and residuals are saved
+    for k in whole:
+        np.testing.assert_array_equal(parts[k], whole[k], err_msg=k)
+
+
+@pytest.mark.slow
+def test_cli_sweep_over_reductions(tmp_path):
+    run_train(
+        "--multirun",
+        *COMMON,
+        "reduction=mean,local_sgd,diloco",
+        "trainer.steps=8",
+        "checkpoint.enabled=false",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+    )
+    assert len(list((tmp_path / "sweep").glob("*/result.json"))) == 3
+    runs = {
+        r.name.split("reduction=")[1].split(",")[0]: r for r in (tmp_path / "sweep/tb").iterdir()
+    }
+    assert sorted(runs) == ["diloco", "local_sgd", "mean"]
+    for name, run in runs.items():
+        tags = load_events(run).Tags()["scalars"]
+        assert ("sync/slice/replica_drift" in tags) == (name != "mean"), name
+        assert len(scalars(run, "train/loss")) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (["mesh=cpu8", "reduction=local_sgd"], ["reduction.axes.slice", "['data']"]),
+        (["reduction=diloco", "reduction.axes.slice.every_steps=0"], ["every_steps=0"]),
+        (["reduction=diloco", "reduction.axes.slice.fragments=9"], ["fragments=9", "every_steps"]),
+        (
+            ["reduction=diloco", "reduction.axes.slice.comm_dtype=int4"],
+            ["reduction.axes.slice.comm_dtype='int4'", "int8"],
+        ),
+        (
+            ["reduction=diloco", "reduction.axes.slice.outer_optimizer._target_=os.system"],
+            ["reduction.axes.slice.outer_optimizer._target_"],
+        ),
+    ],
+    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target"],
+)
+def test_cli_bad_axis_values_exit_2_naming_the_key(tmp_path, overrides, fragments):
+    result = run_train(
+        "task=mlp",
+        "mesh=cpu2x4_slices",
+        *overrides,
+        "trainer.steps=1",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+        check=False,
+    )
+    refused(result, *fragments)

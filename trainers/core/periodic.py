@@ -1,0 +1,236 @@
+"""A periodic mesh axis in the trainer (local SGD, DiLoCo): replicas, the inner and sync programs.
+
+**Representation.** Over the periodic axis (e.g. ``slice``, of size S) each replica holds its
+own params, so every replica array — params, the inner optimizer's state, the error-feedback
+residuals — has a **leading dimension of S sharded over the axis**: ``P(axis, *spec)`` where
+``spec`` is the array's sharding within a replica (the task's model-axis rules, and with ZeRO
+the inner data axes). The outer state (`xshard.periodic.OuterState`: outer params and the
+outer optimizer's state) has no such dimension: it is the same on every replica, sharded like
+the params within a replica (over the inner data axes too with ZeRO stage >= 1). Why a leading
+dimension rather than arrays that are merely "varying" over the axis: a global ``jax.Array``
+with a sharding replicated over ``slice`` promises equal copies (a checkpoint would save one
+of them, ``device_get`` would read one); a sharded leading dimension is an honest global
+array that Orbax saves and restores whole, on one process or several.
+
+**The inner program** is the synchronous train step of one replica (`trainers.core.step`,
+ZeRO included) inside a ``jax.shard_map`` manual over the periodic axis: each replica runs it
+on its slice of the batch and its own block of the state (the leading dimension squeezed),
+with its own reduction over the inner data axes only. Its step functions are built on
+`replica_mesh` (the mesh with the periodic axis manual), so their own ``shard_map``s and
+sharding constraints live inside. Nothing in it crosses the periodic axis: its metrics come
+out per replica (a row each) and the host averages them (`trainers.core.metrics`). Only with
+several processes does the stop vote (one int) cross it.
+
+**The sync program** (one per fragment) is `xshard.periodic.sync_fragment` inside a
+``shard_map`` manual over the axis: one packed all-reduce of the pseudo-gradient over the
+axis. Two compiled programs, not a traced branch: the HLO of each shows what crosses the axis.
+
+The inner optimizer's state stays per replica across syncs (DiLoCo keeps each worker's AdamW
+state); only the params restart from the outer params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.core.step import TrainState
+from xshard.axis_rules import AxisRule
+from xshard.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
+
+#: The TensorBoard tags of a sync step, by `xshard.periodic.SyncStats` field.
+SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
+BYTES_TAG = "comm/{axis}/bytes_per_step"
+
+
+def _squeeze(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _expand(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Periodic:
+    """One periodic axis of a run: its rule and where its arrays live.
+
+    Attributes:
+      mesh: the device mesh.
+      axis: the periodic axis.
+      rule: its `xshard.AxisRule` (``outer_optimizer`` set).
+    """
+
+    mesh: Mesh
+    axis: str
+    rule: AxisRule
+
+    @property
+    def replicas(self) -> int:
+        """S: the number of replicas (the axis's size)."""
+        return int(self.mesh.shape[self.axis])
+
+    def replica_mesh(self) -> Any:
+        """The mesh as a replica's step sees it: the periodic axis manual (an AbstractMesh)."""
+        return self.mesh.abstract_mesh.update_axis_types({self.axis: AxisType.Manual})
+
+    def at_rest(self, shardings: Any) -> Any:
+        """Per-replica `shardings` (NamedShardings within a replica) with the leading
+        dimension over the periodic axis."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, P(self.axis, *s.spec)), shardings)
+
+    def stack(self, tree: Any, shardings: Any) -> Any:
+        """`tree` (one replica's arrays) copied to every replica: a leading dimension of S."""
+        s = self.replicas
+        return jax.jit(
+            lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (s, *x.shape)), t),
+            out_shardings=self.at_rest(shardings),
+        )(tree)
+
+    # ------------------------------------------------------------------ fragments, state
+
+    def groups(self, params: Any) -> tuple[tuple[int, ...], ...]:
+        """The parameter leaves (flatten order) of each fragment."""
+        from xshard.periodic import fragment_leaves
+
+        sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
+        return fragment_leaves(sizes, self.rule.fragments)
+
+    def init_outer(
+        self, params: Any, shardings: Any, base: Any, opt_shardings: Callable
+    ) -> OuterState:
+        """The outer state for one replica's `params`.
+
+        Args:
+          params: one replica's params.
+          shardings: where the outer params live (within a replica, ZeRO-aware).
+          base: the params' model-axis shardings.
+          opt_shardings: ``(tx, leaves, base) -> shardings`` of an optimizer's state
+            (`trainers.core.zero.ZeroLayout.opt_state_shardings`).
+        """
+        groups = self.groups(params)
+        leaves = jax.tree.leaves(params)
+        frag = lambda xs: tuple([xs[i] for i in g] for g in groups)  # noqa: E731
+        outer_tx = self.rule.outer_optimizer
+        out_shardings = OuterState(
+            frag(jax.tree.leaves(shardings)),
+            tuple(
+                opt_shardings(outer_tx, p, b)
+                for p, b in zip(frag(leaves), frag(jax.tree.leaves(base)), strict=True)
+            ),
+            tuple(  # a flat vector per replica
+                NamedSharding(self.mesh, P(self.axis)) if self.rule.error_feedback else None
+                for _ in groups
+            ),
+        )
+        return jax.jit(
+            lambda p: init_outer(self.rule, p, groups, self.replicas), out_shardings=out_shardings
+        )(leaves)
+
+    def bytes_per_step(self, params: Any) -> float:
+        """Bytes one replica sends over the axis per step, averaged over a period: every
+        fragment's pseudo-gradient once per ``every_steps`` steps."""
+        leaves = jax.tree.leaves(params)
+        sent = sum(
+            bytes_per_sync([leaves[i] for i in g], self.replicas, self.rule)
+            for g in self.groups(params)
+        )
+        return sent / self.rule.every_steps
+
+    # ------------------------------------------------------------------ programs
+
+    def inner(self, run: Callable, state: TrainState, batch: Any, vote: Any) -> Any:
+        """The inner program: ``run(state, batch, vote) -> (state, values)`` (the synchronous
+        step of one replica, with its metrics vector) on every replica, inside a shard_map
+        manual over the axis. Returns the new state and the metrics, a row per replica."""
+        axis, rep = self.axis, P(self.axis)
+
+        def one(params, opt_state, model_state, batch, step, vote):
+            sub = TrainState(step, _squeeze(params), _squeeze(opt_state), model_state)
+            new, values = run(sub, batch, vote)
+            return _expand(new.params), _expand(new.opt_state), new.step, values[None]
+
+        params, opt_state, step, values = jax.shard_map(
+            one,
+            mesh=self.mesh,
+            in_specs=(rep, rep, P(), rep, P(), P()),
+            out_specs=(rep, rep, P(), rep),
+            axis_names={axis},
+        )(state.params, state.opt_state, state.model_state, batch, state.step, vote)
+        return state._replace(step=step, params=params, opt_state=opt_state), values
+
+    def sync(self, state: TrainState, fragment: int, groups: tuple[tuple[int, ...], ...]) -> Any:
+        """The sync program of `fragment`: returns the new state and the `SyncStats` vector."""
+        axis, rep, rule = self.axis, P(self.axis), self.rule
+        leaves, treedef = jax.tree.flatten(state.params)
+        idx = groups[fragment]
+        outer = state.outer
+        residual = outer.residual[fragment]
+
+        def one(outer_params, opt_state, residual, replica):
+            res = None if residual is None else _squeeze(residual)
+            done = sync_fragment(rule, axis, outer_params, opt_state, res, _squeeze(replica))
+            back = None if done.residual is None else _expand(done.residual)
+            return done.params, done.opt_state, back, _expand(done.replica), done.stats
+
+        params, opt_state, residual, replica, stats = jax.shard_map(
+            one,
+            mesh=self.mesh,
+            in_specs=(P(), P(), rep, rep),
+            out_specs=(P(), P(), rep, rep, P()),
+            axis_names={axis},
+        )(outer.params[fragment], outer.opt_state[fragment], residual, [leaves[i] for i in idx])
+        for i, x in zip(idx, replica, strict=True):
+            leaves[i] = x
+        new_outer = OuterState(
+            _replace_at(outer.params, fragment, params),
+            _replace_at(outer.opt_state, fragment, opt_state),
+            _replace_at(outer.residual, fragment, residual),
+        )
+        new_state = state._replace(
+            params=treedef.unflatten(leaves),  # type: ignore[attr-defined]  # jaxlib: no stubs
+            outer=new_outer,
+        )
+        return new_state, jnp.stack([jnp.asarray(v, jnp.float32) for v in stats])
+
+    def sync_keys(self) -> tuple[str, ...]:
+        """The metric names of the sync program's vector, in order."""
+        return tuple(SYNC_TAGS[name].format(axis=self.axis) for name in SyncStats._fields)
+
+
+def _replace_at(items: tuple, i: int, value: Any) -> tuple:
+    return (*items[:i], value, *items[i + 1 :])
+
+
+def outer_params(state: TrainState) -> Any:
+    """The params to evaluate: the outer params of a periodic run (the last synced), else the
+    params."""
+    if state.outer is None:
+        return state.params
+    leaves, treedef = jax.tree.flatten(_squeeze_struct(state.params))
+    flat: list[Any] = [None] * len(leaves)
+    order = [i for frag in _groups_of(state.outer) for i in frag]
+    values = [x for frag in state.outer.params for x in frag]
+    for i, x in zip(order, values, strict=True):
+        flat[i] = x
+    return treedef.unflatten(flat)  # type: ignore[attr-defined]  # jaxlib: no stubs
+
+
+def _squeeze_struct(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), tree)
+
+
+def _groups_of(outer: OuterState) -> list[range]:
+    """The leaf indices of each fragment: contiguous, in order (`xshard.periodic`)."""
+    out, start = [], 0
+    for frag in outer.params:
+        out.append(range(start, start + len(frag)))
+        start += len(frag)
+    return out

@@ -161,6 +161,7 @@ def test_axes_none_keeps_todays_state_and_reduction():
         ({"slice": AxisRule(comm_dtype="int4")}, "comm_dtype='int4'"),
         ({"slice": AxisRule(rule="max")}, "rule='max'"),
         ({"slice": "int8"}, "must be an xshard.axis_rules.AxisRule"),
+        ({"slice": INT8_EF, "data": AxisRule(rule="sum")}, "at most one axis"),
     ],
 )
 def test_bad_rules_are_refused_naming_the_axis(axes, match):

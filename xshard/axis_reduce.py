@@ -6,7 +6,7 @@ one step as follows:
 
 1. over the data axes without a rule, by the reduction's mode (``psum``/``pmean``, as without
    `axes`);
-2. then over each axis with an every-step rule (``not rule.periodic``), in the order given, by
+2. then over the axis with an every-step rule (``not rule.periodic``; at most one), by
    its rule (``mean``, ``sum`` or ``adasum``; None: the mode) and codec
    (`xshard.compressed.compressed_all_reduce`, `xshard.adasum.adasum_all_reduce`);
 3. an axis with a periodic rule (``rule.periodic``: local SGD, DiLoCo) takes no part: no
@@ -91,13 +91,20 @@ class AxisReductions:
 
         Raises:
           ValueError: naming the axis, for a rule of the wrong type, an axis that is not a data
-            axis, an unknown codec or rule name, or Adasum with a lossy codec.
+            axis, an unknown codec or rule name, Adasum with a lossy codec, or every-step rules
+            on more than one axis.
         """
         if axes is None:
             return cls()
         for axis, rule in axes.items():
             _check_rule(axis, rule, data_axes)
         every = tuple((a, r) for a, r in axes.items() if not r.periodic)
+        if len(every) > 1:  # the first axis's state would vary over the second one
+            raise ValueError(
+                f"axes: every-step rules on {len(every)} axes {tuple(a for a, _ in every)!r}; "
+                "at most one axis may reduce by its own rule every step (the others by the "
+                "reduction's mode)."
+            )
         return cls(every, tuple(a for a, r in axes.items() if r.periodic))
 
     def step_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:

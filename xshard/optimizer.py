@@ -11,8 +11,8 @@ order in one update:
    (``shard_weight``); see `xshard.reduce` for where the reduction happens. MEAN's division
    is left to the consumers of the sum, where XLA fuses it (`LocalReduction.gradient`). With
    per-axis rules (``axes``, `xshard.axis_reduce`) the mode reduces over the axes without a
-   rule, then each every-step rule over its axis (mean, sum or Adasum, in a codec, with error
-   feedback kept in ``state.comm``); a periodic axis takes no part;
+   rule, then the every-step rule (at most one) over its axis (mean, sum or Adasum, in a
+   codec, with error feedback kept in ``state.comm``); a periodic axis takes no part;
 3. statistics (``track_stats``), kept in the state for logging without a second pass: the
    norms and non-finite count of the reduced gradient on every update, its max |g| and the
    local gradients' norms and noise-scale terms (`xshard.shard_stats`) on statistics updates
@@ -112,8 +112,8 @@ def cross_shard(
         share of shards clipped (``state.clip``).
       axes: per mesh axis of `axis_name`, how it reduces (`xshard.axis_rules.AxisRule`;
         None: every axis by `reduction`, as before). The gradient is reduced by `reduction`
-        over the axes without a rule, then over each axis with an every-step rule by its
-        rule (mean, sum, Adasum) and codec, with its error-feedback residual in
+        over the axes without a rule, then over the axis with an every-step rule (at most
+        one) by its rule (mean, sum, Adasum) and codec, with its error-feedback residual in
         ``state.comm`` (`xshard.axis_reduce`); an axis with a periodic rule takes no part
         in the step. Needs per-shard gradients inside shard_map, and the mesh in context at
         ``init`` (``jax.set_mesh``).

@@ -9,7 +9,10 @@ order in one update:
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
    (``shard_weight``); see `xshard.reduce` for where the reduction happens. MEAN's division
-   is left to the consumers of the sum, where XLA fuses it (`LocalReduction.gradient`);
+   is left to the consumers of the sum, where XLA fuses it (`LocalReduction.gradient`). With
+   per-axis rules (``axes``, `xshard.axis_reduce`) the mode reduces over the axes without a
+   rule, then the every-step rule (at most one) over its axis (mean, sum or Adasum, in a
+   codec, with error feedback kept in ``state.comm``); a periodic axis takes no part;
 3. statistics (``track_stats``), kept in the state for logging without a second pass: the
    norms and non-finite count of the reduced gradient on every update, its max |g| and the
    local gradients' norms and noise-scale terms (`xshard.shard_stats`) on statistics updates
@@ -23,217 +26,56 @@ Steps 3-5 (and, in `CrossShardPhases.apply`, the addition of the updates to the 
 in one branch of one `lax.cond` (`xshard.guard.GuardedUpdate`).
 
 `cross_shard` returns a `CrossShardTransformation`: optax's ``(init, update)`` pair, which also
-carries its settings (`CrossShardSpec`) and its update in two phases (`CrossShardPhases`).
+carries its settings (`CrossShardSpec`) and its update in two phases (`CrossShardPhases`); those
+types live in `xshard.cross_shard_types`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple, Self
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import optax
 
-from xshard.guard import (
-    GuardedUpdate,
-    SkipIfNonFiniteState,
-    empty_summary,
-    guarded_update,
-    init_guard,
+from xshard.axis_reduce import AxisReductions
+from xshard.axis_rules import AxisRule
+from xshard.cross_shard_types import (
+    Applied,
+    CrossShardPhases,
+    CrossShardSpec,
+    CrossShardState,
+    CrossShardTransformation,
+    LocalReduction,
 )
-from xshard.layer_stats import Histograms, empty_histograms
+from xshard.guard import GuardedUpdate, empty_summary, guarded_update, init_guard
+from xshard.layer_stats import empty_histograms
 from xshard.reduce import (
     AllReduce,
     AxisNames,
     PerShardClipState,
+    PerShardGradientsRequired,
+    Reduced,
     _manual_axes,
     _shards_in_context,
     axis_tuple,
-    divide,
     per_shard_clip,
 )
 from xshard.reduction_mode import Reduction
-from xshard.shard_stats import (
-    LocalNorms,
-    ShardStats,
-    empty_shard_stats,
-    local_norms,
-    shard_stats,
-)
-from xshard.stats import Flag, GradSummary, tree_max_abs, tree_sq_norm, when
+from xshard.shard_stats import ShardStats, empty_shard_stats, local_norms, shard_stats
+from xshard.stats import Flag, GradSummary, when
 
-
-@dataclasses.dataclass(frozen=True)
-class CrossShardSpec:
-    """The settings of a `cross_shard` optimizer, checked and parsed, for code that runs it
-    (the trainer reads them from `CrossShardTransformation.spec`)."""
-
-    reduction: Reduction
-    axis_name: tuple[str, ...]
-    clip_per_shard: float | None
-    comm_dtype: Any
-    skip_nonfinite: bool
-    track_stats: bool
-    num_shards: int | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LocalReduction:
-    """What the first phase of a `cross_shard` update leaves for the second (`CrossShardPhases`).
-
-    Attributes:
-      updates: the reduced gradient (whole on every shard, or its slice after a scatter), or,
-        where `mean_over` > 1, the sum whose mean it is.
-      clip: the per-shard clip's new state (`optax.EmptyState()` without one).
-      shards: the local gradients' norms (`xshard.shard_stats.local_norms`; None where no
-        per-shard gradients existed).
-      parts: the buffers holding `updates`, packed per dtype (`xshard.reduce.Reduced`), or
-        None: its leaves.
-      mean_over: the shard count MEAN still divides `updates` by (static; 1: reduced).
-      unpack: ``unpack(parts) -> updates`` where `parts` is set (static): `gradient` slices
-        the leaves out of the buffers where it is called, so that the slices fuse into the
-        consumers (inside the guard's branch, not before it as the branch's operands).
-    """
-
-    updates: Any
-    clip: PerShardClipState | optax.EmptyState
-    shards: LocalNorms | None
-    parts: tuple[jax.Array, ...] | None = None
-    mean_over: int = dataclasses.field(default=1, metadata={"static": True})
-    unpack: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata={"static": True})
-
-    def gradient(self) -> Any:
-        """The reduced gradient, divided where it is read (``pmean``'s arithmetic): call it in
-        the computation that consumes it, so that XLA fuses the slicing and the division
-        there."""
-        if self.parts is None or self.unpack is None:
-            return divide(self.updates, self.mean_over)
-        return self.unpack(divide(list(self.parts), self.mean_over))
-
-    def sq_norm(self) -> jax.Array:
-        """The squared global norm of `gradient` (float32), read from the packed buffers."""
-        if self.parts is None:
-            return tree_sq_norm(self.gradient())
-        return tree_sq_norm(divide(list(self.parts), self.mean_over))
-
-    def max_abs(self) -> jax.Array:
-        """max |`gradient`| (float32, NaN-propagating), read from the packed buffers: one
-        reduction over them, not one per leaf."""
-        if self.parts is None:
-            return tree_max_abs(self.gradient())
-        return tree_max_abs(list(self.parts)) / self.mean_over
-
-
-class Applied(NamedTuple):
-    """`CrossShardPhases.apply`'s result."""
-
-    params: Any  # the new params
-    state: CrossShardState  # the optimizer's new state
-    measured: Any  # the caller's measurements (NaN off statistics steps; None without)
-
-
-class CrossShardPhases(NamedTuple):
-    """A `cross_shard` update in two phases, for trainers that run them in different places.
-
-    ``reduce(grads, params, *, shard_weight=None, with_stats=None, scatter_dims=None)`` runs
-    where the per-shard gradients are (inside ``shard_map``): per-shard clip, the local
-    statistics and the reduction, optionally a reduce-scatter (`xshard.reduce.all_reduce`'s
-    ``scatter_dims``); it returns a `LocalReduction`. ``finish(local, state, params, *,
-    with_stats=None, layer_norms=None, histograms=None, **extra)`` runs the summary, the guard
-    and the inner optimizer on the reduced gradient, anywhere (e.g. under GSPMD on sharded
-    slices, where norms over a sharded tensor are global): it returns ``(updates, new
-    state)``. Their composition is the optimizer's ``update``. ``apply(local, state, params,
-    *, with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is
-    ``finish`` followed by `optax.apply_updates`, the addition done in the branch that
-    computes the updates (`xshard.guard.GuardedUpdate`), so that XLA fuses it with the inner
-    update: it returns `Applied`, whose ``measured`` is ``measure(new_params, updates,
-    summary)`` (optional) computed in that branch on statistics steps (NaN on the others;
-    None without `measure`).
-    """
-
-    reduce: Callable[..., LocalReduction]
-    finish: Callable[..., tuple[Any, CrossShardState]]
-    apply: Callable[..., Applied]
-
-
-class CrossShardState(NamedTuple):
-    """State of `cross_shard`, in the order of the update's steps.
-
-    The statistics fields hold `optax.EmptyState()` when the optimizer does not record them
-    (no per-shard clipping; ``track_stats=False``).
-    """
-
-    clip: PerShardClipState | optax.EmptyState  # share of shards clipped (clip_per_shard)
-    shards: ShardStats | optax.EmptyState  # per-shard norms before clipping, noise-scale terms
-    reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
-    histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
-    guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
-
-    @property
-    def inner_state(self) -> optax.OptState:
-        """The inner optimizer's state."""
-        return self.guard.inner_state
-
-    @property
-    def skipped_steps(self) -> jax.Array:
-        """int32: steps skipped because the reduced gradient was not finite."""
-        return self.guard.total_notfinite
-
-    @property
-    def consecutive_skipped(self) -> jax.Array:
-        """int32: skipped steps in a row, reset by a finite step."""
-        return self.guard.notfinite_count
-
-
-class CrossShardTransformation(optax.GradientTransformationExtraArgs):
-    """What `cross_shard` returns: an `optax.GradientTransformationExtraArgs` that also says
-    how it was built (`spec`) and splits its update in two (`phases`).
-
-    It is optax's pair ``(init, update)``, so optax takes it wherever it takes a
-    transformation (``optax.chain``, ``optax.apply_if_finite``, ``optax.partition``,
-    ``isinstance(tx, optax.GradientTransformationExtraArgs)``); `spec` and `phases` are
-    attributes, not fields, for code that runs the phases in different places
-    (`trainers.Trainer`). A copy made with ``_replace`` has another update: it is a plain
-    `optax.GradientTransformationExtraArgs`.
-    """
-
-    def __new__(
-        cls,
-        init: optax.TransformInitFn,
-        update: optax.TransformUpdateExtraArgsFn,
-        spec: CrossShardSpec,
-        phases: CrossShardPhases,
-    ) -> Self:
-        self = super().__new__(cls, init, update)
-        self.__dict__.update(_spec=spec, _phases=phases)
-        return self
-
-    @property
-    def spec(self) -> CrossShardSpec:
-        """The settings it was built with, checked and parsed."""
-        return self.__dict__["_spec"]
-
-    @property
-    def phases(self) -> CrossShardPhases:
-        """Its update in two phases: `CrossShardPhases`."""
-        return self.__dict__["_phases"]
-
-    def _replace(self, /, **fields: Any) -> optax.GradientTransformationExtraArgs:
-        return optax.GradientTransformationExtraArgs(**(self._asdict() | fields))
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy, pickle
-        return (*self, self.spec, self.phases)
-
-
-# A pytree like optax's pair (its two functions), `spec` and `phases` its static data.
-jax.tree_util.register_pytree_node(
-    CrossShardTransformation,
-    lambda tx: (tuple(tx), (tx.spec, tx.phases)),
-    lambda static, pair: CrossShardTransformation(*pair, *static),  # type: ignore[call-arg]
-)
+__all__ = [
+    "Applied",
+    "CrossShardPhases",
+    "CrossShardSpec",
+    "CrossShardState",
+    "CrossShardTransformation",
+    "LocalReduction",
+    "cross_shard",
+]
 
 
 def cross_shard(
@@ -246,6 +88,7 @@ def cross_shard(
     skip_nonfinite: bool = False,
     num_shards: int | None = None,
     track_stats: bool = True,
+    axes: Mapping[str, AxisRule] | None = None,
 ) -> CrossShardTransformation:
     """Wraps `inner` so that gradients are reduced across data-parallel shards first.
 
@@ -267,6 +110,13 @@ def cross_shard(
         local gradients their norms before clipping and the noise-scale terms
         (``state.shards``, `xshard.shard_stats.ShardStats`) and, with `clip_per_shard`, the
         share of shards clipped (``state.clip``).
+      axes: per mesh axis of `axis_name`, how it reduces (`xshard.axis_rules.AxisRule`;
+        None: every axis by `reduction`, as before). The gradient is reduced by `reduction`
+        over the axes without a rule, then over the axis with an every-step rule (at most
+        one) by its rule (mean, sum, Adasum) and codec, with its error-feedback residual in
+        ``state.comm`` (`xshard.axis_reduce`); an axis with a periodic rule takes no part
+        in the step. Needs per-shard gradients inside shard_map, and the mesh in context at
+        ``init`` (``jax.set_mesh``).
 
     Returns:
       A `CrossShardTransformation`, an `optax.GradientTransformationExtraArgs` whose
@@ -282,20 +132,27 @@ def cross_shard(
       computed on an update are NaN. Every other extra argument is forwarded to `inner`.
 
     Raises:
-      ValueError: at construction for an unknown reduction or bad clip value; at update time
-        (`DoubleReductionError`) when gradients are already reduced over the axis.
+      ValueError: at construction for an unknown reduction, bad clip value or bad axis rule;
+        at update time (`DoubleReductionError`) when gradients are already reduced over the
+        axis.
     """
-    axes = axis_tuple(axis_name)
-    reducer = AllReduce.build(
-        reduction, axis_name=axes, comm_dtype=comm_dtype, num_shards=num_shards
-    )
+    names = axis_tuple(axis_name)
+    rules = AxisReductions.build(axes, names)
+    mode_axes = rules.mode_axes(names)
+    mode = Reduction.parse(reduction)
+    reducer = None
+    if mode_axes:
+        reducer = AllReduce.build(
+            mode, axis_name=mode_axes, comm_dtype=comm_dtype, num_shards=num_shards
+        )
     spec = CrossShardSpec(
-        reducer.mode, axes, clip_per_shard, comm_dtype, skip_nonfinite, track_stats, num_shards
+        mode, names, clip_per_shard, comm_dtype, skip_nonfinite, track_stats, num_shards, rules
     )
+    step_axes = spec.step_axes
     parts = _CrossShard(
         spec,
         optax.with_extra_args_support(inner),
-        None if clip_per_shard is None else per_shard_clip(clip_per_shard, axes),
+        None if clip_per_shard is None else per_shard_clip(clip_per_shard, step_axes),
         reducer,
         guarded_update(inner, skip_nonfinite=skip_nonfinite, track_stats=track_stats),
     )
@@ -311,14 +168,14 @@ class _CrossShard:
       spec: its settings.
       inner: the inner optimizer, with extra-args support.
       clip: the per-shard clip (`xshard.reduce.per_shard_clip`), or None.
-      reducer: the reduction across shards.
+      reducer: the reduction across shards by the mode (None: no axis left to it).
       guarded: steps 3-5, in one branch (`xshard.guard.GuardedUpdate`).
     """
 
     spec: CrossShardSpec
     inner: optax.GradientTransformationExtraArgs
     clip: optax.GradientTransformationExtraArgs | None
-    reducer: AllReduce
+    reducer: AllReduce | None
     guarded: GuardedUpdate
 
     def init(self, params: Any) -> CrossShardState:
@@ -331,6 +188,7 @@ class _CrossShard:
             empty_summary(params),
             empty_histograms(params) if track else empty,
             init_guard(self.inner, params),
+            self.spec.axes.init(params),
         )
 
     def update(
@@ -346,7 +204,9 @@ class _CrossShard:
         **extra_args: Any,
     ) -> tuple[Any, CrossShardState]:
         """The optax update: `reduce`, then `finish`."""
-        local = self.reduce(updates, params, shard_weight=shard_weight, with_stats=with_stats)
+        local = self.reduce(
+            updates, params, shard_weight=shard_weight, with_stats=with_stats, comm=state.comm
+        )
         return self.finish(
             local,
             state,
@@ -365,8 +225,11 @@ class _CrossShard:
         shard_weight: jax.Array | None = None,
         with_stats: Flag = None,
         scatter_dims: Any = None,
+        comm: Any = None,
     ) -> LocalReduction:
-        """Steps 1-2 and the local gradients' statistics: where the shards' gradients are."""
+        """Steps 1-2 and the local gradients' statistics: where the shards' gradients are.
+        `comm` is the state's ``comm`` field (the axis rules' residuals): needed with
+        every-step axis rules."""
         spec = self.spec
         raw = updates
         clip_state = optax.EmptyState() if self.clip is None else None
@@ -378,20 +241,48 @@ class _CrossShard:
                 with_stats=with_stats if spec.track_stats else False,
             )
         local = None
-        if spec.track_stats and _manual_axes(spec.axis_name):  # local gradients exist here
+        step_axes = spec.step_axes
+        if spec.track_stats and _manual_axes(step_axes):  # local gradients exist here
             local = local_norms(
                 raw,
-                spec.axis_name,
+                step_axes,
                 with_stats=with_stats,
                 clip_norm=spec.clip_per_shard,
                 weighted=shard_weight is not None,
             )
-        reduced = self.reducer.reduced(
-            updates, shard_weight=shard_weight, scatter_dims=scatter_dims, defer_mean=True
-        )
+        if spec.axes.rules:
+            tree, new_comm = self._reduce_by_rules(updates, shard_weight, scatter_dims, comm)
+            return LocalReduction(tree, clip_state, local, comm=new_comm)
+        reduced = Reduced(updates)
+        if self.reducer is not None:
+            reduced = self.reducer.reduced(
+                updates, shard_weight=shard_weight, scatter_dims=scatter_dims, defer_mean=True
+            )
         return LocalReduction(
-            reduced.tree, clip_state, local, reduced.parts, reduced.mean_over, reduced.unpack
+            reduced.tree, clip_state, local, reduced.parts, None, reduced.mean_over, reduced.unpack
         )
+
+    def _reduce_by_rules(
+        self, updates: Any, shard_weight: jax.Array | None, scatter_dims: Any, comm: Any
+    ) -> tuple[Any, Any]:
+        """Step 2 with axis rules: by the mode over the other axes, then by each rule
+        (`xshard.axis_reduce`): the reduced gradient and the rules' new state."""
+        spec = self.spec
+        ruled = tuple(a for a, _ in spec.axes.rules)
+        if not _manual_axes(ruled):
+            raise PerShardGradientsRequired(
+                f"cross_shard's rules for axes {ruled!r} need per-shard gradients inside "
+                "jax.shard_map with those axes manual (the trainer's grad_impl=manual)."
+            )
+        if shard_weight is not None or any(d is not None for d in jax.tree.leaves(scatter_dims)):
+            raise ValueError(
+                "cross_shard's axis rules take no shard_weight and no scatter_dims (ZeRO-2): "
+                "the gradient is reduced whole over every axis."
+            )
+        tree = updates
+        if self.reducer is not None:
+            tree = self.reducer.update(updates, optax.EmptyState())[0]
+        return spec.axes.reduce(tree, spec.reduction, comm)
 
     def finish(
         self,
@@ -462,7 +353,7 @@ class _CrossShard:
             return self._unguarded(
                 local, state, params, clip_state, finalize, measure, flags[0], extra_args
             )
-        axes = spec.axis_name
+        axes = spec.step_axes
         guarded = self.guarded(
             local.gradient,
             local.sq_norm,
@@ -486,6 +377,7 @@ class _CrossShard:
             record.summary,
             record.histograms if spec.track_stats else state.histograms,
             guarded.state,
+            state.comm if local.comm is None else local.comm,
         )
         return Applied(guarded.out, new_state, measured)
 
@@ -508,7 +400,9 @@ class _CrossShard:
         if measure is not None:
             measured = when(with_stats, lambda: measure(out, updates, state.reduced))
         guard_state = state.guard._replace(inner_state=new_inner)
-        return Applied(out, state._replace(clip=clip_state, guard=guard_state), measured)
+        comm = state.comm if local.comm is None else local.comm
+        new_state = state._replace(clip=clip_state, guard=guard_state, comm=comm)
+        return Applied(out, new_state, measured)
 
     def _measured_with_shards(
         self,
@@ -525,6 +419,6 @@ class _CrossShard:
             spec = self.spec
             summed = 1
             if spec.reduction is Reduction.SUM:
-                summed = _shards_in_context(spec.axis_name, spec.num_shards)
+                summed = _shards_in_context(spec.step_axes, spec.num_shards)
             shards = shard_stats(local.shards, summary.norm, summed)
         return shards, (None if measure is None else measure(out, updates, summary))

@@ -269,4 +269,8 @@ def state_metrics(
             shard |= {f"grad/{k}": v for k, v in noise.items()}
         metrics |= shard
         stats_only |= set(shard)
+    if isinstance(cs.comm, dict):  # every step: the axis rules' traffic and its error
+        for axis, comm in cs.comm.items():
+            metrics[f"comm/{axis}/bytes"] = comm.bytes_sent
+            metrics[f"comm/{axis}/compression_error_norm"] = comm.error_norm
     return metrics, stats_only

@@ -40,6 +40,7 @@ from trainers.core.metrics import StepMetrics, stack_metrics, state_metrics
 from trainers.core.model_state import LossFn, loss_fn, reduce_over_shards
 from trainers.core.zero import ZeroLayout
 from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
+from xshard.axis_reduce import state_partition_specs
 from xshard.errors import ConfigError
 from xshard.optimizer import Applied, CrossShardTransformation, LocalReduction
 from xshard.stats import leaf_sq_norms
@@ -309,7 +310,7 @@ class _StepProgram:
         phases, flags = self.tx.phases, self.flags
         local = grads
         if not isinstance(grads, LocalReduction):
-            local = phases.reduce(grads, params, with_stats=flags.with_stats)
+            local = phases.reduce(grads, params, with_stats=flags.with_stats, comm=opt_state.comm)
         return phases.apply(local, opt_state, params, measure=_measure, **flags._asdict())
 
     def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
@@ -355,11 +356,13 @@ class _StepProgram:
     def manual(self, state: TrainState, batch: Any) -> StepResult:
         """``grad_impl=manual``, replicated: the whole step in a shard_map."""
         axes = self.spec.data_axes
+        opt_specs = state_partition_specs(state.opt_state)  # P() but for per-replica residuals
         trained, model_state = jax.shard_map(
             self._manual_shard_step,
             mesh=self.mesh,
-            in_specs=(P(), P(), P(), P(axes), P()),
-            out_specs=P(),
+            in_specs=(P(), opt_specs, P(), P(axes), P()),
+            # Specs in place of values: a pytree prefix of the result's structure.
+            out_specs=(Trained(P(), opt_specs, P(), P()), P()),  # type: ignore[arg-type]
             axis_names=set(axes),
         )(
             state.params,

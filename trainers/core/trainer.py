@@ -44,6 +44,7 @@ from trainers.core.step import (
 from trainers.core.step_levels import levels_in_run, step_level
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.zero import zero_layout
+from xshard.axis_reduce import state_partition_specs
 from xshard.axis_rules import AxisRule
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
@@ -137,6 +138,13 @@ class Trainer:
         replicas = 1 if self.periodic is None else self.periodic.replicas
         # The rules are read once the params exist (a Flax task's come from its model).
         self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
+        ruled = [axis for axis, _ in self.tx.spec.axes.rules]
+        if ruled and self.layout.stage > 0:
+            raise ConfigError(
+                f"reduction.axes.{ruled[0]} reduces every step by its own rule, which runs with "
+                f"sharding.zero_stage=0 only (got {self.layout.stage}): its error-feedback "
+                "state is per replica of the axis, not sliced over the data axes."
+            )
         self.spec = StepSpec(
             data_axes=inner_axes,
             num_data_shards=n // replicas,
@@ -201,9 +209,9 @@ class Trainer:
         """Returns the initial `TrainState` for `params` and `model_state` (placed on the
         mesh; None: the empty model state of a plain task)."""
         shardings = self.param_shardings(params)
-        refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
         params = jax.device_put(params, shardings)
-        with jax.set_mesh(self.mesh):
+        with jax.set_mesh(self.mesh):  # the axis rules size their state from the mesh
+            refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
             opt_shardings = self.opt_state_shardings(params)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
@@ -243,8 +251,16 @@ class Trainer:
     def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
-        hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`."""
-        return self.layout.opt_state_shardings(self.tx, params, self.layout.base_shardings(params))
+        hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`.
+        The error-feedback residuals of the axis rules (`xshard.axis_reduce`) are sharded over
+        their axis, a row per replica. Call it with the mesh in context (``jax.set_mesh``)."""
+        shardings = self.layout.opt_state_shardings(
+            self.tx, params, self.layout.base_shardings(params)
+        )
+        specs = state_partition_specs(jax.eval_shape(self.tx.init, params))
+        return jax.tree.map(
+            lambda s, spec: s if spec == P() else NamedSharding(self.mesh, spec), shardings, specs
+        )
 
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""

@@ -1,0 +1,208 @@
+"""The every-step reduction of `xshard.cross_shard` per mesh axis: which axes reduce by the
+reduction's mode, which by their own `xshard.axis_rules.AxisRule`, and the state they keep.
+
+With ``cross_shard(..., axes={"slice": AxisRule(...)})`` the per-shard gradient is reduced in
+one step as follows:
+
+1. over the data axes without a rule, by the reduction's mode (``psum``/``pmean``, as without
+   `axes`);
+2. then over the axis with an every-step rule (``not rule.periodic``; at most one), by
+   its rule (``mean``, ``sum`` or ``adasum``; None: the mode) and codec
+   (`xshard.compressed.compressed_all_reduce`, `xshard.adasum.adasum_all_reduce`);
+3. an axis with a periodic rule (``rule.periodic``: local SGD, DiLoCo) takes no part: no
+   collective of the step crosses it (its parameters are synced by a separate step).
+
+Each every-step axis keeps an `AxisCommState` in the cross-shard state: its error-feedback
+residual (per replica, so sharded over that axis: `state_partition_specs`), the compression
+error norm and the bytes one replica sends over the axis per step, which the trainer logs as
+``comm/<axis>/compression_error_norm`` and ``comm/<axis>/bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from xshard.adasum import adasum_all_reduce, adasum_bytes_sent
+from xshard.axis_rules import CODEC_NAMES, RULE_NAMES, AxisRule
+from xshard.codecs import get_codec
+from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
+from xshard.reduction_mode import Reduction
+
+
+class AxisCommState(NamedTuple):
+    """What an every-step axis rule keeps in the `cross_shard` state.
+
+    Attributes:
+      residual: the error-feedback residual, float32 ``(axis size, padded length)``, row ``i``
+        replica ``i``'s (sharded over the axis: `state_partition_specs`); `optax.EmptyState`
+        without error feedback.
+      error_norm: float32, the root mean square over the axis's replicas of their compression
+        error norms on the last step (0 for a lossless codec).
+      bytes_sent: float32, bytes one replica sends over the axis per step.
+    """
+
+    residual: jax.Array | optax.EmptyState
+    error_norm: jax.Array
+    bytes_sent: jax.Array
+
+
+def _check_rule(axis: str, rule: Any, data_axes: tuple[str, ...]) -> None:
+    """Refuses a rule `cross_shard` cannot run, naming the axis."""
+    key = f"axes[{axis!r}]"
+    if not isinstance(rule, AxisRule):
+        raise ValueError(f"{key} must be an xshard.axis_rules.AxisRule, got {rule!r}.")
+    if axis not in data_axes:
+        raise ValueError(f"{key}: {axis!r} is not one of the reduction's axes {data_axes!r}.")
+    if rule.comm_dtype is not None and rule.comm_dtype not in CODEC_NAMES:
+        raise ValueError(f"{key}.comm_dtype={rule.comm_dtype!r}; allowed: {CODEC_NAMES}.")
+    if rule.rule is not None and rule.rule not in RULE_NAMES:
+        raise ValueError(f"{key}.rule={rule.rule!r}; allowed: {RULE_NAMES}.")
+    if rule.rule == "adasum" and rule.comm_dtype not in (None, "float32"):
+        raise ValueError(
+            f"{key}: rule 'adasum' runs in float32 on the wire; comm_dtype="
+            f"{rule.comm_dtype!r} is not supported with it (use None or 'float32')."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisReductions:
+    """The axis rules of a `cross_shard`, checked.
+
+    Attributes:
+      rules: the every-step rules, ``(axis, rule)`` in the order given.
+      periodic: the axes with a periodic rule (no collective over them in the step).
+    """
+
+    rules: tuple[tuple[str, AxisRule], ...] = ()
+    periodic: tuple[str, ...] = ()
+
+    @classmethod
+    def build(
+        cls, axes: Mapping[str, AxisRule] | None, data_axes: tuple[str, ...]
+    ) -> AxisReductions:
+        """Checks `axes` (``cross_shard``'s argument) against the reduction's `data_axes`.
+
+        Raises:
+          ValueError: naming the axis, for a rule of the wrong type, an axis that is not a data
+            axis, an unknown codec or rule name, Adasum with a lossy codec, or every-step rules
+            on more than one axis.
+        """
+        if axes is None:
+            return cls()
+        for axis, rule in axes.items():
+            _check_rule(axis, rule, data_axes)
+        every = tuple((a, r) for a, r in axes.items() if not r.periodic)
+        if len(every) > 1:  # the first axis's state would vary over the second one
+            raise ValueError(
+                f"axes: every-step rules on {len(every)} axes {tuple(a for a, _ in every)!r}; "
+                "at most one axis may reduce by its own rule every step (the others by the "
+                "reduction's mode)."
+            )
+        return cls(every, tuple(a for a, r in axes.items() if r.periodic))
+
+    def step_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes a step's collectives cross: `data_axes` less the periodic ones."""
+        return tuple(a for a in data_axes if a not in self.periodic)
+
+    def mode_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes reduced by the reduction's mode: `step_axes` less those with a rule."""
+        ruled = {a for a, _ in self.rules}
+        return tuple(a for a in self.step_axes(data_axes) if a not in ruled)
+
+    def init(self, params: Any) -> dict[str, AxisCommState] | optax.EmptyState:
+        """Zero state per every-step axis, sized from the mesh in context (``jax.set_mesh``).
+
+        Raises:
+          ValueError: where no mesh with the axis is in context.
+        """
+        if not self.rules:
+            return optax.EmptyState()
+        mesh = jax.sharding.get_abstract_mesh()
+        size = tree_size(params)
+        out = {}
+        for axis, rule in self.rules:
+            if mesh.empty or axis not in mesh.shape:
+                raise ValueError(
+                    f"cross_shard(axes={{{axis!r}: ...}}).init needs the mesh in context "
+                    "(jax.set_mesh(mesh)) to size its per-replica state over that axis."
+                )
+            n = mesh.shape[axis]
+            residual: jax.Array | optax.EmptyState = optax.EmptyState()
+            if _feeds_back(rule):
+                codec = get_codec(rule.comm_dtype or "float32")
+                residual = jnp.zeros((n, padded_size(size, n, codec.block_size)), jnp.float32)
+            sent = jnp.float32(_bytes_sent(rule, size, n))
+            out[axis] = AxisCommState(residual, jnp.zeros((), jnp.float32), sent)
+        return out
+
+    def reduce(self, tree: Any, mode: Reduction, comm: Any) -> tuple[Any, dict[str, AxisCommState]]:
+        """Step 2 of the module docstring, inside ``shard_map`` (the axes manual): `tree` reduced
+        over every rule's axis, and the new `AxisCommState` per axis."""
+        if not isinstance(comm, dict) or set(comm) != {a for a, _ in self.rules}:
+            raise ValueError(
+                "cross_shard with every-step axis rules needs its state's comm field in "
+                "reduce(..., comm=state.comm) (the error-feedback residuals)."
+            )
+        new = {}
+        for axis, rule in self.rules:
+            tree, new[axis] = _reduce_axis(tree, axis, rule, mode, comm[axis])
+        return tree, new
+
+
+def _feeds_back(rule: AxisRule) -> bool:
+    """Whether the rule keeps a residual: error feedback with a lossy codec."""
+    return rule.error_feedback and rule.comm_dtype not in (None, "float32")
+
+
+def _rule_name(rule: AxisRule, mode: Reduction) -> str:
+    return rule.rule if rule.rule is not None else mode.value
+
+
+def _bytes_sent(rule: AxisRule, size: int, n: int) -> int:
+    if rule.rule == "adasum":
+        return adasum_bytes_sent(size, 4, n)
+    return bytes_sent(size, n, get_codec(rule.comm_dtype or "float32"))
+
+
+def _reduce_axis(
+    tree: Any, axis: str, rule: AxisRule, mode: Reduction, state: AxisCommState
+) -> tuple[Any, AxisCommState]:
+    """`tree` reduced over `axis` by `rule`, and the axis's new state."""
+    name = _rule_name(rule, mode)
+    if name == "adasum":
+        return adasum_all_reduce(tree, axis), state
+    residual = None
+    if isinstance(state.residual, jax.Array):
+        residual = state.residual.reshape(state.residual.shape[-1])  # this replica's row
+    codec = rule.comm_dtype or "float32"
+    out = compressed_all_reduce(tree, axis, codec, rule=name, residual=residual)
+    new_residual: jax.Array | optax.EmptyState = state.residual
+    if out.residual is not None:
+        new_residual = out.residual[None]
+    error_norm = jnp.sqrt(jax.lax.pmean(out.error_norm**2, axis))
+    return out.value, AxisCommState(new_residual, error_norm, state.bytes_sent)
+
+
+def state_partition_specs(opt_state: Any) -> Any:
+    """A tree like `opt_state` (or its shapes) of PartitionSpecs: ``P(axis)`` for the residual
+    of the `AxisCommState` of `axis` (a row per replica of the axis), ``P()`` for every other
+    leaf: the state's specs in a ``shard_map`` over the data axes, and the data-axis part of
+    its shardings at rest."""
+
+    def spec(path: Any, node: Any) -> Any:
+        if isinstance(node, AxisCommState):
+            axis = path[-1].key  # the state's key in the dict of axes
+            residual = jax.tree.map(lambda _: P(axis), node.residual)
+            return AxisCommState(residual, P(), P())  # type: ignore[arg-type]  # specs
+        return P()
+
+    return jax.tree_util.tree_map_with_path(
+        spec, opt_state, is_leaf=lambda x: isinstance(x, AxisCommState)
+    )

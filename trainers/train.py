@@ -25,25 +25,39 @@ if __name__ == "__main__":  # first of all, before JAX is imported (trainers.clu
 
     signal_latch.install()
 
+from typing import TYPE_CHECKING, Any
+
 from omegaconf import DictConfig
 
 from trainers.app.cli_overrides import check_group_overrides
-from trainers.app.entry import run
-from trainers.app.help import register_help_resolver
 from trainers.app.main import main as xshard_main
-from trainers.app.training import train
-from trainers.config.resolvers import register_resolvers
 from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
 
-register_resolvers()  # paths.tb_dir's; also in processes Hydra's plugin scan did not set up
-register_help_resolver()
-
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_NONFINITE", "EXIT_PREEMPTED", "main", "run", "train"]
+
+if TYPE_CHECKING:
+    from trainers.app.entry import run as run
+    from trainers.app.training import train as train
+
+
+def __getattr__(name: str) -> Any:
+    """`run` and `train`, imported on first use: ``--help`` and ``--cfg`` never import JAX."""
+    if name == "run":
+        from trainers.app.entry import run
+
+        return run
+    if name == "train":
+        from trainers.app.training import train
+
+        return train
+    raise AttributeError(f"module 'trainers.train' has no attribute {name!r}")
 
 
 @xshard_main(config_path="pkg://xshard.conf", config_name="xshard_train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra main of ``python -m trainers.train``: `trainers.app.entry.run` on the config."""
+    from trainers.app.entry import run
+
     return run(cfg)
 
 

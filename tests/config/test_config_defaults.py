@@ -20,6 +20,7 @@ from trainers.config import (
     ShardingOptions,
     TrainerOptions,
 )
+from trainers.config.loggers import TensorBoardLogger
 from trainers.core.trainer import Trainer
 from xshard.config import read_node
 from xshard.config.schemas import DEVIATIONS, SCHEMAS, MeshConf
@@ -102,7 +103,10 @@ def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
         schema, schema.__name__.removesuffix("Options").lower()
     )
     composed = read_node(schema, compose_config()[key], key)
-    overridden = {"batch_size": 16, "progress": False} if key == "trainer" else {}
+    overridden: dict = {
+        "trainer": {"batch_size": 16, "progress": False},
+        "logger": {"tensorboard": TensorBoardLogger()},  # logger=tensorboard, the default
+    }.get(key, {})
     assert composed == dataclasses.replace(schema(), **overridden)
 
 

@@ -7,8 +7,9 @@ that reaches the composed config from one of them (``allowed_targets: [os.]`` in
 
 - the primary config file itself (``--config-name``, default ``xshard_train``), read alone from
   the run's config search path, without its defaults list;
-- the process's own command line (``+allowed_targets=[mypkg.]``), as parsed by Hydra's own
-  argument and override parsers from ``sys.argv``. Not from ``hydra.overrides.task``: Hydra
+- the process's own command line (``+allowed_targets=[mypkg.]``, which adds to the primary
+  config's entries), as parsed by Hydra's own argument and override parsers from
+  ``sys.argv``. Not from ``hydra.overrides.task``: Hydra
   appends the real overrides to whatever a composed file wrote there;
 - the environment variable ``XSHARD_ALLOWED_TARGETS`` (comma-separated entries), which
   `trainers.main` also uses to hand the command line's entries to a launcher's processes;
@@ -236,19 +237,33 @@ def check_allowlist_sources(cfg: DictConfig) -> None:
 
 
 def add_trusted_entries(cfg: DictConfig) -> None:
-    """Adds the entries of ``XSHARD_ALLOWED_TARGETS`` and of installed packages to `cfg`.
+    """Adds the entries of the primary config, ``XSHARD_ALLOWED_TARGETS`` and installed
+    packages to `cfg`.
 
     After this, ``cfg.allowed_targets`` is the run's whole list of extra entries, which every
-    builder reads (`xshard.factory`, `trainers.app.build`).
+    builder reads (`xshard.factory`, `trainers.app.build`). The command line adds to the
+    primary config's list: ``+allowed_targets=[other.]`` (what the allowlist error suggests)
+    keeps the primary config's entries, although Hydra's override replaced them.
     """
     from omegaconf import open_dict
 
-    extra = environment_entries() | installed_entries()
+    extra = environment_entries() | installed_entries() | _primary_entries()
     if not extra:
         return
     listed = section(cfg, ALLOWED_TARGETS_KEY, required=False) or []
     with open_dict(cfg):
         cfg[ALLOWED_TARGETS_KEY] = list(listed) + sorted(extra - set(listed))
+
+
+def _primary_entries() -> set[str]:
+    """The running job's primary config entries (`primary_config_entries`); none outside a
+    Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return set()
+    hydra_cfg = HydraConfig.get()
+    return primary_config_entries(hydra_cfg.job.config_name, hydra_cfg.runtime.config_sources)
 
 
 def log_active_prefixes(cfg: DictConfig) -> tuple[str, ...]:

@@ -83,7 +83,7 @@ def run(cfg: DictConfig) -> float | None:
 
     try:
         check_allowlist_sources(cfg)  # no copied config file widens the allowlist
-        add_trusted_entries(cfg)  # XSHARD_ALLOWED_TARGETS, installed packages
+        add_trusted_entries(cfg)  # the primary config, XSHARD_ALLOWED_TARGETS, packages
         train(cfg, summary)
     except Preempted as e:  # stops a multirun too: the machine is going away
         finish_job(cfg, summary, status.PREEMPTED, e)

@@ -11,7 +11,9 @@ own experiment repo's main with it too (docs/config.md). Around Hydra's own main
    the command line in ``hydra.overrides`` or widen ``allowed_targets`` (exit 2, one line);
 3. hands the ``allowed_targets`` entries typed on the command line to the processes a launcher
    starts (through ``XSHARD_ALLOWED_TARGETS``, `trainers.app.allowlist`);
-4. reports, in one line, a stop signal that came after the run had ended.
+4. reports, in one line, a stop signal that came after the run had ended;
+5. registers the resolvers xshard's configs use (also where Hydra's plugin scan did not run),
+   ``${xshard.help:}`` of ``--help`` among them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def main(
 
     def decorate(task_function: Callable[[Any], Any]) -> Callable[[], Any]:
         import hydra
+
+        from trainers.app.help import register_help_resolver
+        from trainers.config.resolvers import register_resolvers
+
+        register_resolvers()
+        register_help_resolver()
 
         hydra_main = hydra.main(
             config_path=config_path, config_name=config_name, version_base=version_base

@@ -11,7 +11,8 @@ returns to the sweeper (`failed_job_value`):
 - otherwise, Hydra's basic sweeper (which uses no objective): None, and the sweep goes on;
 - otherwise (an optimizing sweeper such as Optuna): `TrialFailed` is raised. Hydra's job
   runner records the job as failed, and the Optuna sweeper counts it as a failed trial against
-  ``hydra.sweeper.max_failure_rate``.
+  ``hydra.sweeper.max_failure_rate``, which xshard sets to 1.0 unless you chose it: failed
+  trials do not end the study (`trainers.app.failed_trials`).
 
 The sweeper never gets NaN or inf: a job whose final loss is not finite is a failed trial too.
 `SweepSummary` (a Hydra callback, registered in ``xshard_train.yaml``) prints a table of the
@@ -199,16 +200,32 @@ class SweepSummary(Callback):
 
     Reads each job's ``result.json`` under ``hydra.sweep.dir`` (jobs may have run in other
     processes: ``submitit``), keeping those written since this multirun started. A job killed
-    before it could write one is missing from the table.
+    before it could write one is missing from the table. The file is also rewritten after each
+    job that ran in this process, so that a sweep the sweeper ends early (an Optuna study over
+    its ``max_failure_rate``) still leaves its table.
     """
 
     def __init__(self) -> None:
         self._started = time.time()
+        self._in_this_process = False  # whether this process started the multirun
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._started = time.time()
+        self._in_this_process = True
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if self._in_this_process:
+            self._write(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        table = self._write(config)
+        print(table, flush=True)
+        print(f"Sweep summary: {sweep_dir / SWEEP_SUMMARY_FILE}", flush=True)
+        print(f"TensorBoard: tensorboard --logdir {sweep_dir / 'tb'}", flush=True)
+
+    def _write(self, config: DictConfig) -> str:
+        """Writes the table of the jobs so far to the sweep dir; returns it."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
         records = collect_results(sweep_dir, since=self._started)
         direction = config.hydra.sweeper.get("direction", "minimize")
@@ -217,9 +234,7 @@ class SweepSummary(Callback):
             write_file(sweep_dir / SWEEP_SUMMARY_FILE, table + "\n")
         except OSError as e:
             log.warning("Could not write %s: %s", sweep_dir / SWEEP_SUMMARY_FILE, e)
-        print(table, flush=True)
-        print(f"Sweep summary: {sweep_dir / SWEEP_SUMMARY_FILE}", flush=True)
-        print(f"TensorBoard: tensorboard --logdir {sweep_dir / 'tb'}", flush=True)
+        return table
 
 
 def collect_results(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:

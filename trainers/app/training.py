@@ -89,7 +89,7 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         skip_nonfinite=parts.spec.skip_nonfinite,
         max_consecutive=options.trainer.max_consecutive_nonfinite,
     )
-    hooks = run_hooks(cfg, options, where, parts, started, summary, monitor)
+    hooks = run_hooks(cfg, options, where, parts, started, summary, monitor, stop)
     opts = options.trainer
     log.info(
         "Training %s for %d steps on mesh %s (data axes %s), from step %d.",
@@ -109,7 +109,8 @@ def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
         stats_every=opts.stats_every,
         should_stop=stop,
     )
-    check_end(state, reason, options, where, parts, started.start_step, stop)
+    own_stop = any(h.wants_stop() for h in hooks)  # early stopping decides alike everywhere
+    check_end(state, reason, options, where, parts, started.start_step, stop, own_stop)
     return monitor.last_loss
 
 
@@ -269,15 +270,20 @@ def run_hooks(
     started: Started,
     summary: RunSummary,
     monitor: Any,
+    stop: StopOnSignal,
 ) -> list[Any]:
     """The run's hooks in the order they see each step, the user's own last.
 
     The monitor comes before the hooks that act on a step: a bad step raises before they see
     it. The summary only records, so it sees the step that diverged too. Logs and the progress
-    bar come from one process.
+    bar come from one process. Every evaluation goes to every other hook's ``on_eval``, the
+    evaluation comes before the loggers (their ``on_end`` writes the final one) and runs once
+    more when a hook stops the run early, not when a stop signal does.
     """
+    from trainers.app.loggers import logger_hooks
     from trainers.checkpoint.data_state import is_checkpointable
     from trainers.checkpoint.hook import CheckpointHook
+    from trainers.hooks.early_stopping import early_stopping_hook
     from trainers.hooks.evaluation import EvalHook
     from trainers.hooks.monitor import ProgressHook
     from trainers.hooks.perf import ProfileHook
@@ -291,20 +297,28 @@ def run_hooks(
         objective=opts.objective,
     )
     hooks: list[Any] = [summary, monitor]
-    eval_sinks = [summary.on_eval]
-    tb_hook = tensorboard_hook(cfg, options, where, parts, started, summary) if lead else None
-    if tb_hook is not None:
-        eval_sinks.append(tb_hook.on_eval)
-    if started.evaluator is not None:  # before TensorBoard's hook: its on_end may evaluate
-        hooks.append(
-            EvalHook(
-                started.evaluator, every=opts.eval_every, num_steps=opts.steps, sinks=eval_sinks
-            )
+    evaluation = None
+    if started.evaluator is not None:
+        agreed = parts.trainer  # its agreed_stop says whether a signal stopped every process
+        evaluation = EvalHook(
+            started.evaluator,
+            every=opts.eval_every,
+            num_steps=opts.steps,
+            sinks=[],
+            preempted=lambda: stop() or bool(agreed.agreed_stop and agreed.agreed_stop.signal),
         )
-    if tb_hook is not None:
-        hooks.append(tb_hook)
-        if opts.profile_steps is not None:
-            hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
+        hooks.append(evaluation)
+    names = started.evaluator.metric_names if started.evaluator is not None else ()
+    early = early_stopping_hook(opts.early_stopping, names)
+    if early is not None:
+        hooks.append(early)
+    tensorboard = lead and options.logger.tensorboard is not None
+    if tensorboard:
+        hooks.append(tensorboard_hook(cfg, options, where, parts, started, summary))
+    if lead and opts.profile_steps is not None:
+        hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
+    if lead:  # W&B, MLflow, CSV: the same scalars, config, hparams and summary
+        hooks += logger_hooks(cfg, options, parts, summary, where.mesh.size)
     hooks.append(
         ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
     )
@@ -313,7 +327,15 @@ def run_hooks(
         checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, started.config, data)
         checkpoints.prepare(started.state)  # compiles its check now, not during the first save
         hooks.append(checkpoints)
-    return hooks + list(parts.hooks)  # the user's after the built-in ones
+    hooks += list(parts.hooks)  # the user's after the built-in ones
+    if evaluation is not None:
+        evaluation.sinks = [h.on_eval for h in hooks if h is not evaluation and _has_on_eval(h)]
+    return hooks
+
+
+def _has_on_eval(hook: Any) -> bool:
+    """Whether `hook` takes evaluations (a user's hook need not subclass `trainers.Hook`)."""
+    return callable(getattr(hook, "on_eval", None))
 
 
 def tensorboard_hook(
@@ -364,8 +386,12 @@ def check_end(
     parts: RunParts,
     start_step: int,
     stop: StopOnSignal,
+    own_stop: bool = False,
 ) -> None:
     """Says how `Trainer.fit` ended: a clean end returns; a stop raises.
+
+    `own_stop`: whether a hook of this process asked to stop too (early stopping, whose
+    decision every process makes alike): then another process's vote is no peer's failure.
 
     Raises:
       Preempted: a stop signal, here or to another process, before the last step.
@@ -399,7 +425,13 @@ def check_end(
             f"Stopped by {by} at step {step} of {num_steps}; {saved}. Rerun the same command "
             "(same hydra.run.dir, every process) to resume from the latest checkpoint."
         )
-    if reason == "stopped" and step < num_steps and agreed and agreed.process != cluster.index:
+    if (
+        reason == "stopped"
+        and step < num_steps
+        and agreed
+        and agreed.process != cluster.index
+        and not own_stop
+    ):
         raise PeerError(
             f"Stopped at step {step} of {num_steps} because a hook of "
             f"{cluster.name(agreed.process)} asked to (see its log); {saved}."

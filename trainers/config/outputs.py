@@ -1,4 +1,4 @@
-"""The run's output nodes: ``paths``, ``checkpoint`` and ``logger`` (TensorBoard).
+"""The run's output nodes: ``paths``, ``checkpoint`` and ``logger`` (`trainers.config.loggers`).
 
 Defaults live here; the YAML options state only what differs (``checkpoint=none``).
 """
@@ -8,6 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from trainers.config.loggers import (
+    CsvLogger,
+    MlflowLogger,
+    TensorBoardLogger,
+    WandbLogger,
+    check_installed,
+)
 from trainers.config.run import check_int, finite_positive
 from xshard.config.nodes import read_node
 from xshard.errors import ConfigError
@@ -107,12 +114,18 @@ class LoggerOptions:
         averages (`trainers.hooks.noise_ema`; > 0).
       peak_flops_per_device: the accelerator's peak FLOP/s per device, for ``perf/mfu``;
         null logs the achieved ``perf/flops_per_sec`` only (`trainers.hooks.perf`).
+      tensorboard, wandb, mlflow, csv: each logger's node, set by its option of the
+        ``logger`` group (``logger=[tensorboard,wandb]``); null: that logger is off.
     """
 
     flush_secs: float = 10
     on_error: str = "stop"
     noise_ema_steps: float = 50
     peak_flops_per_device: float | None = None
+    tensorboard: TensorBoardLogger | None = None
+    wandb: WandbLogger | None = None
+    mlflow: MlflowLogger | None = None
+    csv: CsvLogger | None = None
 
     @classmethod
     def from_config(cls, node: Any) -> LoggerOptions:
@@ -128,9 +141,16 @@ class LoggerOptions:
         finite_positive(
             self.noise_ema_steps, "logger.noise_ema_steps", "the averaging time in steps"
         )
+        for name in self.selected:
+            check_installed(name)
         if self.peak_flops_per_device is not None:
             finite_positive(
                 self.peak_flops_per_device,
                 "logger.peak_flops_per_device",
                 "the peak FLOP/s of one device (or null)",
             )
+
+    @property
+    def selected(self) -> tuple[str, ...]:
+        """The loggers this run writes to, by name."""
+        return tuple(n for n in ("tensorboard", "wandb", "mlflow", "csv") if getattr(self, n))

@@ -12,13 +12,19 @@ so that TensorBoard's run names read as the overrides.
 - a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
   job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
   its overrides;
-- outside a Hydra app (the compose API): ``<output dir>/tb/run``.
+- outside a Hydra app (the compose API): ``<output dir>/tb/run``;
+- before the run has an output dir (``--cfg job --resolve`` prints the config without running
+  it, and ``hydra.runtime.output_dir`` is null then): the folder under ``hydra.run.dir`` that a
+  run would write to.
+
+Run names keep only letters, digits and ``=,._+-@:`` (`clean_name`): ``optimizer.b=[1, 2]``
+becomes ``optimizer.b=1_2``, so a folder name never holds spaces, braces or quotes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +41,7 @@ def tb_dir(output_dir: str) -> str:
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
         return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
-    root = Path(output_dir) / "tb"
+    root = Path(output_dir if output_dir is not None else hc.run.dir) / "tb"
     # Folders only, not links: a link in a copied run dir is no run's folder (and the run
     # refuses one that leads out of its dir: trainers/rundir/links.py).
     existing = (
@@ -64,10 +70,22 @@ def run_name(hc: Any) -> str:
 _MAX_NAME = 200
 
 
+#: Characters a run folder's name keeps; spaces, quotes and braces are dropped, any other
+#: character becomes an underscore.
+_KEPT = re.compile(r"[^A-Za-z0-9=,._+\-@:\[\]]")
+_DROPPED = re.compile(r"[\s'\"{}]")
+
+
+def clean_name(name: str) -> str:
+    """`name` as one clean path component (module docstring): ``k=v,k2=v2`` as typed, less
+    spaces, quotes and braces; separators and other characters become underscores."""
+    return _KEPT.sub("_", _DROPPED.sub("", str(name))) or "run"
+
+
 def _safe(name: str) -> str:
-    """One path component: separators in override values become underscores; a name too long
-    for a folder is cut and ends with a hash of the whole name."""
-    name = str(name).replace(os.sep, "_")
+    """One clean path component (`clean_name`); a name too long for a folder is cut and ends
+    with a hash of the whole name."""
+    name = clean_name(name)
     if len(name.encode()) <= _MAX_NAME:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]

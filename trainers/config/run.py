@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+from trainers.config.early_stopping import EarlyStoppingOptions
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
@@ -135,6 +136,8 @@ class TrainerOptions:
       eval_batch_size: the global batch of an evaluation; null: ``batch_size``.
       objective: what the Hydra main returns to optimizing sweepers: ``train/loss`` (the
         final training loss) or ``eval/<metric>`` (of the final evaluation, e.g. ``eval/loss``).
+      early_stopping: ``{metric, mode, patience, min_delta}``, stop when the metric stops
+        improving (`trainers.config.early_stopping`); ``metric: null`` turns it off.
     """
 
     steps: int = 300
@@ -158,6 +161,7 @@ class TrainerOptions:
     eval_batches: int = 10
     eval_batch_size: int | None = None
     objective: str = TRAIN_OBJECTIVE
+    early_stopping: EarlyStoppingOptions = dataclasses.field(default_factory=EarlyStoppingOptions)
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")

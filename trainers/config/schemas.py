@@ -13,6 +13,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from trainers.config.data import DataOptions
+from trainers.config.loggers import LOGGERS
 from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from trainers.config.run import DistributedOptions, TrainerOptions
 from trainers.config.sharding import ShardingOptions
@@ -29,6 +30,8 @@ TRAINER_SCHEMAS: dict[str, dict[str, Any]] = {
     "sharding": {"base": permissive(ShardingOptions)},
     # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
     "data": {"base": permissive(DataOptions)},
+    # Each option of the logger group: ``/xshard_schemas/logger/wandb@wandb`` in logger/wandb.yaml.
+    "logger_node": {name: permissive(schema) for name, schema in LOGGERS.items()},
 }
 
 

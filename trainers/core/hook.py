@@ -23,6 +23,12 @@ class Hook:
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         """Metrics of step `step` (1-based count of updates), delivered one step late."""
 
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation's metrics (``{"eval/loss": ..., ...}``) of the params after step
+        `step`: every ``trainer.eval_every`` steps and at the end of the run. Comes from the
+        evaluation hook's `on_state` (or its `on_end`, for the final one), after `on_step` of
+        that step."""
+
     def on_diagnostics(self, step: int, diag: dict[str, Any]) -> None:
         """Per-parameter norms / gradient histograms of step `step`, right after its metrics:
         the norms of the gradient that step applied and of the params after it
@@ -40,7 +46,9 @@ class Hook:
         return False
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
-        """Once, when the loop ends: "done", "data_exhausted", "stopped" or "error"."""
+        """Once, when the loop ends: "done", "data_exhausted", "stopped" (a stop signal, a
+        hook's `wants_stop`; a `StopTraining` gives its message, "stopped" by default) or
+        "error"."""
 
 
 class StopTraining(Exception):

@@ -16,8 +16,10 @@ The eval step is its own jitted program over the global batch, compiled once ahe
 when the run starts (a bad task or eval batch fails before training, and no evaluation ever
 recompiles). It only reads the params: training never depends on it, so a run's trajectory is
 bitwise the same with evaluation on or off. `EvalHook` evaluates every ``trainer.eval_every``
-steps and at the end of the run (also after a resume that has nothing left to train, and when
-the data ran out); not when the run was stopped or failed.
+steps and at the end of the run (also after a resume that has nothing left to train, when the
+data ran out, and when a hook stopped the run early); not when a stop signal ended it
+(preemption: the machine is going away) or it failed. Every evaluation's metrics go to every
+hook's `Hook.on_eval`.
 """
 
 from __future__ import annotations
@@ -247,17 +249,25 @@ class EvalHook(Hook):
       evaluator: a prepared `Evaluator`.
       every: period in steps; 0: only at the end.
       num_steps: the run's ``trainer.steps`` (the last step is always evaluated).
-      sinks: called with ``(step, metrics)`` after each evaluation, in order (the run
-        summary, TensorBoard).
+      sinks: called with ``(step, metrics)`` after each evaluation, in order (the other
+        hooks' `Hook.on_eval`).
+      preempted: whether a stop signal ended the run (then a stopped run is not evaluated).
     """
 
     def __init__(
-        self, evaluator: Evaluator, *, every: int, num_steps: int, sinks: Sequence[EvalSink]
+        self,
+        evaluator: Evaluator,
+        *,
+        every: int,
+        num_steps: int,
+        sinks: Sequence[EvalSink],
+        preempted: Callable[[], bool] = lambda: False,
     ):
         self.evaluator = evaluator
         self.every = every
         self.num_steps = num_steps
         self.sinks = list(sinks)
+        self.preempted = preempted
         self.last_step: int | None = None  # the step of the latest evaluation
 
     def wants_state(self, step: int) -> bool:
@@ -268,7 +278,7 @@ class EvalHook(Hook):
             self._evaluate(step, state)
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
-        if reason in ("done", "data_exhausted"):  # not after a stop or an error
+        if reason != "error" and not self.preempted():  # a hook's stop evaluates too
             self._evaluate(step, state)
 
     def _evaluate(self, step: int, state: TrainState) -> None:

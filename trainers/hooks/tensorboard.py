@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from trainers.config.outputs import ON_ERROR
 from trainers.core.trainer import Hook, TrainState
 from trainers.errors import LoggerError
 from trainers.hooks import hparams as hp
-from trainers.hooks.noise_ema import NoiseScaleEMA
+from trainers.hooks.logged_scalars import LoggedScalars
 from trainers.hooks.tb_writer import SafeSummaryWriter
 
 logger = logging.getLogger(__name__)
@@ -92,21 +91,21 @@ class TensorBoardHook(Hook):
         self.on_error = on_error
         self._reported = False
         self.writer = SafeSummaryWriter(logdir, flush_secs=flush_secs)
-        self.log_every = max(1, int(log_every))
-        self.global_batch_size = global_batch_size
         self.num_steps = num_steps
         self.last_loss: float | None = None
         self.last_step: int | None = None
-        self._window_start: tuple[int, float] | None = None
-        self.noise_ema = NoiseScaleEMA(noise_ema_steps)
-        self.tokens_per_example = tokens_per_example
-        self._step_flops = step_flops
-        self._flops: float | None = None
-        self.num_devices = num_devices
-        self.peak_flops_per_device = peak_flops_per_device
+        self.scalars = LoggedScalars(
+            log_every=log_every,
+            num_steps=num_steps,
+            global_batch_size=global_batch_size,
+            noise_ema_steps=noise_ema_steps,
+            tokens_per_example=tokens_per_example,
+            step_flops=step_flops,
+            num_devices=num_devices,
+            peak_flops_per_device=peak_flops_per_device,
+        )
         self._best_loss = best_loss
         self._eval_results = eval_results
-        self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
         if config_yaml is not None:
             # Indented lines render as a code block in TensorBoard's markdown.
             self.writer.add_text(
@@ -157,51 +156,14 @@ class TensorBoardHook(Hook):
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
         self.last_step = step
-        if self._window_start is None:
-            self._window_start = (step, time.perf_counter())  # the first step: compilation
-        if "grad/noise_trace" in metrics:  # every statistics step, logged or not
-            self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
-        if "grad/clip_fired" in metrics:
-            self._clip_fired.append(metrics["grad/clip_fired"])
-        if "perf/compile_time_s" in metrics:
-            self.writer.add_scalar("perf/compile_time_s", metrics["perf/compile_time_s"], step)
-        if step % self.log_every and step != self.num_steps:
+        for tag, value in self.scalars.compile_time(metrics):
+            self.writer.add_scalar(tag, value, step)
+        scalars = self.scalars(step, metrics)
+        if scalars is None:
             return
-        now = time.perf_counter()
         # Everything of a logging step goes out as one event (`SafeSummaryWriter.add_scalars`).
-        scalars = [
-            (tag, value)
-            for tag, value in metrics.items()
-            # undefined on steps where the |G|^2 estimate is <= 0
-            if tag != "grad/noise_scale" or math.isfinite(value)
-        ]
-        if self._clip_fired:  # how often the global clip fired since the last write
-            rate = sum(self._clip_fired) / len(self._clip_fired)
-            scalars.append(("grad/clip_fired_rate", rate))
-            self._clip_fired = []
-        if self.noise_ema.value is not None:
-            scalars.append(("grad/noise_scale_ema", self.noise_ema.value))
-        start_step, start_time = self._window_start
-        if step > start_step and now > start_time:
-            scalars += self._speed((step - start_step) / (now - start_time))
         self.writer.add_scalars(scalars, step)
-        self._window_start = (step, now)
         self._check()
-
-    def _speed(self, steps_per_sec: float) -> list[tuple[str, float]]:
-        """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
-        examples = steps_per_sec * self.global_batch_size
-        out = [("perf/steps_per_sec", steps_per_sec), ("perf/examples_per_sec", examples)]
-        if self.tokens_per_example:
-            out.append(("perf/tokens_per_sec", examples * self.tokens_per_example))
-        if self._flops is None and self._step_flops is not None:
-            self._flops = self._step_flops()
-        if self._flops:
-            per_device = self._flops * steps_per_sec
-            out.append(("perf/flops_per_sec", per_device * self.num_devices))
-            if self.peak_flops_per_device:
-                out.append(("perf/mfu", per_device / self.peak_flops_per_device))
-        return out
 
     def on_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Writes an evaluation's metrics (``eval/<name>``) at `step` (an `EvalHook` sink)."""

@@ -92,12 +92,17 @@ def permissive(schema: type) -> type:
 
     Registered in Hydra's ConfigStore for the nodes that `read_node` checks after composition:
     composition then knows every key and default (a typo still fails, ``trainer.x=1`` without
-    ``+``), but leaves the values to `read_node`, whose errors are one line and exit 2.
+    ``+``), but leaves the values to `read_node`, whose errors are one line and exit 2. A
+    nested dataclass field (``trainer.early_stopping``) gets a permissive copy of its own. (A
+    nested node's dataclass is not frozen: ``OmegaConf.merge`` cannot write into a frozen one.)
     """
     fields = []
     for f in dataclasses.fields(schema):
         if f.default_factory is not dataclasses.MISSING:
-            fields.append((f.name, Any, dataclasses.field(default_factory=f.default_factory)))
+            factory = f.default_factory
+            if isinstance(factory, type) and dataclasses.is_dataclass(factory):
+                factory = permissive(factory)
+            fields.append((f.name, Any, dataclasses.field(default_factory=factory)))
         else:
             fields.append((f.name, Any, dataclasses.field(default=f.default)))
     return dataclasses.make_dataclass(f"{schema.__name__}Node", fields)

@@ -100,14 +100,13 @@ def test_submitit_local_sweep_runs_each_job_in_its_own_process(tmp_path):
 
 
 def test_optuna_study_over_a_learning_rate_range_survives_diverging_trials(tmp_path):
+    # As the README runs it: no max_failure_rate, Optuna's batches of 2 trials (n_jobs=2).
     sweep = tmp_path / "study"
     proc = run_train(
         "-m",
         "hydra/sweeper=optuna",
         "hydra.sweeper.n_trials=4",
-        "hydra.sweeper.n_jobs=4",
         "hydra.sweeper.sampler.seed=1",  # trials at lr 3.2, 210 (diverges), 0.01, 0.65
-        "hydra.sweeper.max_failure_rate=0.5",
         "optimizer.learning_rate=tag(log,interval(0.01,10000))",
         *TINY,
         *DIVERGES,
@@ -127,6 +126,28 @@ def test_optuna_study_over_a_learning_rate_range_survives_diverging_trials(tmp_p
     lr = float(next(o for o in ours["overrides"] if "learning_rate" in o).split("=")[1])
     assert best["best_params"]["optimizer.learning_rate"] == pytest.approx(lr)
     assert sum("(best)" in line for line in _table(sweep)) == 1
+    assert _table(sweep)[-1] == "4 jobs: 3 completed, 1 did not."
+
+
+def test_a_chosen_max_failure_rate_still_ends_the_study_with_its_table(tmp_path):
+    sweep = tmp_path / "study"
+    proc = run_train(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.sampler.seed=1",  # the first batch: lr 3.2, 210 (diverges)
+        "hydra.sweeper.max_failure_rate=0",
+        "optimizer.learning_rate=tag(log,interval(0.01,10000))",
+        *TINY,
+        *DIVERGES,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "with max_failure_rate=0.0" in proc.stdout + proc.stderr
+    assert len(_results(sweep)) == 2  # the second batch never ran
+    assert _table(sweep)[-1] == "2 jobs: 1 completed, 1 did not."  # written after each job
 
 
 def _cli(run_dir: Path, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,78 @@
+"""The run's W&B, MLflow and CSV loggers (``logger=[...]``), built from the config.
+
+TensorBoard's hook is built in `trainers.app.training.tensorboard_hook`; the others are one
+`trainers.hooks.run_logger.LoggerHook` each, around the logger of their option, with the same
+scalars (`trainers.hooks.logged_scalars`), the resolved config, the hyperparameters of
+TensorBoard's HParams and the run's summary. Only the lead process logs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainers.app.build import RunOptions, RunParts
+
+
+def logged_scalars(options: RunOptions, parts: RunParts, num_devices: int) -> Any:
+    """A new `LoggedScalars` for the run (every logger keeps its own moving averages)."""
+    from trainers.hooks.logged_scalars import LoggedScalars
+    from trainers.hooks.perf import step_flops
+    from trainers.tasks.base import tokens_per_example
+
+    opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
+    return LoggedScalars(
+        log_every=opts.log_every,
+        num_steps=opts.steps,
+        global_batch_size=opts.batch_size,
+        noise_ema_steps=logger_opts.noise_ema_steps,
+        tokens_per_example=tokens_per_example(parts.task),
+        step_flops=lambda: step_flops(trainer.compiled),
+        num_devices=num_devices,
+        peak_flops_per_device=logger_opts.peak_flops_per_device,
+    )
+
+
+def logger_hooks(
+    cfg: DictConfig, options: RunOptions, parts: RunParts, summary: Any, num_devices: int
+) -> list[Any]:
+    """One `LoggerHook` per selected logger other than TensorBoard (call on the lead only)."""
+    from trainers.hooks.hparams import hparams
+    from trainers.hooks.run_logger import LoggerHook, RunInfo
+
+    loggers = _run_loggers(options)
+    if not loggers:
+        return []
+    config = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(config, dict)
+    run = RunInfo(
+        name=Path(str(cfg.paths.tb_dir)).name,
+        config={str(k): v for k, v in config.items()},
+        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        hparams=dict(hparams(cfg)[0]),
+    )
+    return [
+        LoggerHook(logger, run, logged_scalars(options, parts, num_devices), summary)
+        for logger in loggers
+    ]
+
+
+def _run_loggers(options: RunOptions) -> list[Any]:
+    """The selected loggers' `RunLogger`s, in the group's order."""
+    opts = options.logger
+    out: list[Any] = []
+    if opts.wandb is not None:
+        from trainers.hooks.wandb_logger import WandbRunLogger
+
+        out.append(WandbRunLogger(opts.wandb))
+    if opts.mlflow is not None:
+        from trainers.hooks.mlflow_logger import MlflowRunLogger
+
+        out.append(MlflowRunLogger(opts.mlflow))
+    if opts.csv is not None:
+        from trainers.hooks.csv_logger import CsvRunLogger
+
+        out.append(CsvRunLogger(opts.csv.path))
+    return out

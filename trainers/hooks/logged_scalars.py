@@ -1,0 +1,109 @@
+"""The scalars a logger writes for a step: the step's metrics plus what is derived from them.
+
+Every logger (TensorBoard, W&B, MLflow, CSV: ``logger=...``) writes the same scalars, built here
+once per logger from the metrics `Trainer.fit` hands to hooks: on every ``log_every``-th step
+and the last one, each metric (less an undefined ``grad/noise_scale``), the clip rate since the
+last write (``grad/clip_fired_rate``), ``grad/noise_scale_ema`` (`trainers.hooks.noise_ema`),
+and the throughput since the last write (``perf/steps_per_sec``, ``examples_per_sec``,
+``tokens_per_sec``, ``flops_per_sec``, ``mfu``: `trainers.hooks.perf`); on the step that
+compiled, ``perf/compile_time_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from trainers.hooks.noise_ema import NoiseScaleEMA
+
+Scalars = list[tuple[str, float]]
+
+
+class LoggedScalars:
+    """Turns each step's metrics into the scalars to log (module docstring).
+
+    Args:
+      log_every: logging period in steps (the last step is always logged).
+      num_steps: the run's total steps.
+      global_batch_size: for ``perf/examples_per_sec``.
+      noise_ema_steps: time constant of ``grad/noise_scale_ema`` in steps.
+      tokens_per_example: the task's tokens per example, for ``perf/tokens_per_sec``.
+      step_flops: returns the compiled step's FLOPs per device, or None when unknown.
+      num_devices: devices running the step.
+      peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+    """
+
+    def __init__(
+        self,
+        *,
+        log_every: int,
+        num_steps: int,
+        global_batch_size: int,
+        noise_ema_steps: float = 50,
+        tokens_per_example: int | None = None,
+        step_flops: Callable[[], float | None] | None = None,
+        num_devices: int = 1,
+        peak_flops_per_device: float | None = None,
+    ):
+        self.log_every = max(1, int(log_every))
+        self.num_steps = num_steps
+        self.global_batch_size = global_batch_size
+        self.noise_ema = NoiseScaleEMA(noise_ema_steps)
+        self.tokens_per_example = tokens_per_example
+        self._step_flops = step_flops
+        self._flops: float | None = None
+        self.num_devices = num_devices
+        self.peak_flops_per_device = peak_flops_per_device
+        self._window_start: tuple[int, float] | None = None
+        self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
+
+    def compile_time(self, metrics: dict[str, float]) -> Scalars:
+        """``perf/compile_time_s`` of the step that compiled (logged whatever the period)."""
+        if "perf/compile_time_s" in metrics:
+            return [("perf/compile_time_s", metrics["perf/compile_time_s"])]
+        return []
+
+    def __call__(self, step: int, metrics: dict[str, float]) -> Scalars | None:
+        """The scalars of a logging step; None on the other steps (whose metrics still feed
+        the moving averages)."""
+        if self._window_start is None:
+            self._window_start = (step, time.perf_counter())  # the first step: compilation
+        if "grad/noise_trace" in metrics:  # every statistics step, logged or not
+            self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
+        if "grad/clip_fired" in metrics:
+            self._clip_fired.append(metrics["grad/clip_fired"])
+        if step % self.log_every and step != self.num_steps:
+            return None
+        now = time.perf_counter()
+        scalars = [
+            (tag, value)
+            for tag, value in metrics.items()
+            # undefined on steps where the |G|^2 estimate is <= 0
+            if tag != "grad/noise_scale" or math.isfinite(value)
+        ]
+        if self._clip_fired:  # how often the global clip fired since the last write
+            scalars.append(("grad/clip_fired_rate", sum(self._clip_fired) / len(self._clip_fired)))
+            self._clip_fired = []
+        if self.noise_ema.value is not None:
+            scalars.append(("grad/noise_scale_ema", self.noise_ema.value))
+        start_step, start_time = self._window_start
+        if step > start_step and now > start_time:
+            scalars += self._speed((step - start_step) / (now - start_time))
+        self._window_start = (step, now)
+        return scalars
+
+    def _speed(self, steps_per_sec: float) -> Scalars:
+        """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
+        examples = steps_per_sec * self.global_batch_size
+        out = [("perf/steps_per_sec", steps_per_sec), ("perf/examples_per_sec", examples)]
+        if self.tokens_per_example:
+            out.append(("perf/tokens_per_sec", examples * self.tokens_per_example))
+        if self._flops is None and self._step_flops is not None:
+            self._flops = self._step_flops()
+        if self._flops:
+            per_device = self._flops * steps_per_sec
+            out.append(("perf/flops_per_sec", per_device * self.num_devices))
+            if self.peak_flops_per_device:
+                out.append(("perf/mfu", per_device / self.peak_flops_per_device))
+        return out

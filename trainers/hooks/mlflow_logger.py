@@ -1,0 +1,67 @@
+"""``logger=mlflow``: the run as an MLflow run (``pip install 'xshard[mlflow]'``).
+
+The hyperparameters are the run's params (the keys TensorBoard's HParams shows, e.g.
+``optimizer.learning_rate``), the resolved config is an artifact (``config.yaml``), the scalars
+are metrics at their step, the run's summary (``hparams/*``) is logged as metrics at the last
+step, and the run ends FINISHED or FAILED. ``logger.mlflow.tracking_uri=file:/path/mlruns``
+writes to a local store without a server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from trainers.config.loggers import MlflowLogger
+from trainers.hooks.run_logger import RunInfo
+
+#: MLflow takes at most this many params and metrics in one call.
+BATCH = 100
+
+
+class MlflowRunLogger:
+    """A `trainers.hooks.run_logger.RunLogger` writing to an MLflow run."""
+
+    name = "mlflow"
+
+    def __init__(self, options: MlflowLogger):
+        self.options = options
+        self.client: Any = None
+        self.run_id: str | None = None
+
+    def start(self, run: RunInfo) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
+        opts = self.options
+        self.client = MlflowClient(tracking_uri=opts.tracking_uri)
+        experiment = self.client.get_experiment_by_name(opts.experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(opts.experiment)
+        )
+        created = self.client.create_run(experiment_id, run_name=opts.run_name or run.name)
+        self.run_id = created.info.run_id
+        params = [Param(k, str(v)) for k, v in run.hparams.items()]
+        for i in range(0, len(params), BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + BATCH])
+        self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
+
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        if self.run_id is None:
+            return
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
+        for i in range(0, len(metrics), BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + BATCH])
+
+    def finish(self, summary: Mapping[str, float], success: bool) -> None:
+        if self.run_id is None:
+            return
+        self.log_scalars(int(summary.get("hparams/last_step", 0)), summary)
+        self.client.set_terminated(self.run_id, "FINISHED" if success else "FAILED")
+        self.run_id = None

@@ -4,12 +4,14 @@ A task has an eval split when it has ``eval_batches`` (`trainers.tasks.base.Task
 evaluation reads the same eval batches (at most ``trainer.eval_batches``) of
 ``trainer.eval_batch_size`` global rows, sharded over the data axes like training batches. A
 short batch (the last one of a finite split, or a process's empty share of it) is padded with
-zero rows and masked (`trainers.data.padding`), so every example of the split is scored
-exactly once, on any number of shards and processes: each metric is the mean over the scored
-examples (`trainers.hooks.eval_scoring`), of the task's ``eval_metrics(params, batch)`` if it
-has one (``eval_metrics(params, model_state, batch)`` for a task with model state,
-`trainers.core.model_state`; with a ``mask`` keyword it gets the mask), else of its loss with
-a fixed RNG (``loss`` and the aux metrics; the model state is read, its update dropped).
+zero rows and masked (`trainers.data.padding`); processes whose splits yield fewer batches
+than another's (or none) pad the batches they lack (`agreed_batches`). So every example of
+the split is scored exactly once, on any number of shards and processes: each metric is the
+mean over the scored examples (`trainers.hooks.eval_scoring`), of the task's
+``eval_metrics(params, batch)`` if it has one (``eval_metrics(params, model_state, batch)``
+for a task with model state, `trainers.core.model_state`; with a ``mask`` keyword it gets
+the mask), else of its loss with a fixed RNG (``loss`` and the aux metrics; the model state
+is read, its update dropped).
 Metrics are named ``eval/<name>``; ``eval/loss`` is always among them.
 
 The eval step is its own jitted program over the global batch, compiled once ahead of time

@@ -51,6 +51,7 @@ LONGEST_FIRST = (
     "test_zero_bench_smoke.py",
     "test_example_repo.py",
     "test_multihost_cli.py",
+    "test_stream_multihost_cli.py",
     "test_flax_tasks.py",
     "test_zero.py",
     "test_zero_cli.py",
@@ -71,6 +72,8 @@ COST_MARKERS = {
         "test_multihost.py",
         "test_multihost_cli.py",
         "test_stop_agreement.py",
+        "test_exact_eval_multihost_cli.py",
+        "test_stream_multihost_cli.py",
     ),
     "wheel": ("test_packaging.py", "test_example_repo.py"),
 }

@@ -5,6 +5,8 @@ batch shape: the last, short batch is padded with zero rows, and a mask (1.0 for
 0.0 for padding) says which rows to score (`trainers.hooks.eval_scoring`). A process whose
 share of a global batch is empty, or that has no batch left while another process still has
 one, pads a batch of nothing but padding, so every process runs the same number of steps.
+A process that has no batch at all pads batches laid out like another process's
+(`row_layout`, `empty_batch`: the layout travels between processes as JSON).
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ def pad_rows(batch: Batch, rows: int) -> tuple[Batch, np.ndarray]:
 def padding_like(template: Batch, rows: int) -> tuple[Batch, np.ndarray]:
     """A batch of `rows` zero rows shaped like `template`'s rows, and its all-zero mask."""
     return pad_rows({k: np.asarray(v)[:0] for k, v in template.items()}, rows)
+
+
+def row_layout(batch: Batch) -> dict[str, list]:
+    """The layout of `batch`'s rows, JSON-able: ``{key: [dtype, *row shape]}``."""
+    return {k: [np.asarray(v).dtype.str, *np.shape(v)[1:]] for k, v in batch.items()}
+
+
+def empty_batch(layout: dict[str, list]) -> Batch:
+    """A batch of zero rows with the `row_layout` `layout`."""
+    return {k: np.zeros((0, *shape), np.dtype(dtype)) for k, (dtype, *shape) in layout.items()}
 
 
 def _pad(array: np.ndarray, rows: int) -> np.ndarray:

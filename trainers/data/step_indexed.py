@@ -75,7 +75,8 @@ def process_batches(
       num_steps: if set, the data is finite: the iterator ends before step `num_steps`.
 
     Returns:
-      An iterator of dicts of arrays with `global_batch_size // process_count` rows.
+      An iterator of dicts of arrays with `global_batch_size // process_count` rows (fewer,
+      or none, where `make_global_batch` returns a short batch).
 
     Raises:
       ValueError: the batch size is not positive or not divisible by `process_count`, or
@@ -139,15 +140,20 @@ class StepIndexedEvalData(abc.ABC):
     """Base for tasks with a held-out eval split whose batch `index` is a pure function of
     (seed, index): implements the optional `eval_batches` member of the task contract.
 
-    Every evaluation reads the same batches from index 0, so evaluations are comparable.
+    Every evaluation reads the same batches from index 0, so evaluations are comparable. A
+    finite split's last global batch may be short: each process keeps its rows of it (a
+    short or empty share), and the evaluation pads and masks them, so every example is
+    scored once (`trainers.hooks.evaluation`).
     """
 
     @abc.abstractmethod
     def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
-        """The whole global eval batch number `index` (every process computes the same one)."""
+        """The whole global eval batch number `index` (every process computes the same one):
+        `global_batch_size` rows, fewer in the last batch of a finite split."""
 
     def num_eval_batches(self, global_batch_size: int) -> int | None:
-        """Eval batches there are at this batch size; None for an endless eval split."""
+        """Eval batches there are at this batch size, the last one short if need be; None
+        for an endless eval split."""
         return None
 
     def eval_batches(
@@ -167,8 +173,9 @@ class StepIndexedEvalData(abc.ABC):
           process_count: number of processes.
 
         Returns:
-          An iterator of batches with `global_batch_size // process_count` rows; it ends
-          after `num_eval_batches(global_batch_size)` batches when that is not None.
+          An iterator of batches with `global_batch_size // process_count` rows (fewer, or
+          none, in a short last batch); it ends after `num_eval_batches(global_batch_size)`
+          batches when that is not None.
         """
         return process_batches(
             lambda index: self.global_eval_batch(global_batch_size, seed=seed, index=index),

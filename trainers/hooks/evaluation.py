@@ -4,12 +4,14 @@ A task has an eval split when it has ``eval_batches`` (`trainers.tasks.base.Task
 evaluation reads the same eval batches (at most ``trainer.eval_batches``) of
 ``trainer.eval_batch_size`` global rows, sharded over the data axes like training batches. A
 short batch (the last one of a finite split, or a process's empty share of it) is padded with
-zero rows and masked (`trainers.data.padding`), so every example of the split is scored
-exactly once, on any number of shards and processes: each metric is the mean over the scored
-examples (`trainers.hooks.eval_scoring`), of the task's ``eval_metrics(params, batch)`` if it
-has one (``eval_metrics(params, model_state, batch)`` for a task with model state,
-`trainers.core.model_state`; with a ``mask`` keyword it gets the mask), else of its loss with
-a fixed RNG (``loss`` and the aux metrics; the model state is read, its update dropped).
+zero rows and masked (`trainers.data.padding`); processes whose splits yield fewer batches
+than another's (or none) pad the batches they lack (`agreed_batches`). So every example of
+the split is scored exactly once, on any number of shards and processes: each metric is the
+mean over the scored examples (`trainers.hooks.eval_scoring`), of the task's
+``eval_metrics(params, batch)`` if it has one (``eval_metrics(params, model_state, batch)``
+for a task with model state, `trainers.core.model_state`; with a ``mask`` keyword it gets
+the mask), else of its loss with a fixed RNG (``loss`` and the aux metrics; the model state
+is read, its update dropped).
 Metrics are named ``eval/<name>``; ``eval/loss`` is always among them.
 
 The eval step is its own jitted program over the global batch, compiled once ahead of time
@@ -25,6 +27,7 @@ hook's `Hook.on_eval`.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +44,7 @@ from trainers.core.hook import Hook
 from trainers.core.periodic import outer_params
 from trainers.core.step import TrainState
 from trainers.data.batch import Batch
-from trainers.data.padding import pad_rows, padding_like
+from trainers.data.padding import empty_batch, pad_rows, padding_like, row_layout
 from trainers.hooks.eval_scoring import masked_sums, metrics_fn
 from xshard.errors import ConfigError
 from xshard.mesh import check_batch_divisible
@@ -144,16 +147,16 @@ class Evaluator:
           ConfigError: the eval split yields no batch.
         """
         count, first = 0, None
-        for padded in self._batches():
-            count, first = count + 1, padded if first is None else first
-        self.count = agreed_count(count)
-        if first is None:
+        for local, _ in self._batches():
+            count, first = count + 1, local if first is None else first
+        self.count, template = agreed_batches(count, first)
+        if template is None:
             raise ConfigError(
                 f"{self.batch_key}={self.global_batch_size}: the task's eval split yields no "
                 "batch; give it examples, or trainer.eval_batches=0 to turn evaluation off."
             )
-        self._template = first[0]
-        global_batch, mask = self._global(*first)
+        self._template = template
+        global_batch, mask = self._global(*padding_like(template, self.local_rows))
         variables = (outer_params(state), state.model_state)
         fn, takes_mask = metrics_fn(self.task, self._rng)
 
@@ -233,13 +236,37 @@ class Evaluator:
         return {name: float(v) for name, v in zip(self.metric_names, values)}
 
 
-def agreed_count(count: int) -> int:
-    """The most eval batches any process has (`count` with one process)."""
+def agreed_batches(count: int, first: Batch | None) -> tuple[int, Batch | None]:
+    """The most eval batches any process has, and a batch to lay padding out like.
+
+    Every process calls it (collectives). A process whose split yields no batch while
+    another's does gets an empty batch laid out like the first such process's (the layout
+    is broadcast as JSON), so it pads as many batches as the others score.
+
+    Args:
+      count: this process's eval batches.
+      first: its first one (None: it has none).
+
+    Returns:
+      ``(most batches of any process, first or an empty batch like another's)``; the batch
+      is None only when no process has any.
+    """
     if jax.process_count() == 1:
-        return count
+        return count, first
     from jax.experimental import multihost_utils
 
-    return int(np.max(multihost_utils.process_allgather(np.int32(count))))
+    counts = np.asarray(multihost_utils.process_allgather(np.int32(count))).reshape(-1)
+    most = int(counts.max())
+    if most == 0 or counts.min() > 0:
+        return most, first
+    source = int(np.argmax(counts > 0))  # every process agrees: the first with a batch
+    is_source = jax.process_index() == source
+    text = json.dumps(row_layout(first) if is_source and first is not None else {})
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text)), is_source=is_source))
+    data = np.frombuffer(text.encode().ljust(size, b" ")[:size], np.uint8)
+    data = multihost_utils.broadcast_one_to_all(data, is_source=is_source)
+    layout = json.loads(np.asarray(data, np.uint8).tobytes().decode())
+    return most, first if first is not None else empty_batch(layout)
 
 
 class EvalHook(Hook):

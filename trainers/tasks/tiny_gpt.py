@@ -94,7 +94,9 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
     """Next-byte prediction with a small decoder-only transformer.
 
     The last `eval_fraction` of the corpus is held out: training windows come from the rest,
-    the eval split is that tail cut into consecutive windows (the same in every evaluation).
+    the eval split is that tail cut into consecutive windows of ``seq_len`` predicted tokens
+    (the same in every evaluation), each scored once (the last eval batch is padded and
+    masked); the tail's last ``< seq_len`` tokens, too few for a window, are not scored.
 
     Args:
       vocab_size: number of token ids; byte-level, so >= 128 (the corpus is ASCII).
@@ -325,24 +327,27 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
         return (len(self.tokens) - self.eval_start - 1) // self.seq_len
 
     def num_eval_batches(self, global_batch_size: int) -> int:
-        """Whole eval batches of `global_batch_size` windows in the held-out tail."""
-        return self._eval_windows() // global_batch_size
+        """Eval batches of `global_batch_size` windows that hold every window of the held-out
+        tail once: the last one short unless they divide evenly."""
+        return -(-self._eval_windows() // global_batch_size)
 
     def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
-        """Global eval batch `index`: windows ``index * n``, ... of the held-out tail.
+        """Global eval batch `index`: windows ``index * n``, ... of the held-out tail (fewer
+        than ``n`` in the last batch; the evaluation pads and masks it).
 
         Args:
           global_batch_size: rows (n).
           seed: unused: the eval split is the same for every run seed.
-          index: the eval batch's number.
+          index: the eval batch's number, below `num_eval_batches`.
 
         Returns:
-          `{"inputs": int32 (n, seq_len), "targets": int32 (n, seq_len)}`.
+          `{"inputs": int32 (rows, seq_len), "targets": int32 (rows, seq_len)}`, ``rows <= n``.
         """
         del seed
         tail = self.tokens[self.eval_start :]
         first = index * global_batch_size
-        starts = (first + np.arange(global_batch_size)) * self.seq_len
+        rows = max(0, min(global_batch_size, self._eval_windows() - first))
+        starts = (first + np.arange(rows)) * self.seq_len
         windows = tail[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 

@@ -157,12 +157,14 @@ def test_tiny_gpt_eval_split_is_held_out():
         batch = task.global_batch(64, seed=0, step=step)
         rows = np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1)
         assert all(train_text.find(r.astype(np.uint8).tobytes()) >= 0 for r in rows)
+    windows = (len(tokens) - task.eval_start - 1) // 16
     n = task.num_eval_batches(8)
-    assert n == ((len(tokens) - task.eval_start - 1) // 16) // 8 > 0
+    assert n == -(-windows // 8) > 0  # the last batch holds the remainder
     first = task.global_eval_batch(8, seed=0, index=0)
     np.testing.assert_array_equal(first["inputs"][0], tokens[task.eval_start :][:16])
     np.testing.assert_array_equal(first["targets"][0], tokens[task.eval_start :][1:17])
-    assert len(list(task.eval_batches(8, seed=0))) == n
+    batches = list(task.eval_batches(8, seed=0))
+    assert len(batches) == n and sum(len(b["inputs"]) for b in batches) == windows
     assert not has_eval_split(TinyGPTTask(seq_len=16, corpus_max_chars=20_000, eval_fraction=0))
     with pytest.raises(ValueError, match="task.eval_fraction=0.7"):
         TinyGPTTask(seq_len=16, corpus_max_chars=20_000, eval_fraction=0.7)
@@ -178,6 +180,50 @@ def test_tiny_gpt_evaluates_with_accuracy():
     metrics = evaluator.evaluate(state)
     assert set(metrics) == {"eval/loss", "eval/accuracy"}
     assert abs(metrics["eval/loss"] - np.log(128)) < 0.5  # about uniform at init
+
+
+def tiny_gpt_reference(task: TinyGPTTask, params) -> dict[str, float]:
+    """Mean next-token cross-entropy and accuracy over every whole window of the held-out
+    tail, the windows cut here and the logits of one plain `task.apply` call (float64)."""
+    tail = task.tokens[task.eval_start :].astype(np.int32)
+    starts = np.arange((len(tail) - 1) // task.seq_len) * task.seq_len
+    windows = tail[starts[:, None] + np.arange(task.seq_len + 1)]
+    logits = np.asarray(task.apply(jax.device_get(params), windows[:, :-1]), np.float64)
+    targets = windows[:, 1:]
+    logits -= logits.max(axis=-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    accuracy = (logits.argmax(axis=-1) == targets).mean()
+    return {"eval/loss": float(nll.mean()), "eval/accuracy": float(accuracy)}
+
+
+@pytest.mark.parametrize("batch_size", [32, 40])
+def test_tiny_gpt_scores_every_eval_window_once(batch_size):
+    """124 windows: not a multiple of either batch size; the last batch is padded and masked."""
+    task = TinyGPTTask(
+        d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16, corpus_max_chars=20_000
+    )
+    windows = (len(task.tokens) - task.eval_start - 1) // task.seq_len
+    assert windows % batch_size
+    mesh = mesh_of((4, 2), ("data", "model"))
+    _, state = make_trainer(task, mesh)
+    opts = TrainerOptions(batch_size=BATCH, eval_batch_size=batch_size, eval_batches=100)
+    evaluator = build_evaluator(task, mesh, state, data_axes=("data",), opts=opts, seed=0)
+    got = evaluator.evaluate(state)
+    assert (evaluator.count, evaluator.examples) == (-(-windows // batch_size), windows)
+    want = tiny_gpt_reference(task, state.params)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, abs=1e-6), name
+    whole = [b["inputs"] for b in task.eval_batches(batch_size, seed=0)]
+    for processes in (2, 4):  # the processes' rows of each batch, together, are that batch
+        shares = [
+            [b["inputs"] for b in task.eval_batches(batch_size, seed=0, **split)]
+            for split in (dict(process_index=p, process_count=processes) for p in range(processes))
+        ]
+        assert {len(batches) for batches in shares} == {len(whole)}
+        for j, batch in enumerate(whole):
+            np.testing.assert_array_equal(np.concatenate([s[j] for s in shares]), batch)
 
 
 def test_mlp_eval_split_is_not_the_training_data():

@@ -15,7 +15,7 @@ import xshard
 from trainers.config import TrainerOptions
 from trainers.core.trainer import Trainer
 from trainers.data.arrays import ArrayData
-from trainers.data.padding import pad_rows, padding_like
+from trainers.data.padding import empty_batch, pad_rows, padding_like, row_layout
 from trainers.hooks.eval_scoring import accepts_mask
 from trainers.hooks.evaluation import build_evaluator
 
@@ -143,6 +143,20 @@ def test_padding_and_mask():
     assert empty["x"].shape == (4, 2) and not none.any()
     with pytest.raises(ValueError, match="larger than the batch size"):
         pad_rows({"x": np.ones((6,))}, 5)
+
+
+def test_a_row_layout_travels_as_json():
+    """A process with no eval batch pads batches laid out like another process's."""
+    import json
+
+    layout = json.loads(
+        json.dumps(row_layout({"x": np.ones((3, 2, 4), np.float16), "y": np.arange(3)}))
+    )
+    empty = empty_batch(layout)
+    assert empty["x"].shape == (0, 2, 4) and empty["x"].dtype == np.float16
+    assert empty["y"].shape == (0,) and empty["y"].dtype == np.arange(3).dtype
+    padded, mask = padding_like(empty, 4)
+    assert padded["x"].shape == (4, 2, 4) and not mask.any()
 
 
 def test_accepts_mask():

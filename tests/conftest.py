@@ -68,6 +68,7 @@ LONGEST_FIRST = (
     "test_sweeps_cli.py",
     "test_io_faults_cli.py",
     "test_cli_train.py",
+    "test_precision_cli.py",
     "test_data_cli.py",
     "test_multihost.py",
 )

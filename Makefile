@@ -46,6 +46,7 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, benchmarks/zero_results.md)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
+	$(PY) -m benchmarks.precision_memory
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
 bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help setup train test test-fast lint format bench bench-zero clean
+.PHONY: help setup train test test-fast lint format bench bench-zero device-wheels clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -46,6 +46,7 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, benchmarks/zero_results.md)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
+	$(PY) -m benchmarks.precision_memory
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
 bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only
@@ -53,3 +54,10 @@ bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only
 
 clean:  ## remove .venv and every output
 	rm -rf $(VENV) outputs multirun build *.egg-info
+
+# The wheels benchmarks/device_check.sh installs on an accelerator host without network (the
+# dependencies such a host lacks); not committed.
+DEVICE_WHEELS := hydra-core omegaconf antlr4-python3-runtime==4.9.3 tensorboardX grain
+device-wheels: $(STAMP)  ## download the wheels benchmarks/device_check.sh installs offline
+	$(PY) -m pip download --dest benchmarks/wheels --only-binary=:all: $(DEVICE_WHEELS) \
+		|| $(PY) -m pip download --dest benchmarks/wheels $(DEVICE_WHEELS)

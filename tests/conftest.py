@@ -4,7 +4,10 @@ The device count must be fixed before JAX initialises its backends, so it is set
 import time, before any test module imports JAX. Subprocesses inherit it via XLA_FLAGS.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -13,6 +16,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import pytest
+
+# trainer.compilation_cache_dir defaults to $XDG_CACHE_HOME/xshard/jax: the tests' runs (and
+# their subprocesses, which inherit it) cache their programs in a dir of this test process,
+# never in the user's home.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="xshard-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -60,6 +69,7 @@ LONGEST_FIRST = (
     "test_sweeps_cli.py",
     "test_io_faults_cli.py",
     "test_cli_train.py",
+    "test_precision_cli.py",
     "test_data_cli.py",
     "test_multihost.py",
 )

@@ -97,6 +97,7 @@ def test_tests_mirror_the_wings():
     project_wide = {
         "test_architecture.py",
         "test_benchmarks_smoke.py",
+        "test_device_check.py",
         "test_example_repo.py",
         "test_examples.py",
         "test_imports.py",

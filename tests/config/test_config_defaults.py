@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 
 import jax.numpy as jnp
 import pytest
@@ -17,6 +18,7 @@ from trainers.config import (
     CheckpointOptions,
     DistributedOptions,
     LoggerOptions,
+    PrecisionOptions,
     ShardingOptions,
     TrainerOptions,
 )
@@ -95,7 +97,14 @@ def test_trainer_schema_defaults_equal_the_trainer_api_defaults():
 
 @pytest.mark.parametrize(
     "schema",
-    [TrainerOptions, DistributedOptions, CheckpointOptions, LoggerOptions, ShardingOptions],
+    [
+        TrainerOptions,
+        DistributedOptions,
+        CheckpointOptions,
+        LoggerOptions,
+        ShardingOptions,
+        PrecisionOptions,
+    ],
 )
 def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
     """The composed node equals the dataclass defaults; the YAML options add nothing."""
@@ -107,6 +116,9 @@ def test_run_node_schemas_compose_with_their_defaults(schema, compose_config):
         "trainer": {"batch_size": 16, "progress": False},
         "logger": {"tensorboard": TensorBoardLogger()},  # logger=tensorboard, the default
     }.get(key, {})
+    if key == "trainer":  # the default cache dir, resolved (conftest sets XDG_CACHE_HOME)
+        cache = os.path.join(os.environ["XDG_CACHE_HOME"], "xshard", "jax")
+        overridden["compilation_cache_dir"] = cache
     assert composed == dataclasses.replace(schema(), **overridden)
 
 

@@ -298,7 +298,8 @@ def test_plugin_discovery_registers_schemas_without_importing_jax():
         "assert 'XShardSearchPathPlugin' in names, names\n"
         "groups = ConfigStore.instance().list('xshard_schemas')\n"
         "assert groups == sorted(['checkpoint', 'data', 'distributed', 'logger', 'logger_node', "
-        "'mesh', 'optimizer', 'paths', 'reduction', 'schedule', 'sharding', 'trainer']), groups\n"
+        "'mesh', 'optimizer', 'paths', 'precision', 'reduction', 'schedule', 'sharding', "
+        "'trainer']), groups\n"
         "heavy = sorted(m for m in ('jax', 'jaxlib', 'optax') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
     )

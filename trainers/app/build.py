@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        PrecisionOptions,
         ShardingOptions,
         TrainerOptions,
     )
@@ -35,12 +36,13 @@ class RunOptions:
     sharding: ShardingOptions
     checkpoint: CheckpointOptions
     logger: LoggerOptions
+    precision: PrecisionOptions
 
 
 def read_options(cfg: DictConfig) -> RunOptions:
     """Reads the run's own nodes: ``seed``, ``trainer``, ``distributed``, ``paths``,
-    ``sharding``, ``checkpoint`` and ``logger`` (``paths`` is checked; `trainers.cluster.run_dirs`
-    reads it from `cfg`). Touches no device and no file.
+    ``sharding``, ``checkpoint``, ``logger`` and ``precision`` (``paths`` is checked;
+    `trainers.cluster.run_dirs` reads it from `cfg`). Touches no device and no file.
 
     Raises:
       ConfigError: for the first bad value, naming the key, the value and what is allowed.
@@ -50,6 +52,7 @@ def read_options(cfg: DictConfig) -> RunOptions:
         DistributedOptions,
         LoggerOptions,
         PathsOptions,
+        PrecisionOptions,
         ShardingOptions,
         TrainerOptions,
         check_seed,
@@ -67,6 +70,7 @@ def read_options(cfg: DictConfig) -> RunOptions:
         sharding=ShardingOptions.from_config(cfg.get("sharding")),
         checkpoint=CheckpointOptions.from_config(cfg.get("checkpoint")),
         logger=LoggerOptions.from_config(cfg.get("logger")),
+        precision=PrecisionOptions.from_config(cfg.get("precision")),
     )
 
 
@@ -93,12 +97,14 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
+    from trainers.core.precision import Precision
     from trainers.core.trainer import Trainer, periodic_inner_axes
     from xshard.axis_factory import periodic_axis
     from xshard.factory import build_axis_rules, build_optimizer
 
-    opts = options.trainer
+    opts, precision = options.trainer, options.precision
     task = build_task(cfg)
+    check_task_remat(task, opts.remat, cfg.task.get("name", "task"))
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
     tx = build_optimizer(cfg, mesh=mesh)
     periodic = periodic_axis(build_axis_rules(cfg, mesh=mesh))
@@ -114,6 +120,7 @@ def build_run(
         seed=options.seed,
         zero_stage=options.sharding.zero_stage,
         periodic=periodic,
+        precision=Precision.of(precision.param_dtype, precision.compute_dtype),
     )
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 
@@ -141,6 +148,24 @@ def build_task(cfg: DictConfig) -> Any:
             "choose an option of the 'task' group (task=mlp)."
         )
     return instantiate_nested(node, "task", allowed_targets(cfg))
+
+
+def check_task_remat(task: Any, remat: str, name: str) -> None:
+    """A task applies ``trainer.remat`` only if it opted in (its node has
+    ``remat: ${trainer.remat}``, `trainers.tasks.remat`): refuse a policy it would ignore.
+
+    Raises:
+      ConfigError: naming ``trainer.remat``, the task and how to opt in.
+    """
+    from trainers.config.precision import NO_REMAT
+    from xshard.errors import ConfigError
+
+    if remat != NO_REMAT and getattr(task, "remat", NO_REMAT) != remat:
+        raise ConfigError(
+            f"trainer.remat={remat!r}: task={name} does not apply it; a task opts in with "
+            "`remat: ${trainer.remat}` in its node and a `remat` argument its layers use "
+            "(trainers.tasks.remat, docs/tasks.md), or set trainer.remat=none."
+        )
 
 
 def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:

@@ -78,7 +78,11 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
 
 def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
+    from trainers.core.compile_cache import enable_compilation_cache
+
     options = read_options(cfg)  # as trainers.doctor checks them
+    # Before the first compilation: every job of a sweep, every rerun reads what was compiled.
+    summary.use_compilation_cache(enable_compilation_cache(options.trainer.compilation_cache_dir))
     where = place(cfg, options)
     source = prepare_dirs(where, options)
     parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds

@@ -1,5 +1,5 @@
 """The trainer's own option nodes, JAX-free: ``trainer``, ``distributed``, ``paths``,
-``checkpoint``, ``logger``, ``sharding`` and a task's ``data``.
+``checkpoint``, ``logger``, ``sharding``, ``precision`` and a task's ``data``.
 
 Each node has a dataclass here whose field types and ``__post_init__`` say what is allowed
 (`xshard.config.read_node` reads a composed node into it with one-line errors), and a
@@ -9,6 +9,7 @@ it. May import: `xshard.config`, `xshard.errors`, `trainers.errors`; nothing tha
 
 from trainers.config.data import DataOptions
 from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
+from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions, check_seed
 from trainers.config.sharding import ShardingOptions
 
@@ -18,6 +19,7 @@ __all__ = [
     "DistributedOptions",
     "LoggerOptions",
     "PathsOptions",
+    "PrecisionOptions",
     "ShardingOptions",
     "TrainerOptions",
     "check_seed",

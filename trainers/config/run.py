@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from trainers.config.early_stopping import EarlyStoppingOptions
+from trainers.config.precision import NO_REMAT, check_remat
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
@@ -27,6 +28,10 @@ REMOVED_KEYS = {
         "('one', 'two') are gone, and 'per_level' is what every run does. Delete the override."
     ),
 }
+#: ``trainer.compilation_cache_dir``'s default: JAX's persistent compilation cache in the user's
+#: cache dir (``$XDG_CACHE_HOME``, else ``~/.cache``), shared by every run and sweep job of the
+#: user (`trainers.app.compile_cache`).
+DEFAULT_COMPILATION_CACHE_DIR = "${oc.env:XDG_CACHE_HOME,'~/.cache'}/xshard/jax"
 #: CPU collectives JAX can use between processes.
 CPU_COLLECTIVES = ("gloo", "mpi")
 #: Seeds are unsigned 32-bit integers (JAX PRNG keys and NumPy generators take them all).
@@ -138,6 +143,11 @@ class TrainerOptions:
         final training loss) or ``eval/<metric>`` (of the final evaluation, e.g. ``eval/loss``).
       early_stopping: ``{metric, mode, patience, min_delta}``, stop when the metric stops
         improving (`trainers.config.early_stopping`); ``metric: null`` turns it off.
+      remat: the rematerialisation policy of the task's layers (`trainers.config.precision`:
+        ``none``, ``full``, ``dots_saveable``, ...); a task applies it when its node has
+        ``remat: ${trainer.remat}`` (the built-in ones do).
+      compilation_cache_dir: JAX's persistent compilation cache (a dir; ``~`` is expanded):
+        programs compiled once are read back by later runs and sweep jobs; null: off.
     """
 
     steps: int = 300
@@ -162,6 +172,8 @@ class TrainerOptions:
     eval_batch_size: int | None = None
     objective: str = TRAIN_OBJECTIVE
     early_stopping: EarlyStoppingOptions = dataclasses.field(default_factory=EarlyStoppingOptions)
+    remat: str = NO_REMAT
+    compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE_DIR
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -213,6 +225,12 @@ class TrainerOptions:
                 self.eval_batch_size, "trainer.eval_batch_size", 1, ">= 1, or null: batch_size"
             )
         check_objective(self.objective)
+        check_remat(self.remat)
+        if self.compilation_cache_dir is not None and not self.compilation_cache_dir.strip():
+            raise ConfigError(
+                "trainer.compilation_cache_dir='': expected a dir for JAX's compilation cache, "
+                "or null to turn it off."
+            )
         for i, hook in enumerate(self.hooks):
             if not isinstance(hook, dict) or not isinstance(hook.get("_target_"), str):
                 raise ConfigError(

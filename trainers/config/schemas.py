@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from trainers.config.data import DataOptions
 from trainers.config.loggers import LOGGERS
 from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
+from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions
 from trainers.config.sharding import ShardingOptions
 from xshard.config.nodes import permissive
@@ -28,6 +29,7 @@ TRAINER_SCHEMAS: dict[str, dict[str, Any]] = {
     "logger": {"base": permissive(LoggerOptions)},
     "paths": {"base": permissive(PathsOptions)},
     "sharding": {"base": permissive(ShardingOptions)},
+    "precision": {"base": permissive(PrecisionOptions)},
     # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
     "data": {"base": permissive(DataOptions)},
     # Each option of the logger group: ``/xshard_schemas/logger/wandb@wandb`` in logger/wandb.yaml.

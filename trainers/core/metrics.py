@@ -24,6 +24,10 @@ from xshard.shard_stats import ShardStats
 from xshard.slots import find_states, get_hyperparams
 from xshard.stats import noise_scale
 
+#: The tag of the run's compile time so far, in the metrics of each step that compiled a
+#: program (`trainers.core.trainer.Trainer` compiles each when a step first needs it).
+COMPILE_TIME = "perf/compile_time_s"
+
 
 def pack_diagnostics(diag: dict[str, Any] | None) -> tuple[dict[str, tuple[int, ...]], jax.Array]:
     """(shapes, vector): the step's per-layer statistics (``grad_norms``, ``param_norms`` and

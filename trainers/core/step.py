@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.config.run import GRAD_IMPLS
 from trainers.core.metrics import StepMetrics, stack_metrics, state_metrics
 from trainers.core.model_state import LossFn, loss_fn, reduce_over_shards
+from trainers.core.precision import Precision
 from trainers.core.zero import ZeroLayout
 from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
 from xshard.axis_reduce import state_partition_specs
@@ -233,6 +234,7 @@ def make_train_step(
     spec: StepSpec,
     level: int,
     layout: ZeroLayout | None = None,
+    precision: Precision | None = None,
 ) -> TrainStep:
     """Returns ``step(state, batch) -> StepResult`` of one level, to be jitted, in a
     `TrainStep`.
@@ -246,6 +248,9 @@ def make_train_step(
       level: the level the program computes (`LEVELS`).
       layout: with a ZeRO stage >= 1, where the gradient is reduced and the update runs
         (`trainers.core.zero_step`); None or stage 0: everything replicated over the data axes.
+      precision: the dtypes of the params and of the loss's computation
+        (`trainers.core.precision`): the task's loss runs on params cast to the compute dtype;
+        None: float32 throughout.
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
@@ -264,7 +269,8 @@ def make_train_step(
         )
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}.")
-    program = _StepProgram(loss_fn(task), tx, mesh, spec, level_flags(level), layout, set())
+    task_loss = (precision or Precision()).loss_fn(loss_fn(task))
+    program = _StepProgram(task_loss, tx, mesh, spec, level_flags(level), layout, set())
     if spec.grad_impl == "gspmd":
         return TrainStep(program.gspmd, program.stats_keys)
     return TrainStep(program.manual_zero if program.zero else program.manual, program.stats_keys)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.hook import Hook, StopTraining, end_hooks
-from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
+from trainers.core.metrics import COMPILE_TIME, StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.model_state import init_fn
 from trainers.core.periodic import BYTES_TAG, Periodic
+from trainers.core.precision import Precision
 from trainers.core.step import (
     HISTOGRAMS,
     LAYERS,
@@ -41,7 +43,7 @@ from trainers.core.step import (
     TrainState,
     make_train_step,
 )
-from trainers.core.step_levels import levels_in_run, step_level
+from trainers.core.step_levels import step_level
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.zero import zero_layout
 from xshard.axis_reduce import state_partition_specs
@@ -58,6 +60,16 @@ from xshard.slots import has_cross_shard_state
 __all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Traced(NamedTuple):
+    """A lowered step program and what its tracing recorded."""
+
+    lowered: jax.stages.Lowered
+    keys: tuple[str, ...]  # the metric names, in the order of the metrics vector
+    layouts: dict[str, tuple[int, ...]]  # the per-layer statistics' shapes after them
+    stats_keys: frozenset[str]  # the metrics only statistics steps compute
+
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
@@ -92,10 +104,14 @@ class Trainer:
       periodic: ``(axis, rule)``: a data axis whose replicas train alone and sync every
         ``rule.every_steps`` steps through ``rule.outer_optimizer`` (local SGD, DiLoCo;
         `trainers.core.periodic`); `tx` must then reduce over the other data axes only.
+      precision: the dtypes of the params (and optimizer state, checkpoints) and of the
+        forward and backward passes (`trainers.core.precision`; default: float32 for both).
 
     Each kind of step (plain, statistics, per-layer norms, histograms: `trainers.core.step`'s
-    levels) has its own compiled program, those `fit` will need compiled before its first
-    step (docs/benchmarks.md measured the alternatives slower).
+    levels) has its own compiled program (docs/benchmarks.md measured the alternatives
+    slower), compiled when a step first needs it: the first step waits for one program, not
+    for all of them (time to the first step, measured in docs/benchmarks.md). `compile_levels`
+    compiles several ahead of time, concurrently.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
@@ -118,8 +134,10 @@ class Trainer:
         agree_stop: bool | None = None,
         zero_stage: int = 0,
         periodic: tuple[str, AxisRule] | None = None,
+        precision: Precision | None = None,
     ):
         data_axes = tuple(data_axes)
+        self.precision = Precision() if precision is None else precision
         self.task, self.mesh = task, mesh
         #: The periodic axis (`trainers.core.periodic`), or None.
         self.periodic = None if periodic is None else Periodic(mesh, *periodic)
@@ -161,7 +179,9 @@ class Trainer:
         # A step function per level. Validates grad_impl now (ConfigError), not at the first
         # step.
         self._step_fns = {
-            lv: make_train_step(task, self.tx, step_mesh, self.spec, lv, step_layout)
+            lv: make_train_step(
+                task, self.tx, step_mesh, self.spec, lv, step_layout, self.precision
+            )
             for lv in LEVELS
         }
         self._groups: tuple[tuple[int, ...], ...] = ()
@@ -191,11 +211,17 @@ class Trainer:
         return self.layout.params_at_rest(params, self.layout.base_shardings(params))
 
     def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
-        """The task's params (placed with their shardings) and model state (replicated),
-        initialised from the seed (`trainers.core.model_state`: ``{}`` for a plain task)."""
+        """The task's params (placed with their shardings, in the precision's param dtype) and
+        model state (replicated), initialised from the seed (`trainers.core.model_state`:
+        ``{}`` for a plain task)."""
         example = jax.tree.map(lambda x: x[:1], first_batch)
         rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
-        init = init_fn(self.task)
+        task_init, master = init_fn(self.task), self.precision.master
+
+        def init(rng, example):
+            params, model_state = task_init(rng, example)
+            return master(params), model_state
+
         shapes = jax.eval_shape(init, rng, example)
         shardings = (self.param_shardings(shapes[0]), self._replicated)
         with jax.set_mesh(self.mesh):
@@ -275,8 +301,14 @@ class Trainer:
 
     # --------------------------------------------------------------------- step
 
-    def _compile(self, level: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
-        """Compiles the program of `level` for `state` and batches like `batch` (global)."""
+    def lower(self, level: int, state: TrainState, batch: dict[str, Any]) -> jax.stages.Lowered:
+        """Traces and lowers the program of `level` for `state` and batches like `batch`
+        (global arrays), without compiling it: its StableHLO (`Lowered.as_text`) says which
+        dtypes the step computes in, before the compiler's rewrites."""
+        return self._lower(level, state, batch).lowered
+
+    def _lower(self, level: int, state: TrainState, batch: dict[str, Any]) -> _Traced:
+        """`lower`, with what the tracing recorded (metric keys, per-layer layouts)."""
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
@@ -306,27 +338,51 @@ class Trainer:
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
-        start = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                compiled = jitted.lower(state, batch, *self._votes(0)).compile()
+                lowered = jitted.lower(state, batch, *self._votes(0))
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.spec.grad_impl!r} computes no per-shard gradients, "
                 f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
                 "without per-shard clipping or weights (reduction.clip_per_shard=null)."
             ) from None
+        return _Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
+
+    def _compile(self, level: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
+        """Compiles the program of `level` for `state` and batches like `batch` (global)."""
+        self._compile_all([level], state, batch)
+
+    def _compile_all(
+        self, levels: Sequence[int], state: TrainState, batch: dict[str, jax.Array]
+    ) -> None:
+        """Lowers the programs of `levels` one after another (tracing holds the GIL), then
+        compiles them concurrently, one thread each (XLA compiles without it)."""
+        start = time.perf_counter()
+        traced = {level: self._lower(level, state, batch) for level in levels}
+        if len(traced) == 1:
+            compiled = {level: t.lowered.compile() for level, t in traced.items()}
+        else:
+            with ThreadPoolExecutor(len(traced), thread_name_prefix="xshard-compile") as pool:
+                futures = {lv: pool.submit(t.lowered.compile) for lv, t in traced.items()}
+                compiled = {level: future.result() for level, future in futures.items()}
         seconds = time.perf_counter() - start
         self.compile_seconds = (self.compile_seconds or 0.0) + seconds
-        self._executables[level] = compiled
-        if self._metric_keys and keys[0] != self._metric_keys:  # one metric layout for all
-            raise AssertionError(f"metric keys differ between executables: {keys[0]}")
-        self._metric_keys = keys[0]
-        self._diag_layouts[level] = layouts[0]
-        self._stats_keys = frozenset(step_fn.stats_keys)
+        for level, t in traced.items():
+            if self._metric_keys and t.keys != self._metric_keys:  # one metric layout for all
+                raise AssertionError(f"metric keys differ between executables: {t.keys}")
+            self._metric_keys = t.keys
+            self._diag_layouts[level] = t.layouts
+            self._stats_keys = t.stats_keys
+            self._executables[level] = compiled[level]
         self._leaf_names = tuple(leaf_names(state.params))
         self._report_compile = True
-        logger.info("Compiled the train step for level %d in %.2f s.", level, seconds)
+        logger.info(
+            "Compiled the train step for level%s %s in %.2f s.",
+            "s" if len(traced) > 1 else "",
+            ", ".join(map(str, traced)),
+            seconds,
+        )
 
     @property
     def compiled(self) -> jax.stages.Compiled | None:
@@ -345,9 +401,9 @@ class Trainer:
         compiled yet), for `state` and batches like `batch` (host-local or global)."""
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
-        for level in sorted(set(levels)):
-            if level not in self._executables:
-                self._compile(level, state, batch)
+        missing = [level for level in sorted(set(levels)) if level not in self._executables]
+        if missing:
+            self._compile_all(missing, state, batch)
 
     def executables(self) -> dict[int, jax.stages.Compiled]:
         """Every compiled step so far, by the level it serves, lowest first."""
@@ -504,7 +560,6 @@ class Trainer:
             "layer_stats_every": layer_stats_every,
             "histogram_every": histogram_every,
         }
-        first_step = True
         pending: tuple[int, Any] | None = None
         reason = "done"
         batch_iter: Iterator = iter(batches)
@@ -535,9 +590,6 @@ class Trainer:
                     reason = "data_exhausted"
                     break
                 step += 1
-                if first_step:  # every program the run needs, before its first step
-                    self.compile_levels(state, local, levels_in_run(step, num_steps, **periods))
-                    first_step = False
                 level = step_level(step, num_steps, **periods)
                 state, metrics = self.step(
                     state,
@@ -550,9 +602,7 @@ class Trainer:
                 state, metrics = self.sync(state, step, metrics)
                 if self._report_compile:
                     assert self.compile_seconds is not None  # set by the compilation
-                    metrics = metrics.with_host_values(
-                        **{"perf/compile_time_s": self.compile_seconds}
-                    )
+                    metrics = metrics.with_host_values(**{COMPILE_TIME: self.compile_seconds})
                     self._report_compile = False
                 if pending is not None:  # waits for step - 1 only: two steps in flight at most
                     emit(pending)

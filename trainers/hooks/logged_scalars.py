@@ -6,7 +6,9 @@ and the last one, each metric (less an undefined ``grad/noise_scale``), the clip
 last write (``grad/clip_fired_rate``), ``grad/noise_scale_ema`` (`trainers.hooks.noise_ema`),
 and the throughput since the last write (``perf/steps_per_sec``, ``examples_per_sec``,
 ``tokens_per_sec``, ``flops_per_sec``, ``mfu``: `trainers.hooks.perf`); on the step that
-compiled, ``perf/compile_time_s``.
+compiled, ``perf/compile_time_s`` (the run's compile time so far). Programs compile when a
+step first needs them (`trainers.core.trainer.Trainer`): the throughput leaves the compile time
+inside its window out, so that it measures steps, not compilation.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 
+from trainers.core.metrics import COMPILE_TIME
 from trainers.hooks.noise_ema import NoiseScaleEMA
 
 Scalars = list[tuple[str, float]]
@@ -57,18 +60,25 @@ class LoggedScalars:
         self.peak_flops_per_device = peak_flops_per_device
         self._window_start: tuple[int, float] | None = None
         self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
+        self._compiled_s = 0.0  # the run's compile time so far (``perf/compile_time_s``)
+        self._compiled_in_window = 0.0  # of which since the last write
 
     def compile_time(self, metrics: dict[str, float]) -> Scalars:
         """``perf/compile_time_s`` of the step that compiled (logged whatever the period)."""
-        if "perf/compile_time_s" in metrics:
-            return [("perf/compile_time_s", metrics["perf/compile_time_s"])]
+        if COMPILE_TIME in metrics:
+            return [(COMPILE_TIME, metrics[COMPILE_TIME])]
         return []
 
     def __call__(self, step: int, metrics: dict[str, float]) -> Scalars | None:
         """The scalars of a logging step; None on the other steps (whose metrics still feed
         the moving averages)."""
+        compiled = metrics.get(COMPILE_TIME)
         if self._window_start is None:
             self._window_start = (step, time.perf_counter())  # the first step: compilation
+        elif compiled is not None:  # a program compiled since the window started
+            self._compiled_in_window += compiled - self._compiled_s
+        if compiled is not None:
+            self._compiled_s = compiled
         if "grad/noise_trace" in metrics:  # every statistics step, logged or not
             self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "grad/clip_fired" in metrics:
@@ -80,17 +90,19 @@ class LoggedScalars:
             (tag, value)
             for tag, value in metrics.items()
             # undefined on steps where the |G|^2 estimate is <= 0
-            if tag != "grad/noise_scale" or math.isfinite(value)
-        ]
+            if (tag != "grad/noise_scale" or math.isfinite(value)) and tag != COMPILE_TIME
+        ]  # COMPILE_TIME: `compile_time` logs it on every step that compiled
         if self._clip_fired:  # how often the global clip fired since the last write
             scalars.append(("grad/clip_fired_rate", sum(self._clip_fired) / len(self._clip_fired)))
             self._clip_fired = []
         if self.noise_ema.value is not None:
             scalars.append(("grad/noise_scale_ema", self.noise_ema.value))
         start_step, start_time = self._window_start
-        if step > start_step and now > start_time:
-            scalars += self._speed((step - start_step) / (now - start_time))
+        elapsed = now - start_time - self._compiled_in_window
+        if step > start_step and elapsed > 0:
+            scalars += self._speed((step - start_step) / elapsed)
         self._window_start = (step, now)
+        self._compiled_in_window = 0.0
         return scalars
 
     def _speed(self, steps_per_sec: float) -> Scalars:

@@ -1,5 +1,5 @@
 """What a run did, in a few lines: steps, skipped steps, final and best loss, evaluation, the
-checkpoint.
+checkpoint, the time spent compiling (and how much the compilation cache saved).
 
 `RunSummary` is a hook that records each step's loss and skip flag as the run goes. When the
 run ends (done, stopped, or failed), `lines` says what happened and `record` is the same in
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from trainers.config.run import EVAL_LOSS, TRAIN_OBJECTIVE
+from trainers.core.compile_cache import CacheCounts, cache_counts
+from trainers.core.metrics import COMPILE_TIME
 from trainers.core.trainer import Hook, TrainState
 
 #: How the run ended, as `status` in ``result.json`` and the sweep table.
@@ -50,6 +52,18 @@ class RunSummary(Hook):
         self.final_eval_step: int | None = None
         self.best_eval: dict[str, float] | None = None  # the evaluation with the lowest eval/loss
         self.best_eval_step: int | None = None
+        self.compile_seconds: float | None = None  # the train steps' compile time so far
+        self.cache_dir: Path | None = None  # the persistent compilation cache, if any
+        self._cache_start = cache_counts()
+
+    def use_compilation_cache(self, directory: Path | None) -> None:
+        """The run's compilation cache dir (None: none); its hits and misses count from now."""
+        self.cache_dir, self._cache_start = directory, cache_counts()
+
+    @property
+    def cache(self) -> CacheCounts:
+        """Programs this run read from the compilation cache (hits) and compiled (misses)."""
+        return cache_counts().since(self._cache_start)
 
     def begin(
         self,
@@ -90,6 +104,8 @@ class RunSummary(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_step = step
+        if COMPILE_TIME in metrics:
+            self.compile_seconds = metrics[COMPILE_TIME]
         loss = metrics.get("train/loss")
         if loss is not None:
             self.final_loss = loss
@@ -191,7 +207,19 @@ class RunSummary(Hook):
             out.append("  skipped steps: none")
         out.append("  " + self.checkpoint_line())
         out.extend(self.eval_lines())
+        out.append("  " + self.compile_line())
         return out
+
+    def compile_line(self) -> str:
+        """The train steps' compile time, and the programs read from the compilation cache."""
+        seconds = "-" if self.compile_seconds is None else f"{self.compile_seconds:.2f} s"
+        if self.cache_dir is None:
+            return f"compile: {seconds} (no compilation cache)"
+        hits, misses = self.cache
+        return (
+            f"compile: {seconds}; compilation cache {self.cache_dir}: {hits} programs read, "
+            f"{misses} compiled"
+        )
 
     def eval_lines(self) -> list[str]:
         """The final and best evaluation, if the run evaluated."""
@@ -227,6 +255,10 @@ class RunSummary(Hook):
             "best_eval_step": self.best_eval_step,
             "objective_key": self.objective_key,
             "checkpoint": None if found is None else found[1],
+            "compile_time_s": self.compile_seconds,
+            "compilation_cache": None if self.cache_dir is None else str(self.cache_dir),
+            "compilation_cache_hits": self.cache.hits,
+            "compilation_cache_misses": self.cache.misses,
         }
 
 

@@ -10,6 +10,17 @@ A Flax task is configured, not subclassed::
       inputs: x                 # the batch key the model is called on
       targets: y                # the batch key the loss compares the outputs with
       logical_axis_rules: {embed: null, mlp: model}
+      dtype: ${precision.compute_dtype}        # Flax's `dtype`: the computation's
+      param_dtype: ${precision.param_dtype}    # Flax's `param_dtype`: the params'
+      remat: ${trainer.remat}                  # the model's layers rematerialised so
+
+Precision and remat follow Flax's conventions: a model that takes ``dtype`` / ``param_dtype``
+(module fields or constructor arguments, as ``nn.Dense`` and ``nnx.Linear`` do) is given them,
+and one that takes ``remat`` is given the policy's name to apply to its layers with
+``nn.remat`` / ``nnx.remat`` and `trainers.tasks.remat.checkpoint_policy` (the example models
+in `trainers.tasks.nnx_models` and `trainers.tasks.linen_models` do). The model's floating-point
+input is cast to ``dtype``; the trainer casts the params to it too, so a model without a
+``dtype`` computes in it as well.
 
 The task's ``batches`` are the data object's (any object with the ``batches`` method of
 `trainers.tasks.base.Task`), so another data source plugs in without touching the model.
@@ -26,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from trainers.config.precision import NO_REMAT, check_dtype, check_remat
 from trainers.data.batch import Batch
 from trainers.tasks.logical import (
     check_logical_rules,
@@ -106,6 +118,11 @@ class FlaxTask:
       targets: the batch key of the loss's targets.
       logical_axis_rules: ``{logical name: mesh axis | [mesh axes] | null}``.
       name: the task's name (for logging).
+      dtype: the model's computation dtype (Flax's ``dtype``; ``precision.compute_dtype``);
+        null: the model's own.
+      param_dtype: the model's params' dtype (Flax's ``param_dtype``;
+        ``precision.param_dtype``); null: the model's own.
+      remat: the rematerialisation policy of the model's layers (``trainer.remat``).
     """
 
     def __init__(
@@ -116,6 +133,10 @@ class FlaxTask:
         targets: str = "y",
         logical_axis_rules: Mapping[str, Any] | None = None,
         name: str = "flax",
+        *,
+        dtype: str | None = None,
+        param_dtype: str | None = None,
+        remat: str = NO_REMAT,
     ):
         if not callable(getattr(data, "batches", None)):
             raise ValueError(
@@ -131,6 +152,11 @@ class FlaxTask:
         self.inputs, self.targets = inputs, targets
         self.logical_axis_rules = check_logical_rules(logical_axis_rules)
         self.name = name
+        self.dtype = None if dtype is None else check_dtype(dtype, "task.dtype")
+        self.param_dtype = (
+            None if param_dtype is None else check_dtype(param_dtype, "task.param_dtype")
+        )
+        self.remat = check_remat(remat, "task.remat")
         self._annotations: dict[str, tuple] | None = None
         tokens = getattr(data, "tokens_per_example", None)
         if tokens is not None:
@@ -159,6 +185,37 @@ class FlaxTask:
         """Records the model's logical names and checks them against the rules now."""
         self._annotations = annotations
         specs_from_annotations(annotations, self.logical_axis_rules)  # ConfigError early
+
+    # ---------------------------------------------------------------------------- precision
+
+    def model_options(self, accepts: Callable[[str], bool]) -> dict[str, Any]:
+        """The keyword arguments that give the model the task's ``dtype``, ``param_dtype`` and
+        ``remat``: those it `accepts` (by name) and that are set.
+
+        Raises:
+          ValueError: ``remat`` is not ``none`` but the model takes no ``remat``: it could
+            not apply it.
+        """
+        options = {"dtype": self.dtype, "param_dtype": self.param_dtype, "remat": self.remat}
+        if self.remat != NO_REMAT and not accepts("remat"):
+            raise ValueError(
+                f"task.remat={self.remat!r} (trainer.remat): task.model takes no `remat` "
+                "argument, so it cannot rematerialise its layers; give it one (a policy name "
+                "for nn.remat / nnx.remat, trainers.tasks.remat.checkpoint_policy), or set "
+                "trainer.remat=none."
+            )
+        return {
+            key: value
+            for key, value in options.items()
+            if value is not None and accepts(key) and not (key == "remat" and value == NO_REMAT)
+        }
+
+    def model_inputs(self, batch: Batch) -> Any:
+        """The model's input from `batch`, floating point cast to ``dtype`` (if set)."""
+        x = batch[self.inputs]
+        if self.dtype is None or not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            return x
+        return jnp.asarray(x).astype(self.dtype)
 
     # ---------------------------------------------------------------------------- loss
 

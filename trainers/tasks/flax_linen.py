@@ -15,6 +15,7 @@ step, BatchNorm layers without an ``axis_name`` compute their statistics over th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ class LinenTask(FlaxTask):
       rng_collections: the RNG collections the model draws from (e.g. ``dropout``).
       sync_batch_norm: inside the manual step, BatchNorm layers without an ``axis_name``
         reduce their statistics over the data axes (those of the global batch).
+      dtype, param_dtype, remat: set on the model (``model.clone``) if it has those fields
+        (`FlaxTask`).
     """
 
     def __init__(
@@ -52,11 +55,27 @@ class LinenTask(FlaxTask):
         rng_collections: Sequence[str] = ("dropout",),
         sync_batch_norm: bool = True,
         name: str = "flax_linen",
+        *,
+        dtype: str | None = None,
+        param_dtype: str | None = None,
+        remat: str = "none",
     ):
         if not isinstance(model, nn.Module):
             raise ValueError(f"task.model built a {type(model).__name__}, not a linen Module")
-        super().__init__(data, loss, inputs, targets, logical_axis_rules, name)
-        self.model = model
+        super().__init__(
+            data,
+            loss,
+            inputs,
+            targets,
+            logical_axis_rules,
+            name,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+        )
+        fields = {f.name for f in dataclasses.fields(model)}
+        options = self.model_options(fields.__contains__)
+        self.model = model.clone(**options) if options else model
         self.train_arg = train_arg
         self.rng_collections = tuple(rng_collections)
         self.sync_batch_norm = bool(sync_batch_norm)
@@ -74,7 +93,7 @@ class LinenTask(FlaxTask):
         self._check_batch(batch)
         keys = jax.random.split(rng, 1 + len(self.rng_collections))
         rngs = {"params": keys[0], **dict(zip(self.rng_collections, keys[1:]))}
-        variables = self.model.init(rngs, batch[self.inputs], **self._kwargs(False))
+        variables = self.model.init(rngs, self.model_inputs(batch), **self._kwargs(False))
         params = variables.get("params", {})
         annotations = {}
         for path, box in jax.tree_util.tree_flatten_with_path(
@@ -112,7 +131,11 @@ class LinenTask(FlaxTask):
 
         with nn.intercept_methods(sync):
             out = self.model.apply(
-                variables, batch[self.inputs], rngs=rngs, mutable=mutable, **self._kwargs(train)
+                variables,
+                self.model_inputs(batch),
+                rngs=rngs,
+                mutable=mutable,
+                **self._kwargs(train),
             )
         outputs: Any  # the model's output (flax types `out` as output or (output, state))
         outputs, new_state = out if mutable else (out, model_state)

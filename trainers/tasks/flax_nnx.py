@@ -21,6 +21,7 @@ seed, step and shard); the model's own keys stay as initialised and its counters
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -42,6 +43,7 @@ class NNXTask(FlaxTask):
       data, loss, inputs, targets, logical_axis_rules, name: see `FlaxTask`.
       sync_batch_norm: inside the manual step, give BatchNorm layers without an
         ``axis_name`` the data axes, so that their statistics are the global batch's.
+      dtype, param_dtype, remat: passed to the model factory if it takes them (`FlaxTask`).
     """
 
     #: ``task.model`` is passed as a factory (`xshard.targets.instantiate_nested`).
@@ -57,10 +59,24 @@ class NNXTask(FlaxTask):
         logical_axis_rules: Mapping[str, Any] | None = None,
         sync_batch_norm: bool = True,
         name: str = "flax_nnx",
+        *,
+        dtype: str | None = None,
+        param_dtype: str | None = None,
+        remat: str = "none",
     ):
         if not callable(model):
             raise ValueError(f"task.model={model!r}: expected a model node with a _target_.")
-        super().__init__(data, loss, inputs, targets, logical_axis_rules, name)
+        super().__init__(
+            data,
+            loss,
+            inputs,
+            targets,
+            logical_axis_rules,
+            name,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            remat=remat,
+        )
         self.model = model
         self.sync_batch_norm = bool(sync_batch_norm)
         self._graphdef: Any = None
@@ -86,8 +102,9 @@ class NNXTask(FlaxTask):
           ConfigError: a logical axis name of the model has no rule.
         """
         self._check_batch(batch)
+        options = self.model_options(_takes(self.model))
         with nnx.use_eager_sharding(False):
-            module = self.model(rngs=nnx.Rngs(rng))
+            module = self.model(rngs=nnx.Rngs(rng), **options)
         if not isinstance(module, nnx.Module):
             raise ValueError(f"task.model built a {type(module).__name__}, not an nnx.Module")
         # With two filters, split returns three items; flax types it as a variadic tuple.
@@ -144,7 +161,7 @@ class NNXTask(FlaxTask):
                 if isinstance(sub, nnx.BatchNorm) and sub.axis_name is None:
                     sub.axis_name = axes  # type: ignore[assignment]  # flax: str only; a tuple works
         keys = _use_step_keys(module, rng)
-        outputs = module(batch[self.inputs])
+        outputs = module(self.model_inputs(batch))
         for var, key in keys:  # the model's own keys stay; only the counters advance
             var.set_value(key)
         loss, aux = self._loss_of(outputs, batch)
@@ -155,6 +172,17 @@ class NNXTask(FlaxTask):
 # ----------------------------------------------------------------------------------------
 # State <-> nested dicts of arrays
 # ----------------------------------------------------------------------------------------
+
+
+def _takes(factory: Callable[..., Any]) -> Callable[[str], bool]:
+    """Whether `factory` takes a keyword argument of a name (any, with ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # no signature to read: give it nothing
+        return lambda name: False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return lambda name: True
+    return lambda name: name in params
 
 
 def _templates(state: nnx.State) -> list[tuple[tuple, nnx.Variable]]:

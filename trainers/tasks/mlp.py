@@ -27,17 +27,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainers.config.precision import check_remat
 from trainers.config.run import check_seed
 from trainers.data.batch import Batch
 from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks.args import non_negative_number, positive_int, positive_ints
 from trainers.tasks.base import Params
+from trainers.tasks.remat import remat as remat_layer
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": jax.nn.gelu,
     "tanh": jnp.tanh,
     "relu": jax.nn.relu,
 }
+
+
+def _dense(layer: Params, h: Any) -> Any:
+    """One layer's affine map: ``h @ w + b``."""
+    return h @ layer["w"] + layer["b"]
 
 
 def _teacher(
@@ -99,6 +106,8 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
       num_examples: if set, the dataset is finite: `num_examples // global_batch_size` steps.
       data: the ``task.data`` node (`trainers.config.data.DataOptions`): with a ``path``, train
         on that file's ``x`` and ``y`` instead of the teacher's synthetic data.
+      remat: the rematerialisation policy of each layer (``trainer.remat``; "none": keep
+        every activation).
       name: the task's name (for logging; not used otherwise).
     """
 
@@ -114,6 +123,7 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         nan_at_step: int | Sequence[int] | None = None,
         num_examples: int | None = None,
         data: Any = None,
+        remat: str = "none",
         name: str = "mlp",
     ):
         if activation not in ACTIVATIONS:
@@ -132,6 +142,7 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         self.nan_steps = _steps(nan_at_step)
         self.num_examples = None if num_examples is None else int(num_examples)
         self.name = name
+        self.remat = check_remat(remat, "task.remat")
         self._teacher_layers = _teacher(
             self.teacher_seed, self.in_dim, self.teacher_hidden, self.out_dim
         )
@@ -176,12 +187,15 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         return {"layers": layers}
 
     def apply(self, params: Params, x: jax.Array | np.ndarray) -> jax.Array | np.ndarray:
-        """The student's forward pass: x (batch, in_dim) -> (batch, out_dim)."""
+        """The student's forward pass: x (batch, in_dim) -> (batch, out_dim), in the params'
+        dtype (the input is cast to it; the trainer casts the params to
+        ``precision.compute_dtype``), each layer rematerialised with ``remat``."""
         act = ACTIVATIONS[self.activation]
         layers = params["layers"]
-        h = x
+        dense = remat_layer(_dense, self.remat)
+        h = x.astype(layers[0]["w"].dtype)
         for i, layer in enumerate(layers):
-            h = h @ layer["w"] + layer["b"]
+            h = dense(layer, h)
             if i < len(layers) - 1:
                 h = act(h)
         return h
@@ -198,7 +212,8 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
           (mse, {"mse": mse}).
         """
         del rng
-        mse = jnp.mean(jnp.square(self.apply(params, batch["x"]) - batch["y"]))
+        outputs = self.apply(params, batch["x"]).astype(jnp.float32)
+        mse = jnp.mean(jnp.square(outputs - batch["y"]))
         return mse, {"mse": mse}
 
     # ---------------------------------------------------------------------------------------

@@ -1,16 +1,21 @@
 """Example Flax NNX models for ``task=flax_nnx`` (your own model is configured the same way).
 
 Their parameters carry logical axis names (``nnx.with_partitioning``), which the task maps to
-mesh axes with ``task.logical_axis_rules``.
+mesh axes with ``task.logical_axis_rules``. They take Flax's ``dtype`` / ``param_dtype`` and a
+``remat`` policy name (``nnx.remat`` of each layer), which the task passes from the run's
+``precision`` and ``trainer.remat``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from trainers.tasks.remat import checkpoint_policy
 
 ACTIVATIONS = {"gelu": jax.nn.gelu, "tanh": jnp.tanh, "relu": jax.nn.relu}
 
@@ -31,6 +36,9 @@ class MLP(nnx.Module):
       activation: "gelu", "tanh" or "relu".
       batch_norm: a BatchNorm after each hidden Linear.
       dropout: dropout rate after each hidden activation (0: none).
+      dtype: the computation's dtype (None: that of the inputs and params).
+      param_dtype: the params' dtype.
+      remat: a ``trainer.remat`` policy name: each Linear is rematerialised (``nnx.remat``).
       rngs: the module's RNG streams (given by the task).
     """
 
@@ -43,6 +51,9 @@ class MLP(nnx.Module):
         batch_norm: bool = False,
         dropout: float = 0.0,
         *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        remat: str = "none",
         rngs: nnx.Rngs,
     ):
         if activation not in ACTIVATIONS:
@@ -62,18 +73,28 @@ class MLP(nnx.Module):
                     bias_init=nnx.with_partitioning(
                         nnx.initializers.zeros_init(), (None,) if last else ("mlp",)
                     ),
+                    dtype=dtype,
+                    param_dtype=param_dtype,
                     rngs=rngs,
                 )
             )
         self.layers = nnx.List(layers)
-        self.norms = nnx.List([nnx.BatchNorm(h, rngs=rngs) for h in hidden] if batch_norm else [])
+        self.norms = nnx.List(
+            [nnx.BatchNorm(h, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for h in hidden]
+            if batch_norm
+            else []
+        )
+        self.remat = remat
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
+        call = _call
+        if self.remat != "none":
+            call = nnx.remat(_call, policy=checkpoint_policy(self.remat))
         for i, layer in enumerate(self.layers):
-            x = layer(x)
+            x = call(layer, x)
             if i < len(self.layers) - 1:
                 if len(self.norms):
                     x = self.norms[i](x)
@@ -81,3 +102,8 @@ class MLP(nnx.Module):
                 if self.dropout is not None:
                     x = self.dropout(x)
         return x
+
+
+def _call(layer: nnx.Module, x: jax.Array) -> jax.Array:
+    """``layer(x)``: what `MLP` rematerialises per layer."""
+    return layer(x)

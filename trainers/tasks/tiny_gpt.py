@@ -15,6 +15,11 @@ Sharding over a `model` axis is Megatron-style: q/k/v and w1 split by columns (h
 units), wo and w2 by rows, so each block needs one reduction after attention and one after the
 MLP; embeddings are split along d_model.
 
+Precision and memory: the model computes in the dtype of the params it is given (the trainer
+casts them to ``precision.compute_dtype``), with LayerNorm statistics, the attention softmax
+and the logits in float32. ``remat`` (``${trainer.remat}`` in its node) rematerialises each
+block with that policy (`trainers.tasks.remat`).
+
 Your own text instead of the corpus: ``task.data.path=my.txt`` (bytes as tokens) or a 1-D
 ``.npy`` of token ids, cut into windows of ``seq_len + 1`` tokens read in shuffled epochs
 (`trainers.data.files`, docs/tasks.md "Data options").
@@ -22,6 +27,7 @@ Your own text instead of the corpus: ``task.data.path=my.txt`` (bytes as tokens)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,11 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trainers.config.precision import check_remat
 from trainers.data.batch import Batch
 from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks import corpus
 from trainers.tasks.args import non_negative_number, positive_int
 from trainers.tasks.base import Params
+from trainers.tasks.remat import remat as remat_layer
 
 #: Megatron-style rules over the `model` axis (dropped on meshes without it).
 SHARDING_RULES: tuple[tuple[str, P], ...] = (
@@ -55,10 +63,13 @@ SHARDING_RULES: tuple[tuple[str, P], ...] = (
 
 
 def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis with params `scale` and `bias`."""
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+    """LayerNorm over the last axis with params `scale` and `bias`, computed in float32 and
+    returned in `x`'s dtype."""
+    y = x.astype(jnp.float32)
+    mean = jnp.mean(y, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
+    y = (y - mean) * jax.lax.rsqrt(var + eps) * p["scale"].astype(jnp.float32)
+    return (y + p["bias"].astype(jnp.float32)).astype(x.dtype)
 
 
 def causal_attention(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
@@ -66,10 +77,10 @@ def causal_attention(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
     b, t, d = x.shape
     split = lambda y: y.reshape(b, t, n_heads, d // n_heads)
     q, k, v = split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"])
-    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // n_heads)
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // n_heads)
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))
     scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # the softmax in float32
     out = jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d)
     return out @ p["wo"]
 
@@ -113,6 +124,8 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
         on that file's tokens instead of the corpus.
       eval_fraction: the fraction of the corpus (its end) held out for evaluation, in
         [0, 0.5]; 0: no eval split.
+      remat: the rematerialisation policy of each block (``trainer.remat``; "none": keep
+        every activation).
       name: the task's name (for logging; not used otherwise).
     """
 
@@ -129,6 +142,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
         corpus_max_chars: int = corpus.DEFAULT_MAX_CHARS,
         data: Any = None,
         eval_fraction: float = 0.1,
+        remat: str = "none",
         name: str = "tiny_gpt",
     ):
         sizes = dict(vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_layers=n_layers)
@@ -155,6 +169,7 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
         self.init_std = non_negative_number(init_std, "task.init_std")
         self.corpus_max_chars = int(corpus_max_chars)
         self.name = name
+        self.remat = check_remat(remat, "task.remat")
         self.sharding_rules: list[tuple[str, P]] = list(SHARDING_RULES)
         if self.data is None and len(self.tokens) < self.seq_len + 2:
             raise ValueError(
@@ -251,16 +266,16 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
           inputs: int tokens of shape (batch, t), t <= seq_len.
 
         Returns:
-          float32 logits of shape (batch, t, vocab_size).
+          float32 logits of shape (batch, t, vocab_size), computed in the params' dtype.
         """
         t = inputs.shape[-1]
         x = params["embed"]["tokens"][inputs] + params["embed"]["positions"][:t]
+        layer = remat_layer(functools.partial(block, n_heads=self.n_heads), self.remat)
         for p in params["blocks"]:
-            x = block(p, x, self.n_heads)
+            x = layer(p, x)
         x = layer_norm(params["ln_f"], x)
-        if self.tie_embeddings:
-            return x @ params["embed"]["tokens"].T
-        return x @ params["head"]["w"]
+        head = params["embed"]["tokens"].T if self.tie_embeddings else params["head"]["w"]
+        return (x @ head).astype(jnp.float32)
 
     def loss(self, params: Params, batch: Batch, rng: jax.Array) -> tuple[jax.Array, dict]:
         """Mean next-token cross-entropy over all positions of the batch.

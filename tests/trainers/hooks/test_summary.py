@@ -67,7 +67,8 @@ def test_evaluation_lines_best_and_objective():
     assert record["objective_key"] == "eval/loss"
     assert json.loads(json.dumps(record)) == record
     s.on_eval(4, {"eval/loss": 0.25, "eval/mse": 0.2})
-    assert s.objective == 0.25 and s.lines(COMPLETED)[5:] == []  # final is the best: one line
+    # The final evaluation is the best: one line, then the compile time.
+    assert s.objective == 0.25 and s.lines(COMPLETED)[5:] == ["  compile: - (no compilation cache)"]
 
 
 def test_a_clean_run_and_a_failure_before_any_step():

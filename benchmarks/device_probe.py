@@ -1,0 +1,163 @@
+"""What an accelerator does with xshard's step: ``python -m benchmarks.device_probe [--smoke]
+[--out PATH]``, run by `benchmarks/device_check.sh`.
+
+On every device of the default backend (one GPU, a TPU host, or 8 simulated CPU devices):
+
+- the compiled bf16 step's dots are bfloat16 (XLA:CPU rewrites them to float32: there the
+  lowered program's are checked), the fp32 step's float32;
+- bf16 trains the GPT within 2% of fp32's losses at the same steps;
+- ``grad_impl=gspmd`` with ZeRO-2 compiles a reduce-scatter (with more than one device);
+- tokens/s and MFU of the 8x256 GPT, fp32 against bf16, with the device's peak FLOP/s
+  (`PEAK_FLOPS`, dense bfloat16; the ``logger.peak_flops_per_device`` to give a run).
+
+``--smoke``: a tiny GPT and a few steps, to check the probe works (the CPU dry run).
+Writes JSON to ``--out`` (default: stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from typing import Any
+
+#: Dense bfloat16 FLOP/s per device by device kind (vendor datasheets), for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v5e": 197e12}
+
+
+def peak_flops(kind: str) -> float | None:
+    """The peak of the first `PEAK_FLOPS` entry named in the device kind, or None."""
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
+
+
+def _gpt(smoke: bool) -> Any:
+    from trainers.tasks.tiny_gpt import TinyGPTTask
+
+    if smoke:
+        return TinyGPTTask(d_model=32, n_heads=2, n_layers=1, d_ff=64, seq_len=16)
+    return TinyGPTTask(d_model=256, n_heads=8, n_layers=8, d_ff=1024, seq_len=64)
+
+
+def _trainer(task, batch: int, compute: str = "float32", **kwargs: Any) -> tuple[Any, Any, Any]:
+    import jax
+    import optax
+    from jax.sharding import AxisType
+
+    import xshard
+    from trainers.core.precision import Precision
+    from trainers.core.trainer import Trainer
+
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
+    tx = xshard.cross_shard(optax.adam(1e-3), "mean")
+    precision = Precision.of("float32", compute)
+    trainer = Trainer(task, tx, mesh, global_batch_size=batch, precision=precision, **kwargs)
+    first = next(iter(task.batches(batch, seed=0)))
+    return trainer, trainer.init(*trainer.init_variables(first)), first
+
+
+def dot_dtypes(text: str) -> list[str]:
+    """The result dtypes of the dots of a StableHLO or HLO text."""
+    stablehlo = re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text)
+    return sorted(set(stablehlo) | set(re.findall(r"= (\w+)\[[^\]]*\][^ ]* dot\(", text)))
+
+
+def dots(smoke: bool, batch: int) -> dict[str, Any]:
+    """The dtypes of the step's dots, lowered and compiled, for fp32 and bf16."""
+    out = {}
+    for compute in ("float32", "bfloat16"):
+        trainer, state, first = _trainer(_gpt(smoke), batch, compute)
+        lowered = trainer.lower(0, state, trainer.global_batch(first))
+        out[compute] = {
+            "lowered": dot_dtypes(lowered.as_text()),
+            "compiled": dot_dtypes(lowered.compile().as_text()),
+        }
+    return out
+
+
+def run_steps(compute: str, smoke: bool, batch: int, steps: int) -> dict[str, Any]:
+    """Losses, step time, tokens/s and FLOPs of `steps` steps of the GPT in `compute`."""
+    import jax
+
+    task = _gpt(smoke)
+    trainer, state, _ = _trainer(task, batch, compute)
+    batches = iter(task.batches(batch, seed=0))
+    losses, times = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, metrics = trainer.step(state, next(batches), with_stats=False)
+        losses.append(float(metrics["train/loss"]))  # waits for the step
+        times.append(time.perf_counter() - start)
+    jax.block_until_ready(state)
+    step_s = sorted(times[1:])[len(times[1:]) // 2] if steps > 1 else times[0]
+    cost = trainer.compiled.cost_analysis() if trainer.compiled is not None else None
+    flops = (cost or {}).get("flops") if isinstance(cost, dict) else None
+    memory = trainer.compiled.memory_analysis() if trainer.compiled is not None else None
+    return {
+        "losses": losses,
+        "median_step_s": step_s,
+        "tokens_per_s": batch * task.seq_len / step_s,
+        "flops_per_step_per_device": flops,
+        "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
+    }
+
+
+def reduce_scatter(smoke: bool, batch: int) -> dict[str, Any]:
+    """Whether ``grad_impl=gspmd`` with ZeRO-2 compiles a reduce-scatter on these devices."""
+    import jax
+
+    if len(jax.devices()) < 2:
+        return {"checked": False, "why": "one device: nothing to scatter over"}
+    trainer, state, first = _trainer(_gpt(smoke), batch, grad_impl="gspmd", zero_stage=2)
+    text = trainer.lower(0, state, trainer.global_batch(first)).compile().as_text()
+    found = {op: text.count(f" {op}(") for op in ("reduce-scatter", "all-reduce", "all-gather")}
+    return {"checked": True, "reduce_scatter": found["reduce-scatter"] > 0, "collectives": found}
+
+
+def probe(smoke: bool) -> dict[str, Any]:
+    """Every check of the module docstring, as one JSON-ready dict."""
+    import jax
+
+    devices = jax.devices()
+    batch = 8 * len(devices) if smoke else 16 * len(devices)
+    steps = 4 if smoke else 30
+    kind = devices[0].device_kind
+    runs = {c: run_steps(c, smoke, batch, steps) for c in ("float32", "bfloat16")}
+    fp32, bf16 = (runs[c]["losses"] for c in ("float32", "bfloat16"))
+    peak = peak_flops(kind)
+    for r in runs.values():
+        flops = r["flops_per_step_per_device"]
+        r["mfu"] = flops / r["median_step_s"] / peak if flops and peak else None
+    worst = max(abs(a - b) / abs(b) for a, b in zip(bf16, fp32))
+    return {
+        "backend": jax.default_backend(),
+        "device_kind": kind,
+        "devices": len(devices),
+        "peak_flops_per_device": peak,
+        "dots": dots(smoke, batch),
+        "runs": runs,
+        "bf16_vs_fp32_max_rel_loss_diff": worst,
+        "bf16_within_2pct": worst <= 0.02,
+        "zero2_gspmd": reduce_scatter(smoke, batch),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs `probe` and writes its JSON."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.device_probe")
+    parser.add_argument("--smoke", action="store_true", help="a tiny GPT, a few steps")
+    parser.add_argument("--out", default=None, help="JSON path (default: stdout)")
+    args = parser.parse_args(argv)
+    from benchmarks.env import configure_devices
+
+    configure_devices()
+    text = json.dumps(probe(args.smoke), indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()

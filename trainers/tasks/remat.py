@@ -1,0 +1,53 @@
+"""Rematerialisation of a task's layers: ``trainer.remat`` by name, as JAX checkpoint policies.
+
+A task opts in by taking a ``remat`` argument (its YAML node says ``remat: ${trainer.remat}``)
+and wrapping each layer's function once, when it builds its forward pass::
+
+    from trainers.tasks.remat import remat
+
+    layer = remat(my_layer, self.remat)      # my_layer(params, x) -> x
+    for p in params["layers"]:
+        x = layer(p, x)
+
+The names (`trainers.config.precision.REMAT_POLICIES`): ``none`` returns the function as it is;
+``full`` is ``jax.checkpoint`` without a policy (only the layer's inputs are kept); every other
+name is the ``jax.checkpoint_policies`` policy of that name. Flax models use the same policies
+with ``nnx.remat`` / ``nn.remat`` (`checkpoint_policy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+
+from trainers.config.precision import NO_REMAT, check_remat
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checkpoint_policy(name: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy named `name` (None for ``full``: save nothing).
+
+    Raises:
+      ConfigError: for a name not in `REMAT_POLICIES`, or ``none`` (no checkpoint at all).
+    """
+    check_remat(name)
+    if name == NO_REMAT:
+        raise ValueError("trainer.remat=none applies no checkpoint: there is no policy.")
+    return None if name == "full" else getattr(jax.checkpoint_policies, name)
+
+
+def remat(fn: F, name: str, *, static_argnums: tuple[int, ...] = ()) -> F:
+    """`fn` rematerialised with the policy `name` (`fn` itself for ``none``).
+
+    Args:
+      fn: a layer's function of arrays (and pytrees of them).
+      name: ``trainer.remat``.
+      static_argnums: positions of `fn`'s arguments that are not arrays.
+    """
+    if check_remat(name) == NO_REMAT:
+        return fn
+    policy = checkpoint_policy(name)
+    return jax.checkpoint(fn, policy=policy, static_argnums=static_argnums)  # type: ignore[return-value]

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.reliability_helpers import assert_bitwise_equal, load_state
 
 from tests import REPO
 from tests.cli import refused, run_train
+from tests.reliability_helpers import assert_bitwise_equal, load_state
 
 SMALL = [
     "task=tiny_gpt",

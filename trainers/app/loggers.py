@@ -1,6 +1,6 @@
 """The run's W&B, MLflow and CSV loggers (``logger=[...]``), built from the config.
 
-TensorBoard's hook is built in `trainers.app.training.tensorboard_hook`; the others are one
+TensorBoard's hook is `tensorboard_hook` (with the run's HParams); the others are one
 `trainers.hooks.run_logger.LoggerHook` each, around the logger of their option, with the same
 scalars (`trainers.hooks.logged_scalars`), the resolved config, the hyperparameters of
 TensorBoard's HParams and the run's summary. Only the lead process logs.
@@ -14,6 +14,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.app.build import RunOptions, RunParts
+from trainers.app.stages import Placement, Started
+from trainers.hooks.summary import RunSummary
 
 
 def logged_scalars(options: RunOptions, parts: RunParts, num_devices: int) -> Any:
@@ -76,3 +78,40 @@ def _run_loggers(options: RunOptions) -> list[Any]:
 
         out.append(CsvRunLogger(opts.csv.path))
     return out
+
+
+def tensorboard_hook(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    summary: RunSummary,
+) -> Any:
+    """The TensorBoard hook of the lead process, with the run's hparams and resolved config."""
+    from trainers.hooks.hparams import hparams
+    from trainers.hooks.perf import step_flops
+    from trainers.hooks.tensorboard import TensorBoardHook
+    from trainers.tasks.base import tokens_per_example
+
+    opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
+    values, overridden = hparams(cfg)
+    return TensorBoardHook(
+        where.dirs.tb_dir,
+        log_every=opts.log_every,
+        global_batch_size=opts.batch_size,
+        num_steps=opts.steps,
+        hparams=values,
+        overridden=overridden,
+        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+        flush_secs=logger_opts.flush_secs,
+        on_error=logger_opts.on_error,
+        noise_ema_steps=logger_opts.noise_ema_steps,
+        tokens_per_example=tokens_per_example(parts.task),
+        step_flops=lambda: step_flops(trainer.compiled),
+        num_devices=where.mesh.size,
+        peak_flops_per_device=logger_opts.peak_flops_per_device,
+        best_loss=lambda: (summary.best_loss, summary.best_step),
+        eval_metrics=started.evaluator.metric_names if started.evaluator else (),
+        eval_results=summary.eval_results,
+    )

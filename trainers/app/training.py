@@ -15,37 +15,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainers.app.build import RunOptions, RunParts, build_run, read_options
-from trainers.cluster.multihost import Cluster, current, join_cluster
+from trainers.app.stages import Placement, Started
+from trainers.app.wiring import run_hooks
+from trainers.cluster.multihost import current, join_cluster
 from trainers.cluster.preemption import StopOnSignal, stop_signals
-from trainers.cluster.run_dirs import RunDirs
 from trainers.hooks.summary import RunSummary
 
 log = logging.getLogger("trainers.train")
-
-
-class Placement(NamedTuple):
-    """Where the run trains: its processes, their shared dirs and the device mesh."""
-
-    cluster: Cluster
-    dirs: RunDirs
-    mesh: Any
-    data_axes: tuple[str, ...]
-
-
-class Started(NamedTuple):
-    """The state training starts from, and the data from its step on (a checkpointable
-    iterator already at the saved position: `trainers.checkpoint.data_state`)."""
-
-    state: Any
-    start_step: int
-    data: Iterator[Any]
-    evaluator: Any
-    config: dict[str, Any]
 
 
 def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
@@ -264,119 +245,6 @@ def start(
 
 
 # ------------------------------------------------------------------ hooks
-
-
-def run_hooks(
-    cfg: DictConfig,
-    options: RunOptions,
-    where: Placement,
-    parts: RunParts,
-    started: Started,
-    summary: RunSummary,
-    monitor: Any,
-    stop: StopOnSignal,
-) -> list[Any]:
-    """The run's hooks in the order they see each step, the user's own last.
-
-    The monitor comes before the hooks that act on a step: a bad step raises before they see
-    it. The summary only records, so it sees the step that diverged too. Logs and the progress
-    bar come from one process. Every evaluation goes to every other hook's ``on_eval``, the
-    evaluation comes before the loggers (their ``on_end`` writes the final one) and runs once
-    more when a hook stops the run early, not when a stop signal does.
-    """
-    from trainers.app.loggers import logger_hooks
-    from trainers.checkpoint.data_state import is_checkpointable
-    from trainers.checkpoint.hook import CheckpointHook
-    from trainers.hooks.early_stopping import early_stopping_hook
-    from trainers.hooks.evaluation import EvalHook
-    from trainers.hooks.monitor import ProgressHook
-    from trainers.hooks.perf import ProfileHook
-
-    opts, ckpt, dirs = options.trainer, options.checkpoint, where.dirs
-    lead, start_step = where.cluster.lead, started.start_step
-    summary.begin(
-        num_steps=opts.steps,
-        start_step=start_step,
-        checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
-        objective=opts.objective,
-    )
-    hooks: list[Any] = [summary, monitor]
-    evaluation = None
-    if started.evaluator is not None:
-        agreed = parts.trainer  # its agreed_stop says whether a signal stopped every process
-        evaluation = EvalHook(
-            started.evaluator,
-            every=opts.eval_every,
-            num_steps=opts.steps,
-            sinks=[],
-            preempted=lambda: stop() or bool(agreed.agreed_stop and agreed.agreed_stop.signal),
-        )
-        hooks.append(evaluation)
-    names = started.evaluator.metric_names if started.evaluator is not None else ()
-    early = early_stopping_hook(opts.early_stopping, names)
-    if early is not None:
-        hooks.append(early)
-    tensorboard = lead and options.logger.tensorboard is not None
-    if tensorboard:
-        hooks.append(tensorboard_hook(cfg, options, where, parts, started, summary))
-    if lead and opts.profile_steps is not None:
-        hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
-    if lead:  # W&B, MLflow, CSV: the same scalars, config, hparams and summary
-        hooks += logger_hooks(cfg, options, parts, summary, where.mesh.size)
-    hooks.append(
-        ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
-    )
-    if ckpt.enabled:  # created after the restore: its manager prunes old steps when saving
-        data = started.data if is_checkpointable(started.data) else None
-        checkpoints = CheckpointHook(dirs.checkpoint_dir, ckpt, started.config, data)
-        checkpoints.prepare(started.state)  # compiles its check now, not during the first save
-        hooks.append(checkpoints)
-    hooks += list(parts.hooks)  # the user's after the built-in ones
-    if evaluation is not None:
-        evaluation.sinks = [h.on_eval for h in hooks if h is not evaluation and _has_on_eval(h)]
-    return hooks
-
-
-def _has_on_eval(hook: Any) -> bool:
-    """Whether `hook` takes evaluations (a user's hook need not subclass `trainers.Hook`)."""
-    return callable(getattr(hook, "on_eval", None))
-
-
-def tensorboard_hook(
-    cfg: DictConfig,
-    options: RunOptions,
-    where: Placement,
-    parts: RunParts,
-    started: Started,
-    summary: RunSummary,
-) -> Any:
-    """The TensorBoard hook of the lead process, with the run's hparams and resolved config."""
-    from trainers.hooks.hparams import hparams
-    from trainers.hooks.perf import step_flops
-    from trainers.hooks.tensorboard import TensorBoardHook
-    from trainers.tasks.base import tokens_per_example
-
-    opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
-    values, overridden = hparams(cfg)
-    return TensorBoardHook(
-        where.dirs.tb_dir,
-        log_every=opts.log_every,
-        global_batch_size=opts.batch_size,
-        num_steps=opts.steps,
-        hparams=values,
-        overridden=overridden,
-        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        flush_secs=logger_opts.flush_secs,
-        on_error=logger_opts.on_error,
-        noise_ema_steps=logger_opts.noise_ema_steps,
-        tokens_per_example=tokens_per_example(parts.task),
-        step_flops=lambda: step_flops(trainer.compiled),
-        num_devices=where.mesh.size,
-        peak_flops_per_device=logger_opts.peak_flops_per_device,
-        best_loss=lambda: (summary.best_loss, summary.best_step),
-        eval_metrics=started.evaluator.metric_names if started.evaluator else (),
-        eval_results=summary.eval_results,
-    )
 
 
 # ------------------------------------------------------------------ how the run ended

@@ -1,0 +1,106 @@
+"""The run's hooks, in the order they see each step (`run_hooks`): the one place every
+built-in hook is attached."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from trainers.app.build import RunOptions, RunParts
+from trainers.app.loggers import logger_hooks, tensorboard_hook
+from trainers.app.stages import Placement, Started
+from trainers.cluster.preemption import StopOnSignal
+from trainers.hooks.summary import RunSummary
+
+
+def run_hooks(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    summary: RunSummary,
+    monitor: Any,
+    stop: StopOnSignal,
+) -> list[Any]:
+    """The run's hooks in the order they see each step, the user's own last.
+
+    The monitor comes before the hooks that act on a step: a bad step raises before they see
+    it. The summary only records, so it sees the step that diverged too. Logs and the progress
+    bar come from one process. Every evaluation goes to every other hook's ``on_eval``, the
+    evaluation comes before the loggers (their ``on_end`` writes the final one) and runs once
+    more when a hook stops the run early, not when a stop signal does.
+    """
+    from trainers.hooks.early_stopping import early_stopping_hook
+    from trainers.hooks.monitor import ProgressHook
+    from trainers.hooks.perf import ProfileHook
+
+    opts, ckpt, dirs = options.trainer, options.checkpoint, where.dirs
+    lead, start_step = where.cluster.lead, started.start_step
+    summary.begin(
+        num_steps=opts.steps,
+        start_step=start_step,
+        checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
+        objective=opts.objective,
+    )
+    hooks: list[Any] = [summary, monitor]
+    evaluation = evaluation_hook(options, parts, started, stop)
+    if evaluation is not None:
+        hooks.append(evaluation)
+    names = started.evaluator.metric_names if started.evaluator is not None else ()
+    early = early_stopping_hook(opts.early_stopping, names)
+    if early is not None:
+        hooks.append(early)
+    tensorboard = lead and options.logger.tensorboard is not None
+    if tensorboard:
+        hooks.append(tensorboard_hook(cfg, options, where, parts, started, summary))
+    if lead and opts.profile_steps is not None:
+        hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
+    if lead:  # W&B, MLflow, CSV: the same scalars, config, hparams and summary
+        hooks += logger_hooks(cfg, options, parts, summary, where.mesh.size)
+    hooks.append(
+        ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
+    )
+    if ckpt.enabled:
+        hooks.append(checkpoint_hook(options, where, started))
+    hooks += list(parts.hooks)  # the user's after the built-in ones
+    if evaluation is not None:
+        evaluation.sinks = [h.on_eval for h in hooks if h is not evaluation and _has_on_eval(h)]
+    return hooks
+
+
+def _has_on_eval(hook: Any) -> bool:
+    """Whether `hook` takes evaluations (a user's hook need not subclass `trainers.Hook`)."""
+    return callable(getattr(hook, "on_eval", None))
+
+
+def evaluation_hook(
+    options: RunOptions, parts: RunParts, started: Started, stop: StopOnSignal
+) -> Any:
+    """The evaluation hook (None without an evaluator): it skips the final evaluation when a
+    stop signal, here or to another process, ended the run."""
+    from trainers.hooks.evaluation import EvalHook
+
+    if started.evaluator is None:
+        return None
+    opts, trainer = options.trainer, parts.trainer  # agreed_stop: a signal stopped every process
+    return EvalHook(
+        started.evaluator,
+        every=opts.eval_every,
+        num_steps=opts.steps,
+        sinks=[],
+        preempted=lambda: stop() or bool(trainer.agreed_stop and trainer.agreed_stop.signal),
+    )
+
+
+def checkpoint_hook(options: RunOptions, where: Placement, started: Started) -> Any:
+    """The checkpoint hook, created after the restore (its manager prunes old steps when
+    saving), with the data iterator's state when it has one."""
+    from trainers.checkpoint.data_state import is_checkpointable
+    from trainers.checkpoint.hook import CheckpointHook
+
+    data = started.data if is_checkpointable(started.data) else None
+    hook = CheckpointHook(where.dirs.checkpoint_dir, options.checkpoint, started.config, data)
+    hook.prepare(started.state)  # compiles its check now, not during the first save
+    return hook

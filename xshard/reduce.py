@@ -25,8 +25,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from xshard import reduction_args
 from xshard.buckets import psum_scatter_tree, psum_tree
 from xshard.clipping import clip_recorded
+from xshard.errors import ConfigError
+from xshard.reduction_args import axis_names, clip_norm
 from xshard.reduction_mode import Reduction
 from xshard.stats import when
 
@@ -44,19 +47,12 @@ class DoubleReductionError(ValueError):
 
 
 def axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
-    """`axis_name` as a tuple of distinct, non-empty axis names.
+    """`axis_name` as a tuple of distinct, non-empty axis names (`xshard.reduction_args`).
 
     Raises:
-      ValueError: for an empty name, an empty tuple or duplicates.
+      ConfigError: for an empty name, an empty tuple or duplicates.
     """
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(
-            f"axis_name must be a non-empty axis name or tuple of names, got {axis_name!r}."
-        )
-    if len(set(names)) != len(names):
-        raise ValueError(f"axis_name has duplicate axes: {names!r}.")
-    return names
+    return axis_names(axis_name)
 
 
 def _manual_axes(axes: tuple[str, ...]) -> bool:
@@ -256,8 +252,8 @@ def per_shard_clip(
         `PerShardGradientsRequired` outside shard_map and `DoubleReductionError` for
         gradients that are already reduced.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
-        raise ValueError(f"clip_per_shard must be > 0 or None, got {max_norm!r}.")
+    if clip_norm(max_norm) is None:
+        raise ConfigError("clip_per_shard=None: per_shard_clip needs a global norm > 0.")
     axes = axis_tuple(axis_name)
 
     def init_fn(params):
@@ -310,7 +306,8 @@ class AllReduce:
         axes = axis_tuple(axis_name)
         if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
             raise ValueError(f"num_shards must be a positive int or None, got {num_shards!r}.")
-        comm = None if comm_dtype is None else jnp.dtype(comm_dtype)
+        name = reduction_args.comm_dtype(comm_dtype)
+        comm = None if name is None else jnp.dtype(name)
         return cls(mode, axes, comm, num_shards)
 
     def init(self, params: Any) -> optax.EmptyState:

@@ -34,6 +34,7 @@ from omegaconf import MISSING
 from xshard.config.axes import AxisReductionConf, check_axes
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
+from xshard.reduction_args import axis_names, clip_norm, comm_dtype
 from xshard.reduction_mode import Reduction
 
 SCHEMA_GROUP = "xshard_schemas"
@@ -278,9 +279,6 @@ class ExponentialScheduleConf(ScheduleConf):
 # reduction/: the keyword arguments of xshard.cross_shard (`mode` is its `reduction`).
 # --------------------------------------------------------------------------------------------
 
-#: Dtypes the all-reduce may run in (`reduction.comm_dtype`).
-COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
-
 
 @dataclass
 class ReductionConf:
@@ -303,32 +301,11 @@ class ReductionConf:
             raise ConfigError(
                 f"Unsupported reduction.mode: {shown(self.mode)}. Allowed: {allowed} (any case)."
             ) from None
-        axes = self.axis_name
-        if axes is not None:
-            names = [axes] if isinstance(axes, str) else axes
-            if (
-                not isinstance(names, list | tuple)
-                or not names
-                or not all(isinstance(a, str) and a for a in names)
-                or len(set(names)) != len(names)
-            ):
-                raise ConfigError(
-                    f"reduction.axis_name={shown(axes)}: expected a mesh axis name or a list "
-                    "of distinct names, e.g. data or [dcn_data, data]; null: the mesh's "
-                    "data axes."
-                )
-            self.axis_name = tuple(names)
-        clip = self.clip_per_shard
-        if clip is not None and not (isinstance(clip, int | float) and clip > 0):
-            raise ConfigError(
-                f"reduction.clip_per_shard={shown(clip)}: expected null or a global norm, a "
-                "number > 0."
-            )
-        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
-            raise ConfigError(
-                f"reduction.comm_dtype={shown(self.comm_dtype)}: expected null or a floating "
-                f"dtype name, one of {list(COMM_DTYPES)}."
-            )
+        # The rules of the library's keywords, with the config's keys in their messages.
+        if self.axis_name is not None:
+            self.axis_name = axis_names(self.axis_name, key="reduction.axis_name")
+        self.clip_per_shard = clip_norm(self.clip_per_shard, key="reduction.clip_per_shard")
+        self.comm_dtype = comm_dtype(self.comm_dtype, key="reduction.comm_dtype")
         check_axes(self.axes)
 
 

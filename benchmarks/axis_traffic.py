@@ -102,10 +102,13 @@ def _groups(line: str, num_devices: int) -> list[list[int]]:
         return ids.reshape([int(d) for d in m["shape"].split(",")]).tolist()
     if m := _MESH.search(line):
         named = re.findall(r"'([^']+)'=(\d+)", m["axes"])
-        if len(named) != m["axes"].count("="):
-            raise ValueError(f"unsupported mesh replica groups: {line.strip()[:200]}")
         names = [name for name, _ in named]
-        over = [names.index(a) for a in re.findall(r"'([^']+)'", m["over"])]
+        over_names = re.findall(r"'([^']+)'", m["over"])
+        if not re.fullmatch(r"'[^']+'=\d+(?:,'[^']+'=\d+)*", m["axes"].replace(" ", "")) or (
+            set(over_names) - set(names)
+        ):  # sub-axes or explicit device lists: not parsed, so not guessed
+            raise ValueError(f"unsupported mesh replica groups: {line.strip()[:200]}")
+        over = [names.index(a) for a in over_names]
         ids = np.arange(num_devices).reshape([int(size) for _, size in named])
         rest = [i for i in range(len(names)) if i not in over]
         size = math.prod(ids.shape[i] for i in over)

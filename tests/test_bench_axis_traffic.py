@@ -22,7 +22,7 @@ def mesh():
     return Mesh(devices, tuple(SHAPE), axis_types=(AxisType.Auto,) * 2)
 
 
-def compiled_text(mesh, body, out_specs=P()) -> str:
+def compiled_text(mesh, body, out_specs) -> str:
     """The compiled text of `body` on a per-device (N,) float32 shard, in shard_map over the
     whole mesh."""
     x = jnp.ones((8 * N,), jnp.float32)

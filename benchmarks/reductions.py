@@ -8,7 +8,8 @@ every run built from the Hydra configs as the CLI builds it (`benchmarks.reducti
    H=32 and ``diloco_int8`` (H=8), also with ``sharding.zero_stage=1`` (outer state sharded
    over ``data``). Per step over ``slice`` = inner program + sync program / H.
 2. ``quality``: final training loss (mean of the last updates) and eval loss of the outer params
-   of ``mean``, ``diloco`` H=8 and H=32 and ``diloco_int8``, same steps and tokens, 3 seeds.
+   of ``mean``, ``diloco`` H=8 and H=32, ``diloco_int8`` and ``local_sgd`` H=8, same steps and
+   tokens, 3 seeds.
 3. ``timing``: step time of the inner and sync programs against the synchronous step, side by
    side in one process (`benchmarks.timing.interleave`, medians).
 
@@ -50,6 +51,7 @@ QUALITY_VARIANTS: dict[str, tuple[str, ...]] = {
     "diloco H=8": ("reduction=diloco",),
     "diloco H=32": ("reduction=diloco", "reduction.axes.slice.every_steps=32"),
     "diloco_int8 H=8": ("reduction=diloco_int8",),
+    "local_sgd H=8": ("reduction=local_sgd",),  # the outer step without momentum: plain averaging
 }
 #: The runs whose programs are timed (from BYTES_VARIANTS).
 TIMED = ("mean", "local_sgd H=8", "diloco_int8 H=8")

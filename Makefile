@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help setup train test test-fast lint format bench bench-zero device-wheels clean
+.PHONY: help setup train test test-fast lint format bench bench-zero bench-reductions device-wheels clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -43,10 +43,16 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, benchmarks/zero_results.md)
+bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, zero_results.md, reductions_results.md)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 	$(PY) -m benchmarks.precision_memory
+	$(PY) -m benchmarks.reductions
+
+# Per-axis reductions (local SGD, DiLoCo, int8) on mesh=cpu2x4_slices: bytes per axis from the
+# compiled programs, tiny_gpt quality over 3 seeds, step times (benchmarks/reductions_results.md).
+bench-reductions: $(STAMP)  ## the per-axis reductions benchmark only
+	$(PY) -m benchmarks.reductions
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
 bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only

@@ -52,14 +52,16 @@ _REDUCERS = ("add", "maximum", "minimum", "multiply", "and", "or")
 _DTYPE_BYTES = {"pred": 1, "bf16": 2, "c64": 8, "c128": 16}
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of an HLO element type (``f32``, ``bf16``, ``s8``, ``f8e4m3fn``...)."""
     if dtype in _DTYPE_BYTES:
         return _DTYPE_BYTES[dtype]
-    bits = re.sub(r"\D", "", dtype)
-    return max(1, int(bits) // 8) if bits else 4
+    bits = re.match(r"[a-z]+(\d+)", dtype)  # f8e4m3fn: 8 bits, not "843"
+    return max(1, int(bits.group(1)) // 8) if bits else 4
 
 
-def _operand_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+def operand_shapes(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The (element type, dims) of every array in an instruction's result shape text."""
     text = re.sub(r"/\*.*?\*/", "", shape_text)  # drop /*index=5*/ comments
     return [
         (m["dtype"], tuple(int(d) for d in m["dims"].split(",") if d))
@@ -138,7 +140,7 @@ def collectives(compiled: jax.stages.Compiled, params: Any, *, pmapped: bool = F
         m = _INSTRUCTION.match(line)
         if m is None:
             continue
-        shapes = _operand_shapes(m["shape"])
+        shapes = operand_shapes(m["shape"])
         if m["op"].endswith("-start") and len(shapes) > 1:
             # async starts return (operands..., results...): keep the results half
             shapes = shapes[len(shapes) // 2 :]
@@ -147,7 +149,7 @@ def collectives(compiled: jax.stages.Compiled, params: Any, *, pmapped: bool = F
         dtypes = collections.Counter()
         for dtype, dims in shapes:
             n = math.prod(dims)
-            nbytes += n * _dtype_bytes(dtype)
+            nbytes += n * dtype_bytes(dtype)
             dtypes[dtype] += 1
             if len(dims) and n > 1 and tuple(sorted(dims)) in param_dims:
                 kinds["gradient"] += 1

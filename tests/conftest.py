@@ -58,6 +58,7 @@ def compose_config(tmp_path):
 LONGEST_FIRST = (
     "test_benchmarks_smoke.py",
     "test_zero_bench_smoke.py",
+    "test_reductions_bench_smoke.py",
     "test_example_repo.py",
     "test_multihost_cli.py",
     "test_stream_multihost_cli.py",

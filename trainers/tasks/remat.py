@@ -13,6 +13,13 @@ The names (`trainers.config.precision.REMAT_POLICIES`): ``none`` returns the fun
 ``full`` is ``jax.checkpoint`` without a policy (only the layer's inputs are kept); every other
 name is the ``jax.checkpoint_policies`` policy of that name. Flax models use the same policies
 with ``nnx.remat`` / ``nn.remat`` (`checkpoint_policy`).
+
+On XLA:CPU a policy changes nothing by default: the CPU compiler expands the optimization
+barriers ``jax.checkpoint`` lowers to (its ``cse_barrier_expander`` pass) before it eliminates
+common subexpressions, which merges the recomputed forward pass back into the saved one. GPU and
+TPU compilers keep them. `XLA_CPU_KEEP_REMAT` (as ``Lowered.compile(compiler_options=...)``, or
+``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`` for a whole run) keeps them on CPU
+too: the benchmark and the tests measure remat's memory with it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -25,6 +32,10 @@ import jax
 from trainers.config.precision import NO_REMAT, check_remat
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: XLA:CPU compiler options that keep ``jax.checkpoint``'s barriers, so remat recomputes
+#: (module docstring); for ``jax.stages.Lowered.compile(compiler_options=...)``.
+XLA_CPU_KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool] | None:

@@ -16,10 +16,11 @@ with ``nnx.remat`` / ``nn.remat`` (`checkpoint_policy`).
 
 On XLA:CPU a policy changes nothing by default: the CPU compiler expands the optimization
 barriers ``jax.checkpoint`` lowers to (its ``cse_barrier_expander`` pass) before it eliminates
-common subexpressions, which merges the recomputed forward pass back into the saved one. GPU and
-TPU compilers keep them. `XLA_CPU_KEEP_REMAT` (as ``Lowered.compile(compiler_options=...)``, or
-``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander`` for a whole run) keeps them on CPU
-too: the benchmark and the tests measure remat's memory with it (docs/benchmarks.md).
+common subexpressions, which merges the recomputed forward pass back into the saved one (remat
+is meant for GPUs and TPUs, where it is how JAX saves activation memory). `XLA_CPU_KEEP_REMAT`
+(``Lowered.compile(compiler_options=...)``; for a whole run,
+``XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander``) keeps them on CPU too: the
+benchmark and the tests measure remat's memory with it (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -43,10 +43,11 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, benchmarks/zero_results.md)
+bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, zero_results.md, precision_results.json, compile_cache_results.json)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 	$(PY) -m benchmarks.precision_memory
+	$(PY) -m benchmarks.compile_cache
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
 bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only

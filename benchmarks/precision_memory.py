@@ -13,7 +13,8 @@ Per variant, of the trainer's real step program (`Trainer.lower`, the plain step
   undoes remat (`trainers.tasks.remat`), so the program timed is compiled with
   `XLA_CPU_KEEP_REMAT`, as a GPU or TPU compiles it;
 - the live arrays per device after the steps (the state and the batch) and, where the device
-  reports it (GPU, TPU), its ``peak_bytes_in_use``;
+  reports it (GPU, TPU), its ``peak_bytes_in_use`` so far (``device_peak_so_far_MiB``: JAX
+  never resets it, so a variant's own peak shows only where it exceeds the earlier ones');
 - the median time of the timed steps, all variants in one process.
 
 On the CPU platform XLA computes bfloat16 dots in float32 (with conversions around them): the
@@ -113,7 +114,7 @@ def measure(gpt: dict[str, Any], compute: str, remat: str, steps: int) -> dict[s
         ),
         "stock_cpu_temp_MiB": _mib(stock),
         "live_arrays_per_device_MiB": _mib(live),
-        "device_peak_bytes_in_use_MiB": _mib(stats.get("peak_bytes_in_use")),
+        "device_peak_so_far_MiB": _mib(stats.get("peak_bytes_in_use")),
         "median_step_s": round(sorted(times)[len(times) // 2], 4),
     }
 

@@ -61,10 +61,21 @@ def _trainer(task, batch: int, compute: str = "float32", **kwargs: Any) -> tuple
     return trainer, trainer.init(*trainer.init_variables(first)), first
 
 
+#: What a matrix multiplication is in compiled HLO: a ``dot``, or on a GPU the cuBLAS / cuBLASLt
+#: custom call or the Triton GEMM fusion XLA rewrites it to.
+_GEMM = re.compile(r" dot\(|__cublas\$|__triton_gemm|kind=kCustom, calls=%gemm_fusion")
+
+
 def dot_dtypes(text: str) -> list[str]:
-    """The result dtypes of the dots of a StableHLO or HLO text."""
-    stablehlo = re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text)
-    return sorted(set(stablehlo) | set(re.findall(r"= (\w+)\[[^\]]*\][^ ]* dot\(", text)))
+    """The result dtypes of the matrix multiplications of a StableHLO or HLO text (a GEMM custom
+    call's result is a tuple: its first element)."""
+    found = set(re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text))
+    for line in text.splitlines():
+        if _GEMM.search(line):
+            result = re.search(r"= \(?(\w+)\[", line)
+            if result:
+                found.add(result.group(1))
+    return sorted(found)
 
 
 def dots(smoke: bool, batch: int) -> dict[str, Any]:
@@ -115,7 +126,10 @@ def reduce_scatter(smoke: bool, batch: int) -> dict[str, Any]:
         return {"checked": False, "why": "one device: nothing to scatter over"}
     trainer, state, first = _trainer(_gpt(smoke), batch, grad_impl="gspmd", zero_stage=2)
     text = trainer.lower(0, state, trainer.global_batch(first)).compile().as_text()
-    found = {op: text.count(f" {op}(") for op in ("reduce-scatter", "all-reduce", "all-gather")}
+    # On a GPU, collectives are asynchronous: ``all-reduce-start(``, or the plain op inside
+    # an ``async-start``'s computation.
+    ops = ("reduce-scatter", "all-reduce", "all-gather")
+    found = {op: len(re.findall(rf" {op}(?:-start)?\(", text)) for op in ops}
     return {"checked": True, "reduce_scatter": found["reduce-scatter"] > 0, "collectives": found}
 
 

@@ -83,3 +83,23 @@ def test_an_unknown_argument_exits_2():
         check=False,
     )
     assert result.returncode == 2 and "unknown argument --bogus" in result.stderr
+
+
+def test_the_probe_reads_gemm_dtypes_in_gpu_hlo():
+    """XLA:GPU compiles a dot to a cuBLAS custom call (a tuple: result and workspace) or a
+    Triton GEMM fusion; the probe reads their result dtypes like a plain ``dot``'s."""
+    from benchmarks.device_probe import dot_dtypes
+
+    cublas = (
+        "%custom-call.3 = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(bf16[64,256]{1,0} %a, "
+        'bf16[256,256]{1,0} %b), custom_call_target="__cublas$gemm"'
+    )
+    triton = (
+        "%fusion.2 = f32[8,8]{1,0} fusion(f32[8,8]{1,0} %x, f32[8,8]{1,0} %y), kind=kCustom, "
+        "calls=%gemm_fusion_dot.1, "
+        'backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}'
+    )
+    add = "%add.1 = f16[4,4]{1,0} add(f16[4,4]{1,0} %p, f16[4,4]{1,0} %q)"
+    assert dot_dtypes(cublas) == ["bf16"]
+    assert dot_dtypes(triton) == ["f32"]
+    assert dot_dtypes("\n".join([cublas, triton, add])) == ["bf16", "f32"]

@@ -25,6 +25,7 @@ benchmark and the tests measure remat's memory with it (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,9 +35,18 @@ from trainers.config.precision import NO_REMAT, check_remat
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: The XLA:CPU pass that expands ``jax.checkpoint``'s barriers before CSE (module docstring).
+XLA_CPU_BARRIER_PASS = "cse_barrier_expander"
 #: XLA:CPU compiler options that keep ``jax.checkpoint``'s barriers, so remat recomputes
 #: (module docstring); for ``jax.stages.Lowered.compile(compiler_options=...)``.
-XLA_CPU_KEEP_REMAT = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+XLA_CPU_KEEP_REMAT = {"xla_disable_hlo_passes": XLA_CPU_BARRIER_PASS}
+
+
+def remat_undone_here() -> bool:
+    """Whether this process compiles for XLA:CPU with `XLA_CPU_BARRIER_PASS` on (``XLA_FLAGS``
+    does not disable it): a remat policy then saves no memory."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return jax.default_backend() == "cpu" and XLA_CPU_BARRIER_PASS not in flags
 
 
 def checkpoint_policy(name: str) -> Callable[..., bool] | None:

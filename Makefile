@@ -43,10 +43,11 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-bench: $(STAMP)  ## the benchmarks (benchmarks/results.md, zero_results.md, reductions_results.md)
+bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precision, cache, reductions)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 	$(PY) -m benchmarks.precision_memory
+	$(PY) -m benchmarks.compile_cache
 	$(PY) -m benchmarks.reductions
 
 # Per-axis reductions (local SGD, DiLoCo, int8) on mesh=cpu2x4_slices: bytes per axis from the
@@ -62,8 +63,15 @@ clean:  ## remove .venv and every output
 	rm -rf $(VENV) outputs multirun build *.egg-info
 
 # The wheels benchmarks/device_check.sh installs on an accelerator host without network (the
-# dependencies such a host lacks); not committed.
-DEVICE_WHEELS := hydra-core omegaconf antlr4-python3-runtime==4.9.3 tensorboardX grain
+# dependencies such a host lacks), for each Python it may have; not committed. antlr4 4.9.3 has
+# no wheel on PyPI: it is built here (pure Python), and the others resolve against it.
+DEVICE_WHEELS   := hydra-core omegaconf tensorboardX grain
+DEVICE_PYTHONS  ?= 3.10 3.11 3.12 3.13
+DEVICE_PLATFORM ?= --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
 device-wheels: $(STAMP)  ## download the wheels benchmarks/device_check.sh installs offline
-	$(PY) -m pip download --dest benchmarks/wheels --only-binary=:all: $(DEVICE_WHEELS) \
-		|| $(PY) -m pip download --dest benchmarks/wheels $(DEVICE_WHEELS)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir benchmarks/wheels antlr4-python3-runtime==4.9.3
+	for v in $(DEVICE_PYTHONS); do \
+		$(PY) -m pip download --quiet --dest benchmarks/wheels --find-links benchmarks/wheels \
+			--only-binary=:all: --python-version $$v $(DEVICE_PLATFORM) $(DEVICE_WHEELS) \
+			|| exit 1; \
+	done

@@ -7,8 +7,11 @@ On every device of the default backend (one GPU, a TPU host, or 8 simulated CPU 
   lowered program's are checked), the fp32 step's float32;
 - bf16 trains the GPT within 2% of fp32's losses at the same steps;
 - ``grad_impl=gspmd`` with ZeRO-2 compiles a reduce-scatter (with more than one device);
-- tokens/s and MFU of the 8x256 GPT, fp32 against bf16, with the device's peak FLOP/s
-  (`PEAK_FLOPS`, dense bfloat16; the ``logger.peak_flops_per_device`` to give a run).
+- a checkpoint of the bf16 state saved (Orbax, the checkpoint hook) and restored on these
+  devices is bitwise the saved state;
+- tokens/s and MFU of the 8x256 GPT through the trainer, fp32 against bf16, with the device's
+  peak FLOP/s (`PEAK_FLOPS`, dense bfloat16; the ``logger.peak_flops_per_device`` to give a
+  run); `benchmarks.gpt_throughput` compares them with a hand-written step.
 
 ``--smoke``: a tiny GPT and a few steps, to check the probe works (the CPU dry run).
 Writes JSON to ``--out`` (default: stdout).
@@ -20,6 +23,8 @@ import argparse
 import json
 import re
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 #: Dense bfloat16 FLOP/s per device by device kind (vendor datasheets), for MFU.
@@ -56,10 +61,21 @@ def _trainer(task, batch: int, compute: str = "float32", **kwargs: Any) -> tuple
     return trainer, trainer.init(*trainer.init_variables(first)), first
 
 
+#: What a matrix multiplication is in compiled HLO: a ``dot``, or on a GPU the cuBLAS / cuBLASLt
+#: custom call or the Triton GEMM fusion XLA rewrites it to.
+_GEMM = re.compile(r" dot\(|__cublas\$|__triton_gemm|kind=kCustom, calls=%gemm_fusion")
+
+
 def dot_dtypes(text: str) -> list[str]:
-    """The result dtypes of the dots of a StableHLO or HLO text."""
-    stablehlo = re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text)
-    return sorted(set(stablehlo) | set(re.findall(r"= (\w+)\[[^\]]*\][^ ]* dot\(", text)))
+    """The result dtypes of the matrix multiplications of a StableHLO or HLO text (a GEMM custom
+    call's result is a tuple: its first element)."""
+    found = set(re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text))
+    for line in text.splitlines():
+        if _GEMM.search(line):
+            result = re.search(r"= \(?(\w+)\[", line)
+            if result:
+                found.add(result.group(1))
+    return sorted(found)
 
 
 def dots(smoke: bool, batch: int) -> dict[str, Any]:
@@ -110,40 +126,99 @@ def reduce_scatter(smoke: bool, batch: int) -> dict[str, Any]:
         return {"checked": False, "why": "one device: nothing to scatter over"}
     trainer, state, first = _trainer(_gpt(smoke), batch, grad_impl="gspmd", zero_stage=2)
     text = trainer.lower(0, state, trainer.global_batch(first)).compile().as_text()
-    found = {op: text.count(f" {op}(") for op in ("reduce-scatter", "all-reduce", "all-gather")}
+    # On a GPU, collectives are asynchronous: ``all-reduce-start(``, or the plain op inside
+    # an ``async-start``'s computation.
+    ops = ("reduce-scatter", "all-reduce", "all-gather")
+    found = {op: len(re.findall(rf" {op}(?:-start)?\(", text)) for op in ops}
     return {"checked": True, "reduce_scatter": found["reduce-scatter"] > 0, "collectives": found}
 
 
-def probe(smoke: bool) -> dict[str, Any]:
-    """Every check of the module docstring, as one JSON-ready dict."""
+def checkpoint_round_trip(smoke: bool, batch: int) -> dict[str, Any]:
+    """Saves the bf16 GPT's state after two steps with the checkpoint hook (Orbax) and restores
+    it onto a fresh state's shardings: whether every leaf comes back bitwise equal, and on the
+    devices the state was on."""
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    from trainers.checkpoint.hook import CheckpointHook
+    from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
+    from trainers.config import CheckpointOptions
+
+    task = _gpt(smoke)
+    trainer, state, first = _trainer(task, batch, "bfloat16")
+    for _ in range(2):
+        state, _ = trainer.step(state, first, with_stats=False)
+    saved = jax.device_get(state)
+    _, fresh, _ = _trainer(task, batch, "bfloat16")
+    with tempfile.TemporaryDirectory() as tmp:
+        hook = CheckpointHook(Path(tmp), CheckpointOptions(async_save=False, keep=None), {})
+        hook.save(2, state)
+        hook.close()
+        restored = restore_checkpoint(RestoreSource(Path(tmp)), fresh, {})
+    pairs = zip(jax.tree.leaves(saved), jax.tree.leaves(jax.device_get(restored)))
+    bitwise = all(
+        a.dtype == b.dtype and a.tobytes() == b.tobytes()  # NaN statistics slots included
+        for a, b in ((np.asarray(a), np.asarray(b)) for a, b in pairs)
+    )
+    platforms = {d.platform for x in jax.tree.leaves(restored) for d in x.sharding.device_set}
+    return {
+        "bitwise_equal": bitwise,
+        "restored_on": sorted(platforms),
+        "same_shardings": jax.tree.map(lambda x: x.sharding, restored)
+        == jax.tree.map(lambda x: x.sharding, fresh),
+    }
+
+
+def bf16_runs(smoke: bool, batch: int, peak: float | None) -> dict[str, Any]:
+    """`run_steps` in fp32 and bf16, their MFU, and how far bf16's losses are from fp32's."""
+    steps = 4 if smoke else 30
+    runs = {c: run_steps(c, smoke, batch, steps) for c in ("float32", "bfloat16")}
+    for r in runs.values():
+        flops = r["flops_per_step_per_device"]
+        r["mfu"] = flops / r["median_step_s"] / peak if flops and peak else None
+    fp32, bf16 = (runs[c]["losses"] for c in ("float32", "bfloat16"))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(bf16, fp32))
+    within = worst <= 0.02
+    return {"runs": runs, "bf16_vs_fp32_max_rel_loss_diff": worst, "bf16_within_2pct": within}
+
+
+def probe(smoke: bool, write: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Every check of the module docstring into one JSON-ready dict, handed to `write` after
+    each check (what a time limit cuts short is still written); a check that raises is
+    recorded as ``{"error": ...}`` and the others run."""
     import jax
 
     devices = jax.devices()
     batch = 8 * len(devices) if smoke else 16 * len(devices)
-    steps = 4 if smoke else 30
     kind = devices[0].device_kind
-    runs = {c: run_steps(c, smoke, batch, steps) for c in ("float32", "bfloat16")}
-    fp32, bf16 = (runs[c]["losses"] for c in ("float32", "bfloat16"))
     peak = peak_flops(kind)
-    for r in runs.values():
-        flops = r["flops_per_step_per_device"]
-        r["mfu"] = flops / r["median_step_s"] / peak if flops and peak else None
-    worst = max(abs(a - b) / abs(b) for a, b in zip(bf16, fp32))
-    return {
+    record: dict[str, Any] = {
         "backend": jax.default_backend(),
         "device_kind": kind,
         "devices": len(devices),
         "peak_flops_per_device": peak,
-        "dots": dots(smoke, batch),
-        "runs": runs,
-        "bf16_vs_fp32_max_rel_loss_diff": worst,
-        "bf16_within_2pct": worst <= 0.02,
-        "zero2_gspmd": reduce_scatter(smoke, batch),
     }
+    checks: dict[str, Callable[[], Any]] = {
+        "dots": lambda: dots(smoke, batch),
+        "bf16": lambda: bf16_runs(smoke, batch, peak),
+        "zero2_gspmd": lambda: reduce_scatter(smoke, batch),
+        "checkpoint": lambda: checkpoint_round_trip(smoke, batch),
+    }
+    write(record)
+    for name, check in checks.items():
+        try:
+            record[name] = check()
+        except Exception as e:  # recorded; the other checks still run
+            record[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        write(record)
+    return record
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs `probe` and writes its JSON."""
+    """Runs `probe`, writing its JSON to ``--out`` after each check (default: stdout at the
+    end)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.device_probe")
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT, a few steps")
     parser.add_argument("--out", default=None, help="JSON path (default: stdout)")
@@ -151,12 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.env import configure_devices
 
     configure_devices()
-    text = json.dumps(probe(args.smoke), indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+
+    def write(record: dict[str, Any]) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+    record = probe(args.smoke, write)
+    if not args.out:
+        print(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

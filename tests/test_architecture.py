@@ -96,12 +96,14 @@ def test_tests_mirror_the_wings():
     top = sorted(p.name for p in tests.glob("test_*.py"))
     project_wide = {
         "test_architecture.py",
+        "test_bench_axis_traffic.py",
         "test_benchmarks_smoke.py",
         "test_device_check.py",
         "test_example_repo.py",
         "test_examples.py",
         "test_imports.py",
         "test_packaging.py",
+        "test_reductions_bench_smoke.py",
         "test_zero_bench_smoke.py",
     }
     assert set(top) <= project_wide, f"put these in the folder of what they test: {top}"

@@ -11,6 +11,7 @@ on the mesh, before any state is allocated or step compiled).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
         ShardingOptions,
         TrainerOptions,
     )
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,7 @@ def check_task_remat(task: Any, remat: str, name: str) -> None:
       ConfigError: naming ``trainer.remat``, the task and how to opt in.
     """
     from trainers.config.precision import NO_REMAT
+    from trainers.tasks.remat import XLA_CPU_BARRIER_PASS, remat_undone_here
     from xshard.errors import ConfigError
 
     if remat != NO_REMAT and getattr(task, "remat", NO_REMAT) != remat:
@@ -165,6 +169,13 @@ def check_task_remat(task: Any, remat: str, name: str) -> None:
             f"trainer.remat={remat!r}: task={name} does not apply it; a task opts in with "
             "`remat: ${trainer.remat}` in its node and a `remat` argument its layers use "
             "(trainers.tasks.remat, docs/tasks.md), or set trainer.remat=none."
+        )
+    if remat != NO_REMAT and remat_undone_here():
+        log.warning(
+            "trainer.remat=%s saves no memory on CPU: XLA:CPU merges the recomputation back; "
+            "XLA_FLAGS=--xla_disable_hlo_passes=%s keeps it (docs/config.md).",
+            remat,
+            XLA_CPU_BARRIER_PASS,
         )
 
 

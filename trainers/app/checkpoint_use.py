@@ -190,6 +190,7 @@ def evaluate_checkpoint(
         data_axes=data_axes,
         opts=options.trainer,
         seed=options.seed,
+        compute_dtype=restored.parts.trainer.precision.compute_dtype,
     )
     if evaluator is None:
         from xshard.errors import ConfigError

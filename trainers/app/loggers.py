@@ -32,6 +32,7 @@ def logged_scalars(options: RunOptions, parts: RunParts, num_devices: int) -> An
         noise_ema_steps=logger_opts.noise_ema_steps,
         tokens_per_example=tokens_per_example(parts.task),
         step_flops=lambda: step_flops(trainer.compiled),
+        compile_seconds=lambda: trainer.compile_seconds,
         num_devices=num_devices,
         peak_flops_per_device=logger_opts.peak_flops_per_device,
     )
@@ -109,6 +110,7 @@ def tensorboard_hook(
         noise_ema_steps=logger_opts.noise_ema_steps,
         tokens_per_example=tokens_per_example(parts.task),
         step_flops=lambda: step_flops(trainer.compiled),
+        compile_seconds=lambda: trainer.compile_seconds,
         num_devices=where.mesh.size,
         peak_flops_per_device=logger_opts.peak_flops_per_device,
         best_loss=lambda: (summary.best_loss, summary.best_step),

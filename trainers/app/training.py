@@ -239,7 +239,13 @@ def start(
         )
     # Compiled now: a bad eval split or trainer.objective fails before training.
     evaluator = build_evaluator(
-        task, where.mesh, state, data_axes=where.data_axes, opts=opts, seed=seed
+        task,
+        where.mesh,
+        state,
+        data_axes=where.data_axes,
+        opts=opts,
+        seed=seed,
+        compute_dtype=trainer.precision.compute_dtype,
     )
     return Started(state, start_step, data, evaluator, config)
 

@@ -12,7 +12,10 @@ mean over the scored examples (`trainers.hooks.eval_scoring`), of the task's
 for a task with model state, `trainers.core.model_state`; with a ``mask`` keyword it gets
 the mask), else of its loss with a fixed RNG (``loss`` and the aux metrics; the model state
 is read, its update dropped).
-Metrics are named ``eval/<name>``; ``eval/loss`` is always among them.
+Metrics are named ``eval/<name>``; ``eval/loss`` is always among them. The params are cast to
+the run's ``precision.compute_dtype`` inside the eval step, as the train step casts them
+(`trainers.core.precision`): with ``precision=bf16`` the evaluation's dots run in bfloat16 too,
+and its metrics are summed in float32.
 
 The eval step is its own jitted program over the global batch, compiled once ahead of time
 when the run starts (a bad task or eval batch fails before training, and no evaluation ever
@@ -42,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.config.run import EVAL_PREFIX, TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
 from trainers.core.periodic import outer_params
+from trainers.core.precision import cast_floating
 from trainers.core.step import TrainState
 from trainers.data.batch import Batch
 from trainers.data.padding import empty_batch, pad_rows, padding_like, row_layout
@@ -77,6 +81,8 @@ class Evaluator:
       num_batches: eval batches per evaluation (>= 1).
       seed: the run's seed (the eval split's and the RNG's).
       batch_key: the config key of `global_batch_size`, for error messages.
+      compute_dtype: the dtype the floating-point params are cast to in the eval step
+        (``precision.compute_dtype``); None: as they are stored.
 
     Raises:
       ConfigError: the batch does not split over the data shards or the processes.
@@ -92,6 +98,7 @@ class Evaluator:
         num_batches: int,
         seed: int,
         batch_key: str = "trainer.eval_batch_size",
+        compute_dtype: Any = None,
     ):
         check_batch_divisible(global_batch_size, mesh, tuple(data_axes), key=batch_key)
         if global_batch_size % jax.process_count():
@@ -105,6 +112,7 @@ class Evaluator:
         self.num_batches = num_batches
         self.seed = seed
         self.batch_key = batch_key
+        self.compute_dtype = compute_dtype
         self.batch_sharding = NamedSharding(mesh, P(tuple(data_axes)))
         self._replicated = NamedSharding(mesh, P())
         self._rng = jax.random.fold_in(jax.random.key(seed), _EVAL_STREAM)
@@ -146,6 +154,25 @@ class Evaluator:
         Raises:
           ConfigError: the eval split yields no batch.
         """
+        start = time.perf_counter()
+        lowered = self.lower(state)
+        self._compiled = lowered.compile()
+        self.compiles += 1
+        logger.info(
+            "Compiled the eval step (%d batches of %d) in %.2f s.",
+            self.count,
+            self.global_batch_size,
+            time.perf_counter() - start,
+        )
+
+    def lower(self, state: TrainState) -> jax.stages.Lowered:
+        """The eval step's program for `state` and the eval batches, traced and lowered, not
+        compiled (its StableHLO says which dtypes it computes in); sets `metric_names` and
+        `count` (`prepare` compiles it).
+
+        Raises:
+          ConfigError: the eval split yields no batch.
+        """
         count, first = 0, None
         for local, _ in self._batches():
             count, first = count + 1, local if first is None else first
@@ -161,6 +188,8 @@ class Evaluator:
         fn, takes_mask = metrics_fn(self.task, self._rng)
 
         def sums_of(params, model_state, batch, mask):
+            if self.compute_dtype is not None:
+                params = cast_floating(params, self.compute_dtype)
             return masked_sums(self.task, fn, takes_mask, (params, model_state), batch, mask)
 
         shapes = jax.eval_shape(sums_of, *variables, global_batch, mask)[0]
@@ -176,18 +205,9 @@ class Evaluator:
             in_shardings=(*shardings, self.batch_sharding, self.batch_sharding, self._replicated),
             out_shardings=self._replicated,
         )
-        start = time.perf_counter()
-        with jax.set_mesh(self.mesh):
-            zeros = self._zeros(len(names) + 1)
-            self._compiled = jitted.lower(*variables, global_batch, mask, zeros).compile()
-        self.compiles += 1
         self.metric_names = tuple(EVAL_PREFIX + n for n in names)
-        logger.info(
-            "Compiled the eval step (%d batches of %d) in %.2f s.",
-            self.count,
-            self.global_batch_size,
-            time.perf_counter() - start,
-        )
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(*variables, global_batch, mask, self._zeros(len(names) + 1))
 
     def _zeros(self, n: int) -> jax.Array:
         return jax.device_put(np.zeros((n,), np.float32), self._replicated)
@@ -332,6 +352,7 @@ def build_evaluator(
     data_axes: Sequence[str],
     opts: TrainerOptions,
     seed: int,
+    compute_dtype: Any = None,
 ) -> Evaluator | None:
     """The run's prepared `Evaluator`, or None when it does not evaluate; checks
     ``trainer.objective`` against the metrics the evaluation has.
@@ -343,6 +364,8 @@ def build_evaluator(
       data_axes: the data-parallel mesh axes.
       opts: the run's `xshard.config.TrainerOptions` (``eval_*`` and ``objective``).
       seed: the run's seed.
+      compute_dtype: the dtype the eval step computes in (``precision.compute_dtype``,
+        `Evaluator`); None: the params' own.
 
     Returns:
       None without an eval split or with ``trainer.eval_batches=0``.
@@ -374,6 +397,7 @@ def build_evaluator(
         num_batches=opts.eval_batches,
         seed=seed,
         batch_key="trainer.eval_batch_size" if explicit else "trainer.batch_size",
+        compute_dtype=compute_dtype,
     )
     evaluator.prepare(state)
     if objective != TRAIN_OBJECTIVE and objective not in evaluator.metric_names:

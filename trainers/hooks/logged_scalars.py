@@ -35,6 +35,8 @@ class LoggedScalars:
       step_flops: returns the compiled step's FLOPs per device, or None when unknown.
       num_devices: devices running the step.
       peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+      compile_seconds: returns the run's compile time so far (`Trainer.compile_seconds`),
+        read at each write: the throughput leaves what compiled within its window out.
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LoggedScalars:
         step_flops: Callable[[], float | None] | None = None,
         num_devices: int = 1,
         peak_flops_per_device: float | None = None,
+        compile_seconds: Callable[[], float | None] | None = None,
     ):
         self.log_every = max(1, int(log_every))
         self.num_steps = num_steps
@@ -60,8 +63,8 @@ class LoggedScalars:
         self.peak_flops_per_device = peak_flops_per_device
         self._window_start: tuple[int, float] | None = None
         self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
-        self._compiled_s = 0.0  # the run's compile time so far (``perf/compile_time_s``)
-        self._compiled_in_window = 0.0  # of which since the last write
+        self._compile_seconds = compile_seconds
+        self._compiled_at_start = 0.0  # the run's compile time when the window started
 
     def compile_time(self, metrics: dict[str, float]) -> Scalars:
         """``perf/compile_time_s`` of the step that compiled (logged whatever the period)."""
@@ -72,13 +75,9 @@ class LoggedScalars:
     def __call__(self, step: int, metrics: dict[str, float]) -> Scalars | None:
         """The scalars of a logging step; None on the other steps (whose metrics still feed
         the moving averages)."""
-        compiled = metrics.get(COMPILE_TIME)
         if self._window_start is None:
             self._window_start = (step, time.perf_counter())  # the first step: compilation
-        elif compiled is not None:  # a program compiled since the window started
-            self._compiled_in_window += compiled - self._compiled_s
-        if compiled is not None:
-            self._compiled_s = compiled
+            self._compiled_at_start = self._compiled()
         if "grad/noise_trace" in metrics:  # every statistics step, logged or not
             self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "grad/clip_fired" in metrics:
@@ -98,12 +97,17 @@ class LoggedScalars:
         if self.noise_ema.value is not None:
             scalars.append(("grad/noise_scale_ema", self.noise_ema.value))
         start_step, start_time = self._window_start
-        elapsed = now - start_time - self._compiled_in_window
+        compiled = self._compiled()
+        elapsed = now - start_time - (compiled - self._compiled_at_start)
         if step > start_step and elapsed > 0:
             scalars += self._speed((step - start_step) / elapsed)
         self._window_start = (step, now)
-        self._compiled_in_window = 0.0
+        self._compiled_at_start = compiled
         return scalars
+
+    def _compiled(self) -> float:
+        """The run's compile time so far (0 when unknown)."""
+        return (self._compile_seconds() if self._compile_seconds else None) or 0.0
 
     def _speed(self, steps_per_sec: float) -> Scalars:
         """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""

@@ -53,6 +53,7 @@ class TensorBoardHook(Hook):
         or None when unknown; for ``perf/flops_per_sec`` and ``perf/mfu``.
       num_devices: devices running the step (FLOP/s are per device times this).
       peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+      compile_seconds: returns the run's compile time so far: left out of the throughput.
       best_loss: returns the run's best loss and its step, for the HParams metrics.
       eval_metrics: the evaluation's metric names (``eval/loss``, ...), HParams metrics too.
       eval_results: returns the final and the best evaluation's metrics (None where there
@@ -81,6 +82,7 @@ class TensorBoardHook(Hook):
         step_flops: Callable[[], float | None] | None = None,
         num_devices: int = 1,
         peak_flops_per_device: float | None = None,
+        compile_seconds: Callable[[], float | None] | None = None,
         best_loss: Callable[[], tuple[float | None, int | None]] | None = None,
         eval_metrics: tuple[str, ...] = (),
         eval_results: Callable[[], tuple[dict | None, dict | None]] | None = None,
@@ -103,6 +105,7 @@ class TensorBoardHook(Hook):
             step_flops=step_flops,
             num_devices=num_devices,
             peak_flops_per_device=peak_flops_per_device,
+            compile_seconds=compile_seconds,
         )
         self._best_loss = best_loss
         self._eval_results = eval_results

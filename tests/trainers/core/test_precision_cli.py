@@ -64,6 +64,13 @@ def test_bf16_keeps_float32_checkpoints_and_resumes_bitwise(runs):
     assert_bitwise_equal(load_state(runs["resumed"] / "checkpoints" / "20"), first)
 
 
+def test_remat_on_cpu_warns_that_it_saves_no_memory(runs):
+    """The tests run on XLA:CPU without the flag that keeps remat (`trainers.tasks.remat`)."""
+    out = (runs["first"] / "stdout.txt").read_text()
+    assert "trainer.remat=dots_saveable saves no memory on CPU" in out
+    assert "XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander" in out
+
+
 def test_a_second_run_reads_its_programs_from_the_compilation_cache(runs):
     assert any(runs["cache"].glob("*-cache")), "no cache entry was written"
     first = re.search(CACHE_LINE, (runs["first"] / "stdout.txt").read_text())

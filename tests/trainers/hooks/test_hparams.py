@@ -50,8 +50,9 @@ def test_overrides_first_in_order_then_choices_then_key_values(composed):
     assert names[5] == "task.hidden"
     assert set(overridden) == set(names[:6])
     # Then the other groups, in the order of the config, then the compared values.
-    assert names[6:12] == ["optimizer", "schedule", "mesh", "checkpoint", "logger", "experiment"]
-    assert names[12:] == ["seed", "reduction.mode", "trainer.batch_size"]
+    groups = ["optimizer", "schedule", "precision", "mesh", "checkpoint", "logger", "experiment"]
+    assert names[6:13] == groups
+    assert names[13:] == ["seed", "reduction.mode", "trainer.batch_size"]
     assert not any(n.startswith(("xshard_schemas", "hydra")) or "progress" in n for n in names)
     assert values["trainer.steps"] == 7.0 and values["optimizer.learning_rate"] == 0.5
     assert values["reduction"] == "sum" and values["reduction.mode"] == "sum"

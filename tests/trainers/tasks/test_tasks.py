@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import hydra
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +11,6 @@ import optax
 import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from omegaconf import OmegaConf
 
 from tests import REPO
 from trainers.tasks import corpus
@@ -292,10 +290,11 @@ def test_sharded_loss_matches_unsharded(make_task):
 
 
 @pytest.mark.parametrize("name, cls", [("mlp", MLPTask), ("tiny_gpt", TinyGPTTask)])
-def test_hydra_config_instantiates_a_working_task(name, cls):
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
-    cfg.pop("defaults")  # task.data's keys (its own data unless a path is set)
-    task = hydra.utils.instantiate(cfg)
+def test_hydra_config_instantiates_a_working_task(name, cls, compose_config):
+    from trainers.app.build import build_task
+
+    # Composed as a run composes it: the task's node reads e.g. ${trainer.remat}.
+    task = build_task(compose_config(f"task={name}"))
     assert isinstance(task, cls) and task.name == name
     assert task.sharding_rules
     batch = next(task.batches(4, seed=0))

@@ -75,6 +75,7 @@ __all__ = [
     "CrossShardTransformation",
     "LocalReduction",
     "cross_shard",
+    "over_axes",
 ]
 
 
@@ -146,7 +147,15 @@ def cross_shard(
             mode, axis_name=mode_axes, comm_dtype=comm_dtype, num_shards=num_shards
         )
     spec = CrossShardSpec(
-        mode, names, clip_per_shard, comm_dtype, skip_nonfinite, track_stats, num_shards, rules
+        mode,
+        names,
+        clip_per_shard,
+        comm_dtype,
+        skip_nonfinite,
+        track_stats,
+        num_shards,
+        rules,
+        inner,
     )
     step_axes = spec.step_axes
     parts = _CrossShard(
@@ -158,6 +167,35 @@ def cross_shard(
     )
     phases = CrossShardPhases(parts.reduce, parts.finish, parts.apply)
     return CrossShardTransformation(parts.init, parts.update, spec, phases)
+
+
+def over_axes(
+    tx: CrossShardTransformation, axis_name: AxisNames, *, num_shards: int | None = None
+) -> CrossShardTransformation:
+    """`tx` rebuilt to reduce over `axis_name`: the same inner optimizer, mode, clipping, codec,
+    guard, statistics and every-step axis rules (its periodic axes are left out: name one in
+    `axis_name` to reduce over it every step). Its state has the structure of `tx`'s, so the
+    two can take turns on one state: a periodic axis's synchronous warm-up steps
+    (`xshard.axis_rules.AxisRule.warmup_steps`) run this over the periodic axis too.
+
+    Args:
+      tx: a `cross_shard` optimizer.
+      axis_name: the axes to reduce over.
+      num_shards: the shard count of `axis_name` for SUM outside shard_map (None: from the
+        mesh in context).
+    """
+    spec = tx.spec
+    return cross_shard(
+        spec.inner,
+        spec.reduction,
+        axis_name=axis_name,
+        clip_per_shard=spec.clip_per_shard,
+        comm_dtype=spec.comm_dtype,
+        skip_nonfinite=spec.skip_nonfinite,
+        num_shards=num_shards,
+        track_stats=spec.track_stats,
+        axes=dict(spec.axes.rules) or None,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # as a closure: equal only to itself

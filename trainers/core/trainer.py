@@ -184,10 +184,22 @@ class Trainer:
             )
             for lv in LEVELS
         }
+        # A periodic axis's warm-up steps: the same step reducing over that axis too.
+        self._warmup_fns = {}
+        if self.periodic is not None and self.periodic.rule.warmup_steps:
+            warm_tx = self.periodic.warmup_tx(self.tx, grad_impl, self.layout.stage)
+            self._warmup_fns = {
+                lv: make_train_step(
+                    task, warm_tx, step_mesh, self.spec, lv, step_layout, self.precision
+                )
+                for lv in LEVELS
+            }
         self._groups: tuple[tuple[int, ...], ...] = ()
         self._syncs: dict[int, jax.stages.Compiled] = {}
+        self._start: jax.stages.Compiled | None = None
         self._bytes_per_step = 0.0
         self._executables: dict[int, jax.stages.Compiled] = {}
+        self._warmup_executables: dict[int, jax.stages.Compiled] = {}
         # Per level: the shapes of the per-layer statistics after its metrics.
         self._diag_layouts: dict[int, dict[str, tuple[int, ...]]] = {}
         self._metric_keys: tuple[str, ...] = ()
@@ -307,12 +319,14 @@ class Trainer:
         dtypes the step computes in, before the compiler's rewrites."""
         return self._lower(level, state, batch).lowered
 
-    def _lower(self, level: int, state: TrainState, batch: dict[str, Any]) -> _Traced:
+    def _lower(
+        self, level: int, state: TrainState, batch: dict[str, Any], warmup: bool = False
+    ) -> _Traced:
         """`lower`, with what the tracing recorded (metric keys, per-layer layouts)."""
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
-        step_fn = self._step_fns[level]
+        step_fn = (self._warmup_fns if warmup else self._step_fns)[level]
 
         def run(state, batch, vote):
             state, metrics, diag = step_fn.fn(state, batch)
@@ -349,17 +363,17 @@ class Trainer:
             ) from None
         return _Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
 
-    def _compile(self, level: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
-        """Compiles the program of `level` for `state` and batches like `batch` (global)."""
-        self._compile_all([level], state, batch)
-
     def _compile_all(
-        self, levels: Sequence[int], state: TrainState, batch: dict[str, jax.Array]
+        self,
+        levels: Sequence[int],
+        state: TrainState,
+        batch: dict[str, jax.Array],
+        warmup: bool = False,
     ) -> None:
         """Lowers the programs of `levels` one after another (tracing holds the GIL), then
         compiles them concurrently, one thread each (XLA compiles without it)."""
         start = time.perf_counter()
-        traced = {level: self._lower(level, state, batch) for level in levels}
+        traced = {level: self._lower(level, state, batch, warmup) for level in levels}
         if len(traced) == 1:
             compiled = {level: t.lowered.compile() for level, t in traced.items()}
         else:
@@ -374,7 +388,7 @@ class Trainer:
             self._metric_keys = t.keys
             self._diag_layouts[level] = t.layouts
             self._stats_keys = t.stats_keys
-            self._executables[level] = compiled[level]
+            (self._warmup_executables if warmup else self._executables)[level] = compiled[level]
         self._leaf_names = tuple(leaf_names(state.params))
         self._report_compile = True
         logger.info(
@@ -418,6 +432,7 @@ class Trainer:
         layer_stats: bool = False,
         histograms: bool = False,
         stop_vote: int = 0,
+        warmup: bool = False,
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
@@ -437,6 +452,9 @@ class Trainer:
           histograms: also gradient histograms per layer; implies `layer_stats`.
           stop_vote: with `agree_stop`, this process's `StopVote.encode`, reduced over all
             processes into the hidden metric `STOP_VOTE_KEY`.
+          warmup: run a warm-up step of the periodic axis (its own programs: the gradient
+            reduced over that axis too, as `reduction=mean` would); `fit` passes it for
+            steps 1 to ``warmup_steps`` (`Periodic.in_warmup`).
 
         Returns:
           (the new state, its `StepMetrics`).
@@ -446,9 +464,12 @@ class Trainer:
         level = (
             HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
         )
-        if level not in self._executables:
-            self._compile(level, state, batch)
-        executable = self._executables[level]
+        if warmup and not self._warmup_fns:
+            raise ValueError("warmup=True needs a periodic axis with warmup_steps > 0.")
+        executables = self._warmup_executables if warmup else self._executables
+        if level not in executables:
+            self._compile_all([level], state, batch, warmup)
+        executable = executables[level]
         state, values = executable(state, batch, *self._votes(stop_vote))
         hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
         return state, StepMetrics(
@@ -472,6 +493,24 @@ class Trainer:
         periodic = self.periodic
         if periodic is None:
             return state, metrics
+        if step == periodic.rule.warmup_steps:  # the switch to local steps
+            if self._start is None:
+                shardings = self.state_shardings(state)
+                start = time.perf_counter()
+                with jax.set_mesh(self.mesh):
+                    self._start = (
+                        jax.jit(
+                            lambda s: periodic.start(s, self._groups),
+                            in_shardings=(shardings,),
+                            out_shardings=shardings,
+                            donate_argnums=(0,),
+                        )
+                        .lower(state)
+                        .compile()
+                    )
+                self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+                self._report_compile = True
+            return self._start(state), metrics
         fragment = due_fragment(step, periodic.rule)
         if fragment is None:
             return state, metrics
@@ -490,6 +529,7 @@ class Trainer:
                     .compile()
                 )
             self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+            self._report_compile = True
         state, values = self._syncs[fragment](state)
         bytes_tag = BYTES_TAG.format(axis=periodic.axis)
         return state, metrics.with_device_values(periodic.sync_keys(), values).with_host_values(
@@ -598,6 +638,7 @@ class Trainer:
                     layer_stats=level >= LAYERS,
                     histograms=level >= HISTOGRAMS,
                     stop_vote=vote() if agree else 0,
+                    warmup=self.periodic is not None and self.periodic.in_warmup(step),
                 )
                 state, metrics = self.sync(state, step, metrics)
                 if self._report_compile:
@@ -651,12 +692,7 @@ def periodic_inner_axes(
     """
     if periodic is None:
         return data_axes
-    axis, rule = periodic
-    if rule.warmup_steps:
-        raise ConfigError(
-            f"reduction.axes.{axis}.warmup_steps={rule.warmup_steps}: synchronous warm-up steps "
-            "are not implemented yet; use 0 (replicas train alone from the first step)."
-        )
+    axis, _ = periodic
     inner = tuple(a for a in data_axes if a != axis)
     if axis not in data_axes or not inner:
         raise ConfigError(

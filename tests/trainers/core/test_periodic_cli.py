@@ -54,6 +54,23 @@ def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction):
 
 
 @pytest.mark.slow
+def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=4",
+        "reduction.axes.slice.warmup_steps=2",
+        "trainer.steps=8",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    tb = tmp_path / "tb"
+    assert sorted(scalars(tb, "sync/slice/replica_drift")) == [6]  # 2 synchronous, then 4
+    assert sorted(scalars(tb, "train/loss")) == list(range(1, 9))
+
+
+@pytest.mark.slow
 def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
     common = (*COMMON, "reduction=diloco_int8", "reduction.axes.slice.every_steps=4")
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)

@@ -71,7 +71,7 @@ def test_warmup_is_the_synchronous_mean_then_replicas_train_alone(task, mesh):
             for r, o in zip(replicas, _leaves(outer_tree(trainer, state)), strict=True):
                 np.testing.assert_array_equal(r[1], o)
     # The warm-up program reduces over `slice`; the inner program never does.
-    warm_hlo = trainer._warmup_executables[PLAIN].as_text()
+    warm_hlo = trainer.executable_for(PLAIN, warmup=True).as_text()
     assert _collectives_over_slice(warm_hlo)
     assert _collectives_over_slice(trainer.executable_for(PLAIN).as_text()) == []
 

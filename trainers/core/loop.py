@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
@@ -26,8 +26,31 @@ from trainers.core.step import HISTOGRAMS, LAYERS, STATS, TrainState
 from trainers.core.step_levels import step_level
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 
-if TYPE_CHECKING:
-    from trainers.core.trainer import Trainer
+
+class Stepper(Protocol):
+    """What the loop needs of a `trainers.core.trainer.Trainer`."""
+
+    periodic: Any  # a `trainers.core.periodic.Periodic`, or None
+    agree_stop: bool
+    agreed_stop: StopVote | None
+
+    def step(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        *,
+        with_stats: bool = True,
+        layer_stats: bool = False,
+        histograms: bool = False,
+        stop_vote: int = 0,
+        warmup: bool = False,
+    ) -> tuple[TrainState, StepMetrics]: ...
+
+    def sync(
+        self, state: TrainState, step: int, metrics: StepMetrics
+    ) -> tuple[TrainState, StepMetrics]: ...
+
+    def with_compile_time(self, metrics: StepMetrics) -> StepMetrics: ...
 
 
 @dataclasses.dataclass
@@ -44,7 +67,7 @@ class FitLoop:
       pending: the last dispatched step and its metrics, not yet given to the hooks.
     """
 
-    trainer: Trainer
+    trainer: Stepper
     hooks: Sequence[Hook]
     num_steps: int
     periods: dict[str, int]

@@ -85,6 +85,7 @@ COST_MARKERS = {
         "test_stop_agreement.py",
         "test_exact_eval_multihost_cli.py",
         "test_stream_multihost_cli.py",
+        "test_periodic_multihost_cli.py",
     ),
     "wheel": ("test_packaging.py", "test_example_repo.py"),
 }

@@ -1,6 +1,11 @@
-"""A hook for the multi-process CLI tests: steps slow enough to send a signal mid-run."""
+"""Hooks for the multi-process CLI tests: steps slow enough to send a signal mid-run, and each
+process's own copy of a periodic run's outer params after every sync."""
 
 import time
+from pathlib import Path
+
+import jax
+import numpy as np
 
 from trainers.core.trainer import Hook
 
@@ -13,3 +18,27 @@ class Pace(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         time.sleep(self.seconds)
+
+
+class DumpOuter(Hook):
+    """After every `every`-th step, writes what this process holds of a periodic run's state:
+    ``<dir>/step<N>.process<i>.npz`` with the outer params (``outer_<j>``: leaf j, from this
+    process's first device) and its replicas' params (``replica_<j>``: the rows of the replica
+    axis this process holds, from its first device)."""
+
+    def __init__(self, dir: str, every: int):
+        self.dir, self.every = Path(dir), every
+
+    def wants_state(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def on_state(self, step: int, state) -> None:
+        def local(x):
+            return np.asarray(x.addressable_shards[0].data)
+
+        outer = [local(x) for frag in state.outer.params for x in frag]
+        replicas = [local(x) for x in jax.tree.leaves(state.params)]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        arrays = {f"outer_{j}": x for j, x in enumerate(outer)}
+        arrays |= {f"replica_{j}": x for j, x in enumerate(replicas)}
+        np.savez(self.dir / f"step{step}.process{jax.process_index()}.npz", **arrays)

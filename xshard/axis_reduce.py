@@ -30,7 +30,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from xshard.adasum import adasum_all_reduce, adasum_bytes_sent
-from xshard.axis_rules import CODEC_NAMES, RULE_NAMES, AxisRule
+from xshard.axis_rules import AxisRule, check_rules
 from xshard.codecs import get_codec
 from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
 from xshard.reduction_mode import Reduction
@@ -53,22 +53,17 @@ class AxisCommState(NamedTuple):
     bytes_sent: jax.Array
 
 
-def _check_rule(axis: str, rule: Any, data_axes: tuple[str, ...]) -> None:
-    """Refuses a rule `cross_shard` cannot run, naming the axis."""
-    key = f"axes[{axis!r}]"
-    if not isinstance(rule, AxisRule):
-        raise ValueError(f"{key} must be an xshard.axis_rules.AxisRule, got {rule!r}.")
-    if axis not in data_axes:
-        raise ValueError(f"{key}: {axis!r} is not one of the reduction's axes {data_axes!r}.")
-    if rule.comm_dtype is not None and rule.comm_dtype not in CODEC_NAMES:
-        raise ValueError(f"{key}.comm_dtype={rule.comm_dtype!r}; allowed: {CODEC_NAMES}.")
-    if rule.rule is not None and rule.rule not in RULE_NAMES:
-        raise ValueError(f"{key}.rule={rule.rule!r}; allowed: {RULE_NAMES}.")
-    if rule.rule == "adasum" and rule.comm_dtype not in (None, "float32"):
-        raise ValueError(
-            f"{key}: rule 'adasum' runs in float32 on the wire; comm_dtype="
-            f"{rule.comm_dtype!r} is not supported with it (use None or 'float32')."
-        )
+def _check_axes(axes: Mapping[str, AxisRule], data_axes: tuple[str, ...]) -> None:
+    """Refuses rules `cross_shard` cannot run, naming ``axes.<axis>`` (the config names the
+    same keys ``reduction.axes.<axis>``: `xshard.axis_rules.check_rules`)."""
+    for axis, rule in axes.items():
+        if not isinstance(rule, AxisRule):
+            raise ValueError(f"axes.{axis} must be an xshard.axis_rules.AxisRule, got {rule!r}.")
+        if axis not in data_axes:
+            raise ValueError(
+                f"axes.{axis}: {axis!r} is not one of the reduction's axes {list(data_axes)}."
+            )
+    check_rules(axes, "axes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,15 +91,8 @@ class AxisReductions:
         """
         if axes is None:
             return cls()
-        for axis, rule in axes.items():
-            _check_rule(axis, rule, data_axes)
+        _check_axes(axes, data_axes)
         every = tuple((a, r) for a, r in axes.items() if not r.periodic)
-        if len(every) > 1:  # the first axis's state would vary over the second one
-            raise ValueError(
-                f"axes: every-step rules on {len(every)} axes {tuple(a for a, _ in every)!r}; "
-                "at most one axis may reduce by its own rule every step (the others by the "
-                "reduction's mode)."
-            )
         return cls(every, tuple(a for a, r in axes.items() if r.periodic))
 
     def step_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:

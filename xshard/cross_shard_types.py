@@ -37,6 +37,8 @@ class CrossShardSpec:
     num_shards: int | None = None
     #: The per-axis rules (`xshard.axis_reduce`): none by default.
     axes: AxisReductions = AxisReductions()
+    #: The inner optimizer, as given (`xshard.optimizer.over_axes` rebuilds around it).
+    inner: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def step_axes(self) -> tuple[str, ...]:

@@ -6,7 +6,8 @@ composed config (a ``DictConfig`` or a plain dict) and returns::
     cross_shard(                      # per-shard clip -> reduce -> non-finite guard
         chain(xshard.clipping.clip_by_global_norm(clip),   # only if clip is set
               inject_hyperparams(optax.<optimizer>)(learning_rate=<schedule>, ...)),
-        reduction.mode, axis_name=..., clip_per_shard=..., comm_dtype=..., skip_nonfinite=...)
+        reduction.mode, axis_name=..., clip_per_shard=..., comm_dtype=..., skip_nonfinite=...,
+        axes={<axis>: AxisRule(...)})  # the every-step rule of reduction.axes, if any
 
 The global clip sits inside `cross_shard`, so the non-finite guard covers it. It clips as
 `optax.clip_by_global_norm` does and records the norms and whether it fired in its state
@@ -19,6 +20,10 @@ Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are r
 `xshard.targets.resolve_target`: a public class or function defined under ``optax.``,
 ``xshard.schedules.``, ``trainers.tasks.`` or an entry of ``allowed_targets``. Every bad value
 raises `ConfigError` naming the key, the value and what is allowed.
+
+``reduction.axes`` (`build_axis_rules`): the every-step rule (Adasum, a codec with error
+feedback) goes to ``cross_shard(axes=...)``; the periodic one (local SGD, DiLoCo) is left out
+of the step (``axis_name`` leaves its axis out) and runs in the trainer's sync step.
 """
 
 from __future__ import annotations
@@ -322,12 +327,14 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
         positive_number(clip, "clip", "null or a global norm for the reduced gradient")
 
     rules = _axis_rules(cfg, red, mesh, allowed)
-    every_step = sorted(name for name, rule in rules.items() if not rule.periodic)
-    if every_step:
-        raise ConfigError(
-            f"reduction.axes.{every_step[0]}: only periodic axes (with an outer_optimizer) "
-            "are supported by this build; every-step rules come with xshard.codecs."
-        )
+    every_step = {name: rule for name, rule in rules.items() if not rule.periodic}
+    for name in every_step:
+        if name not in red.axis_name:
+            raise ConfigError(
+                f"reduction.axes.{name}: {name!r} reduces every step by its own rule, so it "
+                f"must be one of reduction.axis_name={list(red.axis_name)}; add it there "
+                "(or leave reduction.axis_name null: the mesh's data axes)."
+            )
     num_shards = None
     if mesh is not None:
         # Raises MeshConfigError, a ConfigError.
@@ -337,4 +344,7 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
     inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed)
     if clip is not None:
         inner = optax.chain(clip_by_global_norm(clip), inner)
-    return cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards)
+    # The periodic axis takes no part in the step (the trainer's sync step reduces over it).
+    return cross_shard(
+        inner, **reduction_kwargs(red), num_shards=num_shards, axes=every_step or None
+    )

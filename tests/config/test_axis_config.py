@@ -1,6 +1,8 @@
 """``reduction.axes.<axis>``: each bad value is one ConfigError naming the key, the value and
 what is allowed, from the schema (no mesh) or against the mesh (xshard.axis_factory)."""
 
+import re
+
 import pytest
 
 from xshard.axis_factory import axis_rules
@@ -105,3 +107,36 @@ def test_good_presets_become_axis_rules():
     rules = axis_rules(conf.axes, SHAPE, DATA, ALLOWED)
     assert rules["slice"].periodic and rules["slice"].comm_dtype == "int8"
     assert not rules["data"].periodic and rules["data"].rule == "adasum"
+
+
+@pytest.mark.parametrize(
+    "axes",
+    [
+        {"data": {"comm_dtype": "int4"}},
+        {"data": {"rule": "median"}},
+        {"data": {"error_feedback": True}},
+        {"data": {"rule": "adasum", "comm_dtype": "int8"}},
+        {"slice": {"every_steps": 8}},
+        {"slice": {"rule": "adasum", "outer_optimizer": AVG}},
+        {"slice": {"comm_dtype": "int8", "error_feedback": True}, "data": {"rule": "sum"}},
+    ],
+)
+def test_library_and_config_refuse_a_rule_in_the_same_words(axes):
+    """`cross_shard(axes=...)` names ``axes.<axis>.<key>`` where the config names
+    ``reduction.axes.<axis>.<key>``; the rest of the message is the same (written once)."""
+    import optax
+
+    import xshard
+    from xshard.axis_rules import AxisRule
+
+    with pytest.raises(ConfigError) as from_config:
+        read_node(ReductionConf, {"axes": axes}, "reduction")
+    outer = optax.sgd(1.0)
+    rules = {
+        axis: AxisRule(**(node | ({"outer_optimizer": outer} if "outer_optimizer" in node else {})))
+        for axis, node in axes.items()
+    }
+    with pytest.raises(ValueError) as from_library:
+        xshard.cross_shard(optax.sgd(1.0), axis_name=("slice", "data"), axes=rules)
+    named_as_config = re.sub(r"(?<![\w.])axes\b", "reduction.axes", str(from_library.value))
+    assert str(from_config.value) == named_as_config

@@ -74,6 +74,12 @@ def mesh():
     return jax.make_mesh((NUM_SHARDS,), ("data",), axis_types=(AxisType.Auto,))
 
 
+@pytest.fixture(scope="module")
+def slices_mesh():
+    """mesh=cpu2x4_slices's mesh: the per-axis presets name its DCN axis `slice`."""
+    return jax.make_mesh((2, 4), ("slice", "data"), axis_types=(AxisType.Auto,) * 2)
+
+
 # A weight matrix, a bias and a norm scale, so that weight-decay masks are exercised.
 PARAMS = {
     "dense": {"kernel": jnp.full((4, 3), 0.5), "bias": jnp.full((3,), 0.5)},
@@ -92,19 +98,25 @@ def run(tx, mesh, steps: int = 2):
     initial state, the learning rate read from the state after each step).
     """
 
+    from xshard.axis_reduce import state_partition_specs
+
+    axes = tx.spec.axis_name  # a gradient per shard of the axes it reduces over
+
     def body(params, state):
-        local = jax.lax.pcast(params, "data", to="varying")
-        shard = jax.lax.axis_index("data").astype(jnp.float32)
+        local = jax.lax.pcast(params, axes, to="varying")
+        shard = jax.lax.axis_index(axes).astype(jnp.float32)
         grads = jax.grad(per_shard_loss)(local, shard)
         return tx.update(grads, state, params)
 
     def zero_grad(params, state):
-        zeros = jax.tree.map(jnp.zeros_like, jax.lax.pcast(params, "data", to="varying"))
+        zeros = jax.tree.map(jnp.zeros_like, jax.lax.pcast(params, axes, to="varying"))
         return tx.update(zeros, state, params)[0]
 
-    specs = dict(mesh=mesh, in_specs=(P(), P()))
-    step = jax.jit(jax.shard_map(body, out_specs=(P(), P()), **specs))
-    state = tx.init(PARAMS)
+    with jax.set_mesh(mesh):  # an axis rule sizes its state from the mesh
+        state = tx.init(PARAMS)
+    state_specs = state_partition_specs(state)  # P() but per-replica residuals
+    specs = dict(mesh=mesh, in_specs=(P(), state_specs))
+    step = jax.jit(jax.shard_map(body, out_specs=(P(), state_specs), **specs))
     zero_updates = jax.jit(jax.shard_map(zero_grad, out_specs=P(), **specs))(PARAMS, state)
     rates = []
     for _ in range(steps):
@@ -123,11 +135,15 @@ def test_groups_list_exactly_the_yaml_files():
 
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_option_composes_builds_and_runs(compose_cfg, mesh, group, option):
+def test_option_composes_builds_and_runs(compose_cfg, mesh, slices_mesh, group, option):
     overrides = [f"{group}={option}"]
     if group == "optimizer":
         overrides.append("schedule=constant")  # the rate is non-zero from the first step
     cfg = compose_cfg(*overrides)
+    if "slice" in cfg.reduction.axes:  # a per-axis preset of the DCN axis: on its mesh
+        cfg, mesh = compose_cfg(*overrides, "+mesh=cpu2x4_slices"), slices_mesh
+        if cfg.reduction.axes.slice.outer_optimizer is not None:
+            check_periodic_sync(cfg, mesh)
     tx = xshard.build_optimizer(cfg, mesh=mesh)
     updates, state, zero_updates, rates = run(tx, mesh)
 
@@ -148,6 +164,40 @@ def test_option_composes_builds_and_runs(compose_cfg, mesh, group, option):
     assert bool(jnp.all(zero_updates["norm"]["scale"] == 0))
     kernel_moves = bool(jnp.all(zero_updates["dense"]["kernel"] != 0))
     assert kernel_moves == bool(decays), cfg.optimizer
+
+
+def check_periodic_sync(cfg, mesh):
+    """The preset's periodic rule syncs as it is meant to: replicas over `slice` that drifted
+    apart give new outer params, the same on every replica, moved towards their mean."""
+    from xshard.axis_factory import periodic_axis
+    from xshard.factory import build_axis_rules
+    from xshard.periodic import init_outer, sync_fragment
+
+    axis, rule = periodic_axis(build_axis_rules(cfg, mesh=mesh))
+    assert axis == "slice" and rule.every_steps > 1
+    leaves = jax.tree.leaves(PARAMS)
+    outer = init_outer(rule, leaves, (tuple(range(len(leaves))),), 2)
+
+    def one(params, opt_state, residual):
+        shift = jax.lax.axis_index("slice").astype(jnp.float32) + 1.0  # replicas 1 and 2
+        replica = [jax.lax.pcast(p, "slice", to="varying") + shift for p in params]
+        res = None if residual is None else residual[0]
+        done = sync_fragment(rule, "slice", params, opt_state, res, replica)
+        return done.params, done.stats
+
+    residual = outer.residual[0]
+    sync = jax.shard_map(
+        one,
+        mesh=mesh,
+        in_specs=(P(), P(), None if residual is None else P("slice")),
+        out_specs=(P(), P()),
+        axis_names={"slice"},
+    )
+    new, stats = jax.jit(sync)(outer.params[0], outer.opt_state[0], residual)
+    assert float(stats.skipped) == 0 and float(stats.replica_drift) > 0
+    for old, p in zip(leaves, new, strict=True):
+        moved = np.asarray(p) - np.asarray(old)
+        assert np.all(moved > 0), moved  # towards the replicas' mean, old + 1.5
 
 
 def test_experiments_set_what_they_say(compose_cfg):

@@ -49,10 +49,17 @@ class Restored(NamedTuple):
 
 
 def restore_run(
-    cfg: DictConfig, run_dir: Path, step: int | None, mesh: Any, data_axes: tuple[str, ...]
+    cfg: DictConfig,
+    run_dir: Path,
+    step: int | None,
+    mesh: Any,
+    data_axes: tuple[str, ...],
+    saved_replicas: bool = False,
 ) -> Restored:
     """Builds the run's task and trainer on `mesh` and restores checkpoint `step` (None: the
-    latest complete one) into them.
+    latest complete one) into them. With `saved_replicas` (`mesh` smaller than the run's),
+    the per-replica arrays of a periodic axis or an axis rule are restored as saved
+    (`trainers.checkpoint.resume.with_saved_replica_shapes`): to read, not to train on.
 
     Raises:
       ConfigError: a bad config value (naming the key).
@@ -63,7 +70,11 @@ def restore_run(
     from trainers.app.build import build_run, read_options
     from trainers.checkpoint.hook import run_config
     from trainers.checkpoint.io import complete_steps
-    from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
+    from trainers.checkpoint.resume import (
+        RestoreSource,
+        restore_checkpoint,
+        with_saved_replica_shapes,
+    )
     from trainers.errors import CheckpointError
 
     with open_dict(cfg):
@@ -83,7 +94,13 @@ def restore_run(
     if first is None:
         raise CheckpointError(f"the task of {run_dir} yields no batch to build its state from.")
     state = trainer.init(*trainer.init_variables(first))
-    state = restore_checkpoint(RestoreSource(directory, step), state, run_config(cfg))
+    target: Any = state
+    if saved_replicas:
+        periodic = () if trainer.periodic is None else (trainer.periodic.axis,)
+        ruled = tuple(axis for axis, _ in parts.tx.spec.axes.rules)
+        step_dir = directory / str(steps[-1] if step is None else step)
+        target = with_saved_replica_shapes(state, step_dir, periodic + ruled)
+    state = restore_checkpoint(RestoreSource(directory, step), target, run_config(cfg))
     return Restored(parts, state, int(jax.device_get(state.step)))
 
 
@@ -111,11 +128,16 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     from jax.sharding import AxisType, Mesh
 
     from trainers.core.periodic import outer_params
+    from xshard.mesh_spec import data_axes as mesh_data_axes
 
     path = checked_run_dir(run_dir)
     cfg = read_run_config(path, overrides)
-    mesh = Mesh(np.array(jax.devices()[:1]), ("data",), axis_types=(AxisType.Auto,))
-    restored = restore_run(cfg, path, step, mesh, ("data",))
+    # The run's mesh axes, each of size 1: its axis rules and periodic axis still name them.
+    axes = tuple(cfg.mesh.axes) if cfg.get("mesh") is not None else ("data",)
+    device = np.array(jax.devices()[:1]).reshape((1,) * len(axes))
+    mesh = Mesh(device, axes, axis_types=(AxisType.Auto,) * len(axes))
+    data_axes = mesh_data_axes(cfg.mesh) if cfg.get("mesh") is not None else ("data",)
+    restored = restore_run(cfg, path, step, mesh, data_axes, saved_replicas=True)
     state = jax.device_get(restored.state)
     params = outer_params(state)  # a periodic axis's replicas: the params they last agreed on
     return Loaded(params, state.model_state, cfg, restored.step, restored.parts.task)

@@ -313,3 +313,39 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     line = text[0] if text else ""
     return f"{type(e).__name__}: {line[:300]}{'...' if len(line) > 300 else ''}"
+
+
+def with_saved_replica_shapes(
+    target: TrainState, step_dir: Path, replica_axes: tuple[str, ...]
+) -> Any:
+    """`target` (abstract) with the saved shapes of its per-replica leaves: those whose first
+    dimension is sharded over one of `replica_axes` (a periodic axis's replicas, an axis
+    rule's residual rows, whose sizes depend on the axis's size in the run that saved them).
+
+    For a state built on a smaller mesh than the run's (`trainers.load` on one device): every
+    other leaf keeps its shape, so a checkpoint of another model still fails its restore.
+
+    Raises:
+      CorruptCheckpointError: if the step's metadata cannot be read.
+    """
+    try:
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+            metadata = checkpointer.restore(
+                step_dir, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+            )[METADATA_ITEM]
+        signature = metadata["signature"]
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"Checkpoint {step_dir}: its metadata cannot be read ({_first_line(e)})."
+        ) from e
+
+    def shape(path: Any, x: Any) -> Any:
+        spec = tuple(getattr(x.sharding, "spec", ()))
+        first = spec[0] if spec else None
+        names = (first,) if isinstance(first, str) else tuple(first or ())
+        saved = signature.get(jax.tree_util.keystr(path))
+        if saved is None or not set(names) & set(replica_axes):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(tuple(saved[0]), x.dtype, sharding=x.sharding)
+
+    return jax.tree_util.tree_map_with_path(shape, target)

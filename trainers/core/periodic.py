@@ -43,11 +43,21 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.step import TrainState
 from xshard.axis_rules import AxisRule
+from xshard.errors import ConfigError
+from xshard.optimizer import CrossShardTransformation, over_axes
 from xshard.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
 
 #: The TensorBoard tags of a sync step, by `xshard.periodic.SyncStats` field.
 SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
 BYTES_TAG = "comm/{axis}/bytes_per_step"
+
+
+def is_sync_tag(tag: str) -> bool:
+    """Whether `tag` is one a sync step adds to the step's metrics (`SYNC_TAGS`, `BYTES_TAG`)."""
+    parts = tag.split("/")
+    if len(parts) != 3:
+        return False
+    return tag.startswith("sync/") or BYTES_TAG.format(axis=parts[1]) == tag
 
 
 def _squeeze(tree: Any) -> Any:
@@ -71,6 +81,48 @@ class Periodic:
     mesh: Mesh
     axis: str
     rule: AxisRule
+
+    def in_warmup(self, step: int) -> bool:
+        """Whether update `step` (1-based) is a synchronous warm-up step (``warmup_steps``)."""
+        return step <= self.rule.warmup_steps
+
+    def warmup_tx(
+        self, tx: CrossShardTransformation, grad_impl: str, zero_stage: int
+    ) -> CrossShardTransformation:
+        """The optimizer of the warm-up steps: `tx` reducing over the periodic axis too
+        (`xshard.optimizer.over_axes`), so that a warm-up step is the synchronous step of
+        ``reduction=mean`` over every data axis, and the replicas stay equal.
+
+        Raises:
+          ConfigError: with ``trainer.grad_impl=gspmd`` (the warm-up reduces per-shard
+            gradients over the axis) or a ZeRO stage (its layout slices over the other axes).
+        """
+        key = f"reduction.axes.{self.axis}.warmup_steps={self.rule.warmup_steps}"
+        if grad_impl != "manual":
+            raise ConfigError(
+                f"{key}: warm-up steps reduce per-shard gradients over {self.axis!r}, which "
+                f"trainer.grad_impl={grad_impl!r} does not compute; use trainer.grad_impl=manual "
+                "or warmup_steps=0."
+            )
+        if zero_stage:
+            raise ConfigError(
+                f"{key}: warm-up steps run with sharding.zero_stage=0 only (got {zero_stage}): "
+                f"the ZeRO layout slices over the data axes within a replica, not over "
+                f"{self.axis!r}; use zero_stage=0 or warmup_steps=0."
+            )
+        shards = tx.spec.num_shards
+        return over_axes(
+            tx,
+            (self.axis, *tx.spec.axis_name),
+            num_shards=None if shards is None else shards * self.replicas,
+        )
+
+    def start(self, state: TrainState, groups: tuple[tuple[int, ...], ...]) -> TrainState:
+        """The switch from the warm-up to local steps: the outer params become the replicas'
+        params (equal on every replica after synchronous steps: replica 0's are taken)."""
+        leaves = [x[0] for x in jax.tree.leaves(state.params)]
+        params = tuple([leaves[i] for i in g] for g in groups)
+        return state._replace(outer=state.outer._replace(params=params))
 
     @property
     def replicas(self) -> int:

@@ -1,25 +1,16 @@
 """The generic pjit trainer: `init` / `step` / `fit`, over any task and any cross-shard optimizer.
 
-Read top to bottom: placement of params and batches on the mesh, the compiled step, then the
-loop. The loop keeps at most two steps in flight: it dispatches step k, then waits for the
-metrics of step k-1. That bounds the work queued on the devices (XLA:CPU collectives deadlock
-with dozens of steps in flight, see docs/development.md), gives lag-one logging without stalls, and
-lets every step's loss be checked on the host.
-
-A stop request (a signal, a hook's `wants_stop`) is local to one process. With several
-processes each one casts a vote into the step it dispatches; the step reduces the votes over
-all devices and returns the result with its metrics (`STOP_VOTE_KEY`), which the loop fetches
-anyway. Every process so learns of a stop voted at step k from the same metrics and ends after
-step k + 1: no host synchronisation beyond the existing metrics fetch.
+Read top to bottom: placement of params and batches on the mesh, the step program (compiled
+per kind of step by `trainers.core.programs`), a periodic axis's programs
+(`trainers.core.periodic_programs`), then `fit`, whose loop lives in `trainers.core.loop`
+(two steps in flight at most, lag-one metrics, stops agreed between processes).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,47 +19,42 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.core.hook import Hook, StopTraining, end_hooks
+from trainers.core.hook import Hook, StopTraining
+from trainers.core.loop import FitLoop
 from trainers.core.metrics import COMPILE_TIME, StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.model_state import init_fn
-from trainers.core.periodic import BYTES_TAG, Periodic
+from trainers.core.periodic import Periodic
+from trainers.core.periodic_programs import PeriodicPrograms
 from trainers.core.precision import Precision
+from trainers.core.programs import ProgramKey, StepPrograms, Traced
 from trainers.core.step import (
     HISTOGRAMS,
     LAYERS,
     LEVELS,
     PLAIN,
     STATS,
-    StepSpec,
     TrainState,
     make_train_step,
 )
-from trainers.core.step_levels import step_level
+from trainers.core.step_tx import (
+    as_cross_shard,
+    check_rules_layout,
+    periodic_inner_axes,
+    refuse_nested_cross_shard,
+    step_spec,
+)
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.zero import zero_layout
 from xshard.axis_reduce import state_partition_specs
 from xshard.axis_rules import AxisRule
 from xshard.errors import ConfigError
 from xshard.layer_stats import leaf_names
-from xshard.mesh import check_batch_divisible
-from xshard.optimizer import CrossShardTransformation, cross_shard
-from xshard.periodic import due_fragment
 from xshard.reduce import PerShardGradientsRequired
 from xshard.reduction_mode import Reduction
-from xshard.slots import has_cross_shard_state
 
 __all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Traced(NamedTuple):
-    """A lowered step program and what its tracing recorded."""
-
-    lowered: jax.stages.Lowered
-    keys: tuple[str, ...]  # the metric names, in the order of the metrics vector
-    layouts: dict[str, tuple[int, ...]]  # the per-layer statistics' shapes after them
-    stats_keys: frozenset[str]  # the metrics only statistics steps compute
 
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
@@ -145,54 +131,37 @@ class Trainer:
         inner_axes = periodic_inner_axes(data_axes, periodic)
         #: The optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
         self.tx = as_cross_shard(tx, reduction, inner_axes)
-        per_shard = check_batch_divisible(global_batch_size, mesh, data_axes)
-        n = global_batch_size // per_shard
-        if microbatches < 1 or per_shard % microbatches:
-            raise ConfigError(
-                f"trainer.microbatches={microbatches} must be >= 1 and divide the per-shard "
-                f"batch {per_shard} (trainer.batch_size={global_batch_size} over {n} data "
-                "shards)."
-            )
-        replicas = 1 if self.periodic is None else self.periodic.replicas
-        # The rules are read once the params exist (a Flax task's come from its model).
-        self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
-        ruled = [axis for axis, _ in self.tx.spec.axes.rules]
-        if ruled and self.layout.stage > 0:
-            raise ConfigError(
-                f"reduction.axes.{ruled[0]} reduces every step by its own rule, which runs with "
-                f"sharding.zero_stage=0 only (got {self.layout.stage}): its error-feedback "
-                "state is per replica of the axis, not sliced over the data axes."
-            )
-        self.spec = StepSpec(
-            data_axes=inner_axes,
-            num_data_shards=n // replicas,
-            global_batch_size=global_batch_size // replicas,
+        self.spec = step_spec(
+            mesh,
+            data_axes,
+            inner_axes,
+            self.periodic,
+            global_batch_size=global_batch_size,
             microbatches=microbatches,
             grad_impl=grad_impl,
             seed=seed,
-            replica_axis=None if self.periodic is None else self.periodic.axis,
         )
+        # The rules are read once the params exist (a Flax task's come from its model).
+        self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
+        check_rules_layout(self.tx, self.layout.stage)
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
         # A replica's step sees the mesh with the periodic axis manual.
         step_mesh = mesh if self.periodic is None else self.periodic.replica_mesh()
         step_layout = zero_layout(zero_stage, step_mesh, inner_axes, lambda: task.sharding_rules)
         # A step function per level. Validates grad_impl now (ConfigError), not at the first
-        # step.
-        self._step_fns = {
-            lv: make_train_step(
-                task, self.tx, step_mesh, self.spec, lv, step_layout, self.precision
-            )
+        # step. A periodic axis's warm-up steps: the same step reducing over that axis too.
+        build = lambda tx: {  # noqa: E731
+            lv: make_train_step(task, tx, step_mesh, self.spec, lv, step_layout, self.precision)
             for lv in LEVELS
         }
-        self._groups: tuple[tuple[int, ...], ...] = ()
-        self._syncs: dict[int, jax.stages.Compiled] = {}
-        self._bytes_per_step = 0.0
-        self._executables: dict[int, jax.stages.Compiled] = {}
-        # Per level: the shapes of the per-layer statistics after its metrics.
-        self._diag_layouts: dict[int, dict[str, tuple[int, ...]]] = {}
-        self._metric_keys: tuple[str, ...] = ()
-        self._stats_keys: frozenset[str] = frozenset()
-        self._leaf_names: tuple[str, ...] = ()
+        self._step_fns = build(self.tx)
+        self._warmup_fns = {}
+        if self.periodic is not None and self.periodic.rule.warmup_steps:
+            self._warmup_fns = build(self.periodic.warmup_tx(self.tx, grad_impl, zero_stage))
+        #: The periodic axis's sync and warm-up switch programs, or None.
+        self.periodic_programs = None if self.periodic is None else PeriodicPrograms(self.periodic)
+        #: The compiled step programs, each compiled when a step first needs it.
+        self.programs = StepPrograms()
         self._replicated = NamedSharding(mesh, P())
         self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
         # One vote per device, each process filling its own devices (`_votes`).
@@ -242,37 +211,13 @@ class Trainer:
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
         step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
         model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
-        if self.periodic is None:
-            return TrainState(step, params, opt_state, model_state)
-        return self._replicate(TrainState(step, params, opt_state, model_state))
-
-    def _replicate(self, state: TrainState) -> TrainState:
-        """A periodic run's state from one replica's: the replicas (a leading dimension over
-        the periodic axis) and the outer state (`trainers.core.periodic`)."""
-        periodic = self.periodic
-        assert periodic is not None
-        if jax.tree.leaves(state.model_state):
-            raise ConfigError(
-                f"reduction.axes.{periodic.axis}: a periodic axis needs a task without model "
-                "state (BatchNorm statistics, RNG counters); this task has some."
+        state = TrainState(step, params, opt_state, model_state)
+        if self.periodic_programs is None:
+            return state
+        with jax.set_mesh(self.mesh):  # the replicas and the outer state
+            return self.periodic_programs.replicate(
+                state, self.layout, self.param_shardings, self.opt_state_shardings
             )
-        layout = self.layout
-        base = layout.base_shardings(state.params)
-        outer_shardings = layout.sharded(state.params, base) if layout.stage >= 1 else base
-        try:
-            self._groups = periodic.groups(state.params)
-        except ValueError as e:
-            raise ConfigError(
-                f"reduction.axes.{periodic.axis}.fragments={periodic.rule.fragments}: {e}"
-            ) from None
-        with jax.set_mesh(self.mesh):
-            outer = periodic.init_outer(
-                state.params, outer_shardings, base, layout.opt_state_shardings
-            )
-            params = periodic.stack(state.params, self.param_shardings(state.params))
-            opt_state = periodic.stack(state.opt_state, self.opt_state_shardings(state.params))
-        self._bytes_per_step = periodic.bytes_per_step(state.params)
-        return TrainState(state.step, params, opt_state, state.model_state, outer)
 
     def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
@@ -305,14 +250,14 @@ class Trainer:
         """Traces and lowers the program of `level` for `state` and batches like `batch`
         (global arrays), without compiling it: its StableHLO (`Lowered.as_text`) says which
         dtypes the step computes in, before the compiler's rewrites."""
-        return self._lower(level, state, batch).lowered
+        return self._lower(ProgramKey(level), state, batch).lowered
 
-    def _lower(self, level: int, state: TrainState, batch: dict[str, Any]) -> _Traced:
+    def _lower(self, key: ProgramKey, state: TrainState, batch: dict[str, Any]) -> Traced:
         """`lower`, with what the tracing recorded (metric keys, per-layer layouts)."""
         shardings = self.state_shardings(state)
         keys: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
-        step_fn = self._step_fns[level]
+        step_fn = (self._warmup_fns if key.warmup else self._step_fns)[key.level]
 
         def run(state, batch, vote):
             state, metrics, diag = step_fn.fn(state, batch)
@@ -347,52 +292,27 @@ class Trainer:
                 f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
                 "without per-shard clipping or weights (reduction.clip_per_shard=null)."
             ) from None
-        return _Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
+        return Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
 
-    def _compile(self, level: int, state: TrainState, batch: dict[str, jax.Array]) -> None:
-        """Compiles the program of `level` for `state` and batches like `batch` (global)."""
-        self._compile_all([level], state, batch)
-
-    def _compile_all(
-        self, levels: Sequence[int], state: TrainState, batch: dict[str, jax.Array]
+    def _compile(
+        self, keys: Sequence[ProgramKey], state: TrainState, batch: dict[str, jax.Array]
     ) -> None:
-        """Lowers the programs of `levels` one after another (tracing holds the GIL), then
-        compiles them concurrently, one thread each (XLA compiles without it)."""
-        start = time.perf_counter()
-        traced = {level: self._lower(level, state, batch) for level in levels}
-        if len(traced) == 1:
-            compiled = {level: t.lowered.compile() for level, t in traced.items()}
-        else:
-            with ThreadPoolExecutor(len(traced), thread_name_prefix="xshard-compile") as pool:
-                futures = {lv: pool.submit(t.lowered.compile) for lv, t in traced.items()}
-                compiled = {level: future.result() for level, future in futures.items()}
-        seconds = time.perf_counter() - start
-        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
-        for level, t in traced.items():
-            if self._metric_keys and t.keys != self._metric_keys:  # one metric layout for all
-                raise AssertionError(f"metric keys differ between executables: {t.keys}")
-            self._metric_keys = t.keys
-            self._diag_layouts[level] = t.layouts
-            self._stats_keys = t.stats_keys
-            self._executables[level] = compiled[level]
-        self._leaf_names = tuple(leaf_names(state.params))
-        self._report_compile = True
-        logger.info(
-            "Compiled the train step for level%s %s in %.2f s.",
-            "s" if len(traced) > 1 else "",
-            ", ".join(map(str, traced)),
-            seconds,
+        """Compiles the programs of `keys` for `state` and batches like `batch` (global)."""
+        seconds = self.programs.compile(
+            keys, lambda key: self._lower(key, state, batch), tuple(leaf_names(state.params))
         )
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        self._report_compile = True
 
     @property
     def compiled(self) -> jax.stages.Compiled | None:
         """The compiled step of the lowest level compiled so far (plain steps, the most
         frequent: for HLO, cost and memory analysis); None before the first compilation."""
-        return next((self._executables[lv] for lv in LEVELS if lv in self._executables), None)
+        return next(iter(self.programs.by_level().values()), None)
 
-    def executable_for(self, level: int) -> jax.stages.Compiled | None:
-        """The compiled step that runs steps of `level` (None: not compiled yet)."""
-        return self._executables.get(level)
+    def executable_for(self, level: int, warmup: bool = False) -> jax.stages.Compiled | None:
+        """The compiled step that runs (warm-up) steps of `level` (None: not compiled yet)."""
+        return self.programs.get(ProgramKey(level, warmup))
 
     def compile_levels(
         self, state: TrainState, batch: dict[str, Any], levels: Iterable[int]
@@ -401,13 +321,14 @@ class Trainer:
         compiled yet), for `state` and batches like `batch` (host-local or global)."""
         if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
             batch = self.global_batch(batch)
-        missing = [level for level in sorted(set(levels)) if level not in self._executables]
+        missing = [ProgramKey(lv) for lv in sorted(set(levels))]
+        missing = [key for key in missing if self.programs.get(key) is None]
         if missing:
-            self._compile_all(missing, state, batch)
+            self._compile(missing, state, batch)
 
     def executables(self) -> dict[int, jax.stages.Compiled]:
         """Every compiled step so far, by the level it serves, lowest first."""
-        return {lv: self._executables[lv] for lv in LEVELS if lv in self._executables}
+        return self.programs.by_level()
 
     def step(
         self,
@@ -418,6 +339,7 @@ class Trainer:
         layer_stats: bool = False,
         histograms: bool = False,
         stop_vote: int = 0,
+        warmup: bool = False,
     ) -> tuple[TrainState, StepMetrics]:
         """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
 
@@ -437,6 +359,9 @@ class Trainer:
           histograms: also gradient histograms per layer; implies `layer_stats`.
           stop_vote: with `agree_stop`, this process's `StopVote.encode`, reduced over all
             processes into the hidden metric `STOP_VOTE_KEY`.
+          warmup: run a warm-up step of the periodic axis (its own programs: the gradient
+            reduced over that axis too, as `reduction=mean` would); `fit` passes it for
+            steps 1 to ``warmup_steps`` (`Periodic.in_warmup`).
 
         Returns:
           (the new state, its `StepMetrics`).
@@ -446,60 +371,38 @@ class Trainer:
         level = (
             HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
         )
-        if level not in self._executables:
-            self._compile(level, state, batch)
-        executable = self._executables[level]
+        if warmup and not self._warmup_fns:
+            raise ValueError("warmup=True needs a periodic axis with warmup_steps > 0.")
+        key = ProgramKey(level, warmup)
+        if self.programs.get(key) is None:
+            self._compile([key], state, batch)
+        executable = self.programs.get(key)
+        assert executable is not None
         state, values = executable(state, batch, *self._votes(stop_vote))
-        hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
-        return state, StepMetrics(
-            self._metric_keys,
-            values,
-            hidden=hidden,
-            diag=self._diag_layouts[level] if level >= LAYERS else None,
-            diag_names=self._leaf_names,
-            histograms=level == HISTOGRAMS,
-        )
+        return state, self.programs.metrics(level, values)
 
     def sync(
         self, state: TrainState, step: int, metrics: StepMetrics
     ) -> tuple[TrainState, StepMetrics]:
-        """After update `step`: the periodic axis's sync, if one of its fragments is due
-        (`xshard.periodic.due_fragment`), else `state` and `metrics` as they are. Donates
-        `state` when it syncs; the sync's statistics join the step's metrics.
-
-        Each fragment's sync program is compiled on its first use.
+        """After update `step`: the periodic axis's program due, if any
+        (`trainers.core.periodic_programs`): the switch from the warm-up after step
+        ``warmup_steps``, or the sync of a fragment (`xshard.periodic.due_fragment`), whose
+        statistics join the step's metrics; else `state` and `metrics` as they are. Donates
+        `state` when a program runs. Each program is compiled when first needed.
         """
-        periodic = self.periodic
-        if periodic is None:
+        if self.periodic_programs is None:
             return state, metrics
-        fragment = due_fragment(step, periodic.rule)
-        if fragment is None:
-            return state, metrics
-        if fragment not in self._syncs:
-            shardings = self.state_shardings(state)
-            start = time.perf_counter()
-            with jax.set_mesh(self.mesh):
-                self._syncs[fragment] = (
-                    jax.jit(
-                        lambda s: periodic.sync(s, fragment, self._groups),
-                        in_shardings=(shardings,),
-                        out_shardings=(shardings, self._replicated),
-                        donate_argnums=(0,),
-                    )
-                    .lower(state)
-                    .compile()
-                )
-            self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
-        state, values = self._syncs[fragment](state)
-        bytes_tag = BYTES_TAG.format(axis=periodic.axis)
-        return state, metrics.with_device_values(periodic.sync_keys(), values).with_host_values(
-            **{bytes_tag: self._bytes_per_step}
-        )
+        done = self.periodic_programs.after_step(state, step, metrics, self.state_shardings)
+        if done.compile_seconds:
+            self.compile_seconds = (self.compile_seconds or 0.0) + done.compile_seconds
+            self._report_compile = True
+        return done.state, done.metrics
 
     def sync_executable(self, fragment: int = 0) -> jax.stages.Compiled | None:
         """The compiled sync program of `fragment` (None: not compiled yet, or no periodic
         axis)."""
-        return self._syncs.get(fragment)
+        programs = self.periodic_programs
+        return None if programs is None else programs.sync_executable(fragment)
 
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:
         """The step's vote input: this process's `vote` on each of its devices (cached); none
@@ -554,169 +457,18 @@ class Trainer:
           Whatever a hook or the step raised; every hook's `on_end` ran first. An error in an
           `on_end` is raised after all of them ran (the first one; later ones are logged).
         """
-        step = int(jax.device_get(state.step))
         periods = {
             "stats_every": stats_every,
             "layer_stats_every": layer_stats_every,
             "histogram_every": histogram_every,
         }
-        pending: tuple[int, Any] | None = None
-        reason = "done"
-        batch_iter: Iterator = iter(batches)
-        agree = self.agree_stop
-        self.agreed_stop = None
-        me = jax.process_index()
+        return FitLoop(self, hooks, num_steps, periods, should_stop, state).run(batches)
 
-        def stop_requested() -> bool:
-            return bool(should_stop()) or any(h.wants_stop() for h in hooks)
-
-        def vote() -> int:
-            hook = any(h.wants_stop() for h in hooks)
-            return StopVote.encode(me, bool(should_stop()), hook)
-
-        def emit(pending: tuple[int, Any]) -> None:
-            self._emit(pending, hooks)
-            done, metrics = pending
-            if agree and self.agreed_stop is None:
-                self.agreed_stop = StopVote.decode(done, metrics.device_value(STOP_VOTE_KEY))
-
-        try:
-            if not agree and stop_requested():  # e.g. a signal during start-up: train nothing
-                reason = "stopped"
-            while reason == "done" and step < num_steps:
-                try:
-                    local = next(batch_iter)
-                except StopIteration:
-                    reason = "data_exhausted"
-                    break
-                step += 1
-                level = step_level(step, num_steps, **periods)
-                state, metrics = self.step(
-                    state,
-                    local,
-                    with_stats=level >= STATS,
-                    layer_stats=level >= LAYERS,
-                    histograms=level >= HISTOGRAMS,
-                    stop_vote=vote() if agree else 0,
-                )
-                state, metrics = self.sync(state, step, metrics)
-                if self._report_compile:
-                    assert self.compile_seconds is not None  # set by the compilation
-                    metrics = metrics.with_host_values(**{COMPILE_TIME: self.compile_seconds})
-                    self._report_compile = False
-                if pending is not None:  # waits for step - 1 only: two steps in flight at most
-                    emit(pending)
-                pending = (step, metrics)
-                if agree:  # a vote cast at step k - 1 is known now on every process
-                    stop = self.agreed_stop is not None and step > self.agreed_stop.step
-                else:
-                    stop = stop_requested()
-                if stop or any(h.wants_state(step) for h in hooks):
-                    emit(pending)  # the state's own metrics come first
-                    pending = None
-                    for h in hooks:
-                        h.on_state(step, state)
-                if stop:
-                    reason = "stopped"
-                    break
-            if pending is not None:
-                emit(pending)
-        except StopTraining as stop_request:
-            reason = str(stop_request) or "stopped"
-        except BaseException:
-            end_hooks(hooks, step, state, "error")
-            raise
-        end_hooks(hooks, int(jax.device_get(state.step)), state, reason)
-        return state, reason
-
-    @staticmethod
-    def _emit(pending: tuple[int, Any], hooks: Sequence[Hook]) -> None:
-        step, metrics = pending
-        host = metrics.host_values()  # waits for this step only
-        for h in hooks:
-            h.on_step(step, host)
-        diag = metrics.diagnostics  # None except on the steps that log them
-        if diag is not None:
-            for h in hooks:
-                h.on_diagnostics(step, diag)
-
-
-def periodic_inner_axes(
-    data_axes: tuple[str, ...], periodic: tuple[str, AxisRule] | None
-) -> tuple[str, ...]:
-    """The data axes a step reduces over: all of them, but a periodic one.
-
-    Raises:
-      ConfigError: for a periodic axis that is not a data axis, or the only one.
-    """
-    if periodic is None:
-        return data_axes
-    axis, rule = periodic
-    if rule.warmup_steps:
-        raise ConfigError(
-            f"reduction.axes.{axis}.warmup_steps={rule.warmup_steps}: synchronous warm-up steps "
-            "are not implemented yet; use 0 (replicas train alone from the first step)."
-        )
-    inner = tuple(a for a in data_axes if a != axis)
-    if axis not in data_axes or not inner:
-        raise ConfigError(
-            f"reduction.axes.{axis}: a periodic axis must be one of the data axes and not the "
-            f"only one (mesh.data_axes={list(data_axes)}): each replica reduces its gradient "
-            "over the others every step."
-        )
-    return inner
-
-
-def as_cross_shard(
-    tx: optax.GradientTransformation,
-    reduction: Reduction | str | None,
-    data_axes: tuple[str, ...],
-) -> CrossShardTransformation:
-    """`tx` as the step runs it: a `cross_shard` optimizer as it is, a plain optax one wrapped
-    once in ``cross_shard(tx, reduction, axis_name=data_axes)``.
-
-    Args:
-      tx: the `Trainer`'s optimizer.
-      reduction: the reduction of a plain `tx` (None: MEAN); with a `cross_shard` `tx`,
-        None or its own.
-      data_axes: the data-parallel mesh axes (the gradients are reduced over them).
-
-    Returns:
-      The `CrossShardTransformation`.
-
-    Raises:
-      ValueError: for an unknown `reduction`, or one that disagrees with `tx`'s.
-    """
-    if not isinstance(tx, CrossShardTransformation):
-        return cross_shard(
-            tx, Reduction.MEAN if reduction is None else reduction, axis_name=data_axes
-        )
-    if reduction is not None and Reduction.parse(reduction) is not tx.spec.reduction:
-        raise ValueError(
-            f"reduction={reduction!r} disagrees with the optimizer's "
-            f"{tx.spec.reduction.value!r}: a cross_shard optimizer reduces as it was built. "
-            "Leave reduction= out, or pass the inner optax optimizer."
-        )
-    return tx
-
-
-def refuse_nested_cross_shard(opt_state: Any) -> None:
-    """Refuses an optimizer state with a `cross_shard` state inside the outer one's inner
-    state: `tx` held a `cross_shard` inside another transformation (an ``optax.chain``), so
-    the trainer wrapped it, and every gradient would be reduced twice.
-
-    Args:
-      opt_state: the state (or its shapes) of `Trainer.tx`.
-
-    Raises:
-      ValueError: naming what to pass instead.
-    """
-    if has_cross_shard_state(opt_state.inner_state):
-        raise ValueError(
-            "The optimizer holds an xshard.cross_shard inside another transformation (e.g. "
-            "optax.chain(cross_shard(...), ...)), so the Trainer wrapped it in a cross_shard "
-            "of its own and would reduce every gradient twice. Put the other transformations "
-            "inside the cross_shard, as xshard.build_optimizer does: "
-            "cross_shard(optax.chain(inner, ...), ...); or pass the plain optax optimizer, "
-            "which the Trainer wraps once (reduction=...)."
-        )
+    def with_compile_time(self, metrics: StepMetrics) -> StepMetrics:
+        """`metrics` with `COMPILE_TIME` (the run's compile seconds so far) if a program was
+        compiled since the last call: once per compiling step."""
+        if not self._report_compile:
+            return metrics
+        assert self.compile_seconds is not None  # set by the compilation
+        self._report_compile = False
+        return metrics.with_host_values(**{COMPILE_TIME: self.compile_seconds})

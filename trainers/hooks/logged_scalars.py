@@ -6,9 +6,12 @@ and the last one, each metric (less an undefined ``grad/noise_scale``), the clip
 last write (``grad/clip_fired_rate``), ``grad/noise_scale_ema`` (`trainers.hooks.noise_ema`),
 and the throughput since the last write (``perf/steps_per_sec``, ``examples_per_sec``,
 ``tokens_per_sec``, ``flops_per_sec``, ``mfu``: `trainers.hooks.perf`); on the step that
-compiled, ``perf/compile_time_s`` (the run's compile time so far). Programs compile when a
-step first needs them (`trainers.core.trainer.Trainer`): the throughput leaves the compile time
-inside its window out, so that it measures steps, not compilation.
+compiled, ``perf/compile_time_s`` (the run's compile time so far), and on a periodic axis's
+sync step its ``sync/<axis>/*`` and ``comm/<axis>/bytes_per_step`` (`on_its_step`, whatever
+``log_every`` says: a sync is rarer than most logging periods, and each one matters).
+Programs compile when a step first needs them (`trainers.core.trainer.Trainer`): the
+throughput leaves the compile time inside its window out, so that it measures steps, not
+compilation.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from trainers.core.metrics import COMPILE_TIME
+from trainers.core.periodic import is_sync_tag
 from trainers.hooks.noise_ema import NoiseScaleEMA
 
 Scalars = list[tuple[str, float]]
@@ -66,11 +70,10 @@ class LoggedScalars:
         self._compile_seconds = compile_seconds
         self._compiled_at_start = 0.0  # the run's compile time when the window started
 
-    def compile_time(self, metrics: dict[str, float]) -> Scalars:
-        """``perf/compile_time_s`` of the step that compiled (logged whatever the period)."""
-        if COMPILE_TIME in metrics:
-            return [(COMPILE_TIME, metrics[COMPILE_TIME])]
-        return []
+    def on_its_step(self, metrics: dict[str, float]) -> Scalars:
+        """The scalars logged on the step that has them, whatever the period:
+        ``perf/compile_time_s`` of a step that compiled, a sync step's statistics."""
+        return [(tag, value) for tag, value in metrics.items() if _on_its_step(tag)]
 
     def __call__(self, step: int, metrics: dict[str, float]) -> Scalars | None:
         """The scalars of a logging step; None on the other steps (whose metrics still feed
@@ -89,8 +92,8 @@ class LoggedScalars:
             (tag, value)
             for tag, value in metrics.items()
             # undefined on steps where the |G|^2 estimate is <= 0
-            if (tag != "grad/noise_scale" or math.isfinite(value)) and tag != COMPILE_TIME
-        ]  # COMPILE_TIME: `compile_time` logs it on every step that compiled
+            if (tag != "grad/noise_scale" or math.isfinite(value)) and not _on_its_step(tag)
+        ]  # `on_its_step` logs those on every step that has them
         if self._clip_fired:  # how often the global clip fired since the last write
             scalars.append(("grad/clip_fired_rate", sum(self._clip_fired) / len(self._clip_fired)))
             self._clip_fired = []
@@ -123,3 +126,8 @@ class LoggedScalars:
             if self.peak_flops_per_device:
                 out.append(("perf/mfu", per_device / self.peak_flops_per_device))
         return out
+
+
+def _on_its_step(tag: str) -> bool:
+    """Whether `tag` is logged on every step that has it (`LoggedScalars.on_its_step`)."""
+    return tag == COMPILE_TIME or is_sync_tag(tag)

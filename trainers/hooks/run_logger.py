@@ -101,10 +101,7 @@ class LoggerHook(Hook):
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_step = step
-        compiled = self.scalars.compile_time(metrics)
-        logged = self.scalars(step, metrics)
-        if logged is None:
-            logged = compiled
+        logged = [*self.scalars.on_its_step(metrics), *(self.scalars(step, metrics) or [])]
         if logged:
             self.logger.log_scalars(step, dict(logged))
 

@@ -159,7 +159,7 @@ class TensorBoardHook(Hook):
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.last_loss = metrics.get("train/loss", self.last_loss)
         self.last_step = step
-        for tag, value in self.scalars.compile_time(metrics):
+        for tag, value in self.scalars.on_its_step(metrics):
             self.writer.add_scalar(tag, value, step)
         scalars = self.scalars(step, metrics)
         if scalars is None:

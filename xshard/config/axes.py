@@ -25,12 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xshard.axis_rules import CODEC_NAMES, RULE_NAMES
+from xshard.axis_rules import check_rule, check_rules
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
-
-#: The rules a periodic axis may reduce its pseudo-gradient by.
-PERIODIC_RULES = ("mean",)
 
 
 @dataclass
@@ -57,79 +54,31 @@ class AxisReductionConf:
         return self.outer_optimizer is not None
 
     def check(self, key: str) -> None:
-        """Checks the rules that need no mesh; `key` is the node's (``reduction.axes.slice``).
+        """Checks the rules that need no mesh; `key` is the node's (``reduction.axes.slice``):
+        the outer optimizer is a node with a ``_target_``, and the rules `xshard.cross_shard`
+        checks too (`xshard.axis_rules.check_rule`, written once there).
 
         Raises:
           ConfigError: naming the first bad key, its value and what is allowed.
         """
-        self._check_counts(key)
-        if self.comm_dtype is not None and self.comm_dtype not in CODEC_NAMES:
-            raise ConfigError(
-                f"{key}.comm_dtype={shown(self.comm_dtype)}: expected null or a codec, one of "
-                f"{list(CODEC_NAMES)}."
-            )
-        if self.rule is not None and self.rule not in RULE_NAMES:
-            raise ConfigError(
-                f"{key}.rule={shown(self.rule)}: expected null or one of {list(RULE_NAMES)}."
-            )
-        if self.error_feedback and self.comm_dtype is None:
-            raise ConfigError(
-                f"{key}.error_feedback=true needs {key}.comm_dtype (a codec, one of "
-                f"{list(CODEC_NAMES)}): without one nothing is lost to feed back."
-            )
-        if self.periodic:
-            self._check_periodic(key)
-        else:
-            self._check_every_step(key)
-
-    def _check_counts(self, key: str) -> None:
-        for name, low in (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{key}.{name}={shown(value)}: expected an integer >= {low}.")
-        if self.fragments > self.every_steps:
-            raise ConfigError(
-                f"{key}.fragments={self.fragments}: expected at most {key}.every_steps="
-                f"{self.every_steps} (each fragment syncs once per period, on its own step)."
-            )
-
-    def _check_periodic(self, key: str) -> None:
         node = self.outer_optimizer
-        if not isinstance(node, dict) or not isinstance(node.get("_target_"), str):
+        has_target = isinstance(node, dict) and isinstance(node.get("_target_"), str)
+        if node is not None and not has_target:
             raise ConfigError(
                 f"{key}.outer_optimizer={shown(node)}: expected null or an optax optimizer "
                 "node with a _target_, e.g. {_target_: optax.sgd, learning_rate: 1.0} "
                 "(parameter averaging)."
             )
-        if self.rule is not None and self.rule not in PERIODIC_RULES:
-            raise ConfigError(
-                f"{key}.rule={shown(self.rule)}: a periodic axis (with {key}.outer_optimizer) "
-                f"reduces its pseudo-gradient by one of {list(PERIODIC_RULES)} or null."
-            )
-
-    def _check_every_step(self, key: str) -> None:
-        for name, default in (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0)):
-            value = getattr(self, name)
-            if value != default:
-                raise ConfigError(
-                    f"{key}.{name}={value}: only a periodic axis has it; set {key}."
-                    "outer_optimizer (e.g. {_target_: optax.sgd, learning_rate: 1.0}, "
-                    f"parameter averaging), or {key}.{name}={default}."
-                )
+        check_rule(self, key)
 
 
 def check_axes(axes: Any, key: str = "reduction.axes") -> None:
-    """Checks every node of ``reduction.axes`` (read as `AxisReductionConf`s) by its key.
+    """Checks every node of ``reduction.axes`` (read as `AxisReductionConf`s) by its key, and
+    the set of them (`xshard.axis_rules.check_rules`: one periodic axis, one every-step rule).
 
     Raises:
-      ConfigError: for the first bad node, naming its key, and for more than one periodic
-        axis (one periodic axis per run: its replicas hold one copy of the params each).
+      ConfigError: for the first bad node or key, naming it.
     """
     for name, conf in axes.items():
         conf.check(f"{key}.{name}")
-    periodic = [name for name, conf in axes.items() if conf.periodic]
-    if len(periodic) > 1:
-        raise ConfigError(
-            f"{key}: {periodic} are all periodic (have an outer_optimizer); one periodic axis "
-            "per run is supported."
-        )
+    check_rules(axes, key)

@@ -169,7 +169,7 @@ def test_fragments_sync_their_own_leaves_on_their_own_steps(task, mesh):
     assert [due_fragment(t, rule) for t in range(1, 9)] == [None, 0, None, 1, None, 0, None, 1]
     assert fragment_leaves([10, 10, 10, 10], 2) == ((0, 1), (2, 3))
     trainer, state = make(task, mesh, optax.sgd(0.05), periodic=("slice", rule))
-    groups = trainer._groups
+    groups = trainer.periodic_programs.groups
     assert len(groups) == 2
 
     def check(step, state, metrics):

@@ -54,6 +54,23 @@ def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction):
 
 
 @pytest.mark.slow
+def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=4",
+        "reduction.axes.slice.warmup_steps=2",
+        "trainer.steps=8",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    tb = tmp_path / "tb"
+    assert sorted(scalars(tb, "sync/slice/replica_drift")) == [6]  # 2 synchronous, then 4
+    assert sorted(scalars(tb, "train/loss")) == list(range(1, 9))
+
+
+@pytest.mark.slow
 def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
     common = (*COMMON, "reduction=diloco_int8", "reduction.axes.slice.every_steps=4")
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
@@ -118,3 +135,66 @@ def test_cli_bad_axis_values_exit_2_naming_the_key(tmp_path, overrides, fragment
         check=False,
     )
     refused(result, *fragments)
+
+
+@pytest.mark.slow
+def test_cli_sync_statistics_are_logged_at_every_sync_whatever_log_every(tmp_path):
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=3",
+        "trainer.log_every=5",  # after COMMON's log_every=1: this one wins
+        "trainer.steps=9",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    tb = tmp_path / "tb"
+    for name in ("pseudo_grad_norm", "outer_update_norm", "replica_drift", "skipped"):
+        assert sorted(scalars(tb, f"sync/slice/{name}")) == [3, 6, 9], name
+    assert sorted(scalars(tb, "comm/slice/bytes_per_step")) == [3, 6, 9]
+    assert sorted(scalars(tb, "train/loss")) == [5, 9]  # the other tags keep log_every
+    # The sync program compiles when the first sync needs it, and that step says so.
+    compiled = scalars(tb, "perf/compile_time_s")
+    assert 3 in compiled and compiled[3] > compiled[1], compiled
+
+
+@pytest.mark.slow
+def test_cli_microbatches_with_a_periodic_axis_train_as_whole_batches(tmp_path):
+    common = (
+        *COMMON,
+        "reduction=local_sgd",
+        "reduction.axes.slice.every_steps=2",
+        "optimizer=sgd",
+        "trainer.steps=4",
+    )
+    run_train(*common, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    run_train(
+        *common, "trainer.microbatches=2", f"hydra.run.dir={tmp_path / 'micro'}", cwd=tmp_path
+    )
+    whole = _checkpoint_arrays(tmp_path / "whole" / "checkpoints" / "4")
+    micro = _checkpoint_arrays(tmp_path / "micro" / "checkpoints" / "4")
+    assert sorted(scalars(tmp_path / "micro" / "tb", "sync/slice/replica_drift")) == [2, 4]
+    outer = [k for k in whole if "outer" in k and "params" in k]
+    assert outer
+    for k in whole:  # the mean gradient of 2 microbatches is the whole batch's (to rounding)
+        np.testing.assert_allclose(micro[k], whole[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_cli_bf16_with_diloco_syncs_float32_outer_params(tmp_path):
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=2",
+        "precision=bf16",
+        "trainer.steps=4",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    drift = scalars(tmp_path / "tb", "sync/slice/replica_drift")
+    assert sorted(drift) == [2, 4] and all(v > 0 for v in drift.values())
+    arrays = _checkpoint_arrays(tmp_path / "checkpoints" / "4")
+    outer = {k: v for k, v in arrays.items() if "outer" in k}
+    assert outer and all(v.dtype == np.float32 for v in outer.values()), outer.keys()
+    assert all(np.isfinite(v).all() for v in outer.values())

@@ -57,4 +57,4 @@ def test_the_gradient_is_sliced_out_of_the_packed_sum_inside_the_guards_branch(p
     # Slicing the leaves out before the branch: a kernel per leaf outside it, and the leaves
     # as the branch's operands; inside, the slices fuse with the inner update.
     assert "psum_tree.<locals>.unpack" not in functions
-    assert "_CrossShard.apply" in functions  # the stacks are read at all
+    assert "CrossShardUpdate.apply" in functions  # the stacks are read at all

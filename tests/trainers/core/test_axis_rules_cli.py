@@ -1,0 +1,88 @@
+"""Every-step per-axis rules from the CLI: ``reduction=slice_int8`` (int8 with error feedback
+over the DCN axis of mesh=cpu2x4_slices) and ``reduction=adasum`` (over ``data`` of mesh=cpu8)
+train end to end, and their ``comm/<axis>/*`` tags are read back from TensorBoard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.cli import refused, run_train, scalars
+
+COMMON = (
+    "task=mlp",
+    "schedule=constant",
+    "trainer.batch_size=16",
+    "trainer.log_every=1",
+    "trainer.steps=4",
+    "checkpoint.enabled=false",
+)
+
+
+def _train(tmp_path, name, *overrides):
+    run_train(*COMMON, *overrides, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+    return tmp_path / name / "tb"
+
+
+@pytest.mark.slow
+def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path):
+    slices = ("mesh=cpu2x4_slices", "reduction=slice_int8")
+    int8 = _train(tmp_path, "int8", *slices)
+    full = _train(
+        tmp_path,
+        "float32",
+        *slices,
+        "reduction.axes.slice.comm_dtype=float32",
+        "reduction.axes.slice.error_feedback=false",
+    )
+    sent_int8, sent_full = scalars(int8, "comm/slice/bytes"), scalars(full, "comm/slice/bytes")
+    assert sorted(sent_int8) == sorted(sent_full) == [1, 2, 3, 4]
+    # int8 plus a float32 scale per block: a little over a quarter of float32's bytes.
+    assert 3.5 < sent_full[4] / sent_int8[4] < 4.0, (sent_full, sent_int8)
+    error = scalars(int8, "comm/slice/compression_error_norm")
+    assert all(v > 0 for v in error.values()), error
+    assert all(v == 0 for v in scalars(full, "comm/slice/compression_error_norm").values())
+    for tb in (int8, full):
+        assert all(math.isfinite(v) for v in scalars(tb, "train/loss").values())
+
+
+@pytest.mark.slow
+def test_cli_adasum_over_data_trains_and_logs_its_bytes(tmp_path):
+    tb = _train(tmp_path, "adasum", "mesh=cpu8", "reduction=adasum")
+    sent = scalars(tb, "comm/data/bytes")
+    assert sorted(sent) == [1, 2, 3, 4] and sent[1] > 0
+    assert all(v == 0 for v in scalars(tb, "comm/data/compression_error_norm").values())
+    loss = scalars(tb, "train/loss")
+    assert sorted(loss) == [1, 2, 3, 4] and all(math.isfinite(v) for v in loss.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["mesh=cpu8", "reduction=adasum", "reduction.axes.data.comm_dtype=int8"],
+            ["reduction.axes.data.comm_dtype='int8'", "adasum"],
+        ),
+        (
+            ["mesh=cpu2x4_slices", "reduction=slice_int8", "sharding.zero_stage=1"],
+            ["reduction.axes.slice", "zero_stage"],
+        ),
+        (
+            ["mesh=cpu8", "reduction=slice_int8"],
+            ["reduction.axes.slice", "no axis 'slice'"],
+        ),
+    ],
+    ids=["adasum-codec", "zero", "no-slice-axis"],
+)
+def test_cli_bad_every_step_rules_exit_2_naming_the_key(tmp_path, overrides, fragments):
+    result = run_train(
+        "task=mlp",
+        *overrides,
+        "trainer.steps=1",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+        check=False,
+    )
+    refused(result, *fragments)

@@ -1,0 +1,138 @@
+"""The programs a periodic axis adds to a run's step programs (`trainers.core.periodic`):
+one sync program per fragment and the switch from the warm-up, each compiled when a step first
+needs it (as the step programs are: `trainers.core.trainer.Trainer`), then dispatched after
+the updates that call for it (`xshard.periodic.due_fragment`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.core.metrics import StepMetrics
+from trainers.core.periodic import BYTES_TAG, Periodic
+from trainers.core.step import TrainState
+from trainers.core.zero import ZeroLayout
+from xshard.errors import ConfigError
+from xshard.periodic import due_fragment
+
+
+class AfterStep(NamedTuple):
+    """What `PeriodicPrograms.after_step` did: the state, the step's metrics (with the sync's
+    statistics on a sync step) and the seconds spent compiling (0: nothing compiled)."""
+
+    state: TrainState
+    metrics: StepMetrics
+    compile_seconds: float
+
+
+class PeriodicPrograms:
+    """The sync and warm-up switch programs of one periodic axis.
+
+    Attributes:
+      periodic: the axis.
+      groups: the parameter leaves of each fragment (set by `prepare`).
+      bytes_per_step: bytes a replica sends over the axis per step, over a period.
+    """
+
+    def __init__(self, periodic: Periodic):
+        self.periodic = periodic
+        self.groups: tuple[tuple[int, ...], ...] = ()
+        self.bytes_per_step = 0.0
+        self._syncs: dict[int, jax.stages.Compiled] = {}
+        self._start: jax.stages.Compiled | None = None
+
+    def prepare(self, params: Any) -> None:
+        """Splits one replica's `params` into the fragments and measures the bytes sent.
+
+        Raises:
+          ValueError: for more fragments than parameter leaves.
+        """
+        self.groups = self.periodic.groups(params)
+        self.bytes_per_step = self.periodic.bytes_per_step(params)
+
+    def replicate(
+        self,
+        state: TrainState,
+        layout: ZeroLayout,
+        param_shardings: Callable[[Any], Any],
+        opt_state_shardings: Callable[[Any], Any],
+    ) -> TrainState:
+        """A periodic run's state from one replica's: the replicas (a leading dimension over
+        the axis) and the outer state, sharded like the params within a replica (over the
+        data axes too with ZeRO stage >= 1). Call it with the mesh in context.
+
+        Raises:
+          ConfigError: for a task with model state, or more fragments than leaves.
+        """
+        periodic = self.periodic
+        if jax.tree.leaves(state.model_state):
+            raise ConfigError(
+                f"reduction.axes.{periodic.axis}: a periodic axis needs a task without model "
+                "state (BatchNorm statistics, RNG counters); this task has some."
+            )
+        base = layout.base_shardings(state.params)
+        outer_shardings = layout.sharded(state.params, base) if layout.stage >= 1 else base
+        try:
+            self.prepare(state.params)
+        except ValueError as e:
+            raise ConfigError(
+                f"reduction.axes.{periodic.axis}.fragments={periodic.rule.fragments}: {e}"
+            ) from None
+        outer = periodic.init_outer(state.params, outer_shardings, base, layout.opt_state_shardings)
+        params = periodic.stack(state.params, param_shardings(state.params))
+        opt_state = periodic.stack(state.opt_state, opt_state_shardings(state.params))
+        return TrainState(state.step, params, opt_state, state.model_state, outer)
+
+    def sync_executable(self, fragment: int) -> jax.stages.Compiled | None:
+        """The compiled sync program of `fragment` (None: not compiled yet)."""
+        return self._syncs.get(fragment)
+
+    def after_step(
+        self,
+        state: TrainState,
+        step: int,
+        metrics: StepMetrics,
+        shardings: Callable[[TrainState], Any],
+    ) -> AfterStep:
+        """After update `step`: the switch from the warm-up (after step ``warmup_steps``), or
+        the sync of the fragment due (`due_fragment`), or nothing. Donates `state` when it
+        runs a program; `shardings(state)` gives the state's shardings to compile for."""
+        periodic = self.periodic
+        if step == periodic.rule.warmup_steps:
+            seconds = 0.0
+            if self._start is None:
+                start = lambda s: periodic.start(s, self.groups)  # noqa: E731
+                self._start, seconds = self._compile(start, state, shardings(state), False)
+            return AfterStep(self._start(state), metrics, seconds)
+        fragment = due_fragment(step, periodic.rule)
+        if fragment is None:
+            return AfterStep(state, metrics, 0.0)
+        seconds = 0.0
+        if fragment not in self._syncs:
+            sync = lambda s: periodic.sync(s, fragment, self.groups)  # noqa: E731
+            self._syncs[fragment], seconds = self._compile(sync, state, shardings(state), True)
+        state, values = self._syncs[fragment](state)
+        metrics = metrics.with_device_values(periodic.sync_keys(), values)
+        sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
+        return AfterStep(state, metrics.with_host_values(**sent), seconds)
+
+    def _compile(
+        self, fn: Callable, state: TrainState, shardings: Any, with_stats: bool
+    ) -> tuple[jax.stages.Compiled, float]:
+        """`fn` (state -> state, or (state, statistics) with `with_stats`) compiled for
+        `state`, donating it, and the seconds it took."""
+        mesh = self.periodic.mesh
+        out = (shardings, NamedSharding(mesh, P())) if with_stats else shardings
+        start = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = (
+                jax.jit(fn, in_shardings=(shardings,), out_shardings=out, donate_argnums=(0,))
+                .lower(state)
+                .compile()
+            )
+        return compiled, time.perf_counter() - start

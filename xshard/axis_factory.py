@@ -17,7 +17,7 @@ import optax
 
 from xshard.axis_rules import AxisRule
 from xshard.config.axes import AxisReductionConf
-from xshard.config.schemas import OPTIMIZER_RULES
+from xshard.config.optimizers import OPTIMIZER_RULES
 from xshard.config.sections import check_kwargs
 from xshard.errors import ConfigError
 from xshard.targets import resolve_target

@@ -42,7 +42,8 @@ from xshard.axis_factory import axis_rules
 from xshard.axis_rules import AxisRule
 from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
-from xshard.config.schemas import ReductionConf, check_optimizer_args, reduction_kwargs
+from xshard.config.optimizers import check_optimizer_args
+from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
 from xshard.errors import ConfigError
 from xshard.masks import resolve_mask

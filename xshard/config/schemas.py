@@ -11,20 +11,19 @@ defaults list and states only what differs from it, e.g. ``conf/optimizer/adamw.
 
 so a typo in a key or a value of the wrong type (``reduction.skip_nonfinite=maybe``) fails at
 composition, before any JAX code runs. Values out of range fail when the node is read: the
-optimizer's arguments by `OPTIMIZER_RULES` (``optimizer.b1=2``), the reduction's in
-`ReductionConf`. The schemas live in their own ConfigStore group
+optimizer's arguments by the rules of `xshard.config.optimizers` (``optimizer.b1=2``), the
+reduction's in `ReductionConf`. The schemas live in their own ConfigStore group
 (``xshard_schemas/...``) so they never show up as options of the user-facing groups, e.g. in
 an ``optimizer=glob(*)`` sweep.
 
 Every default here equals the default of the function the node feeds (the optax factory,
 `xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_spec.mesh_spec`), except where
-``DEVIATIONS`` says why not; ``tests/test_config_defaults.py`` checks that. This module imports
-neither JAX nor optax: Hydra's plugin scan imports it.
+``DEVIATIONS`` says why not; ``tests/config/test_config_defaults.py`` checks that. This module
+imports neither JAX nor optax: Hydra's plugin scan imports it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,196 +32,22 @@ from omegaconf import MISSING
 
 from xshard.config.axes import AxisReductionConf, check_axes
 from xshard.config.nodes import shown
+from xshard.config.optimizers import (
+    AdafactorConf,
+    AdagradConf,
+    AdamConf,
+    AdamWConf,
+    LambConf,
+    LarsConf,
+    LionConf,
+    RMSPropConf,
+    SGDConf,
+)
 from xshard.errors import ConfigError
 from xshard.reduction_args import axis_names, clip_norm, comm_dtype
 from xshard.reduction_mode import Reduction
 
 SCHEMA_GROUP = "xshard_schemas"
-
-# --------------------------------------------------------------------------------------------
-# optimizer/: keyword arguments of the optax factory named by `_target_`. `learning_rate` is
-# the base (peak) rate that the schedule group shapes. Weight-decay masks are names resolved by
-# xshard.build_optimizer (e.g. "no_bias_no_norm"), or null to decay every parameter.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Range:
-    """What an optimizer argument may be: a finite number (not a bool) from `low` (inclusive
-    unless `low_open`) up to `high` (exclusive; None: no bound); null too if `nullable`."""
-
-    what: str
-    low: float = 0.0
-    high: float | None = None
-    low_open: bool = False
-    nullable: bool = False
-    integer: bool = False
-
-    def check(self, value: Any, key: str) -> None:
-        """Raises `ConfigError` naming `key` and `value` if `value` is not allowed."""
-        if value is None and self.nullable:
-            return
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int if self.integer else int | float)
-            or not math.isfinite(value)
-            or value < self.low
-            or (self.low_open and value == self.low)
-            or (self.high is not None and value >= self.high)
-        ):
-            kind = "an integer" if self.integer else "a number"
-            if self.high is None:
-                allowed = f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
-            else:
-                name = key.rsplit(".", 1)[-1]
-                allowed = f"{kind} with {self.low:g} <= {name} < {self.high:g}"
-            null = ", or null for none" if self.nullable else ""
-            raise ConfigError(f"{key}={shown(value)}: expected {self.what}, {allowed}{null}.")
-
-
-_DECAY = "an exponential decay rate"
-_STABILISER = "a constant added for numerical stability"
-
-#: What each optimizer argument may be, by name. An argument means the same in every optax
-#: optimizer that has it (adam's, lamb's and lion's `b1`; every `eps`), so each rule is written
-#: once here; `check_optimizer_args` applies it to whichever optimizer the node builds (an
-#: option of the group, or a ``_target_`` of one's own), and the schemas below to themselves.
-OPTIMIZER_RULES: dict[str, Range] = {
-    "b1": Range(f"{_DECAY} (first moment)", high=1.0),
-    "b2": Range(f"{_DECAY} (second moment)", high=1.0),
-    "momentum": Range(f"{_DECAY} (momentum)", high=1.0, nullable=True),
-    "decay": Range(f"{_DECAY} (squared-gradient average)", high=1.0),
-    "decay_rate": Range("the exponent of the second-moment decay schedule"),
-    "decay_offset": Range("the step the decay schedule starts from", integer=True),
-    "eps": Range(_STABILISER),
-    "eps_root": Range(f"{_STABILISER} (inside the square root)"),
-    "weight_decay": Range("the weight-decay strength"),
-    "weight_decay_rate": Range("the weight-decay strength", nullable=True),
-    "initial_accumulator_value": Range("the starting value of the squared-gradient sum"),
-    "initial_scale": Range("the starting value of the squared-gradient average"),
-    "trust_coefficient": Range("the trust-ratio scale", low_open=True),
-    "clipping_threshold": Range("the update-clipping threshold", 1.0, nullable=True),
-    "min_dim_size_to_factor": Range("the smallest dimension size to factor", integer=True),
-}
-
-
-def check_optimizer_args(args: Any) -> None:
-    """Checks the ``optimizer`` node's arguments (a mapping) against `OPTIMIZER_RULES`.
-
-    Raises:
-      ConfigError: naming ``optimizer.<arg>``, the value and what is allowed.
-    """
-    for name, value in args.items():
-        rule = OPTIMIZER_RULES.get(name)
-        if rule is not None:
-            rule.check(value, f"optimizer.{name}")
-
-
-@dataclass
-class OptimizerConf:
-    """Fields every optimizer option has."""
-
-    _target_: str = MISSING
-    learning_rate: float = MISSING
-
-    def __post_init__(self) -> None:
-        check_optimizer_args(vars(self))
-
-
-@dataclass
-class SGDConf(OptimizerConf):
-    _target_: str = "optax.sgd"
-    momentum: float | None = None
-    nesterov: bool = False
-    accumulator_dtype: str | None = None
-
-
-@dataclass
-class AdamConf(OptimizerConf):
-    _target_: str = "optax.adam"
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    eps_root: float = 0.0
-    mu_dtype: str | None = None
-    nesterov: bool = False
-
-
-@dataclass
-class AdamWConf(AdamConf):
-    _target_: str = "optax.adamw"
-    weight_decay: float = 1e-4
-    weight_decay_mask: str | None = "no_bias_no_norm"
-
-
-@dataclass
-class LambConf(OptimizerConf):
-    _target_: str = "optax.lamb"
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-6
-    eps_root: float = 0.0
-    weight_decay: float = 0.0
-    weight_decay_mask: str | None = "no_bias_no_norm"
-
-
-@dataclass
-class LarsConf(OptimizerConf):
-    _target_: str = "optax.lars"
-    weight_decay: float = 0.0
-    weight_decay_mask: str | None = "no_bias_no_norm"
-    trust_coefficient: float = 0.001
-    eps: float = 0.0
-    trust_ratio_mask: str | None = "no_bias_no_norm"
-    momentum: float = 0.9
-    nesterov: bool = False
-
-
-@dataclass
-class LionConf(OptimizerConf):
-    _target_: str = "optax.lion"
-    b1: float = 0.9
-    b2: float = 0.99
-    mu_dtype: str | None = None
-    weight_decay: float = 1e-3
-    weight_decay_mask: str | None = "no_bias_no_norm"
-
-
-@dataclass
-class AdafactorConf(OptimizerConf):
-    _target_: str = "optax.adafactor"
-    min_dim_size_to_factor: int = 128
-    decay_rate: float = 0.8
-    decay_offset: int = 0
-    multiply_by_parameter_scale: bool = True
-    clipping_threshold: float | None = 1.0
-    momentum: float | None = None
-    dtype_momentum: str = "float32"
-    weight_decay_rate: float | None = None
-    eps: float = 1e-30
-    factored: bool = True
-    weight_decay_mask: str | None = "no_bias_no_norm"
-
-
-@dataclass
-class RMSPropConf(OptimizerConf):
-    _target_: str = "optax.rmsprop"
-    decay: float = 0.9
-    eps: float = 1e-8
-    initial_scale: float = 0.0
-    eps_in_sqrt: bool = True
-    centered: bool = False
-    momentum: float | None = None
-    nesterov: bool = False
-    bias_correction: bool = False
-
-
-@dataclass
-class AdagradConf(OptimizerConf):
-    _target_: str = "optax.adagrad"
-    initial_accumulator_value: float = 0.1
-    eps: float = 1e-7
-
 
 # --------------------------------------------------------------------------------------------
 # schedule/: factories in xshard.schedules. Each takes the optimizer's learning_rate as the

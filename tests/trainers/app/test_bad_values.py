@@ -25,7 +25,8 @@ from trainers.app.cli_overrides import group_override_error, removed_key_error
 from trainers.config import TrainerOptions
 from trainers.train import train
 from xshard.config import read_node
-from xshard.config.schemas import OPTIMIZER_RULES, SCHEMAS, check_optimizer_args
+from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
+from xshard.config.schemas import SCHEMAS
 from xshard.errors import ConfigError
 from xshard.mesh_spec import mesh_spec
 

@@ -5,9 +5,11 @@ every ``every_steps`` steps a sync step, run inside ``jax.shard_map`` with the a
 
 1. pseudo-gradient of each replica: ``delta = outer_params - replica_params`` (DiLoCo's outer
    gradient; with error feedback the codec's residual of the last sync is added to it);
-2. reduced over the axis (``rule: mean``), in one packed all-reduce per dtype, or through the
-   axis's codec (``comm_dtype``, `xshard.compressed.compressed_all_reduce`) when one is set,
-   the codec's residual kept per replica with ``error_feedback``;
+2. reduced over the axis (``rule: mean``) hierarchically (`xshard.hierarchical`): each device
+   of a replica reduces its ``1 / F`` share of it over the axis, in one all-reduce or through
+   the axis's codec (``comm_dtype``, `xshard.compressed.compressed_all_reduce`) when one is set,
+   and the shares are all-gathered within the replica; with ``error_feedback`` each device
+   keeps its share's codec residual;
 3. non-finite guard: the reduced pseudo-gradient is the same on every replica, so a NaN/Inf in
    it makes every replica skip the sync alike (outer params, outer state and residuals are
    kept; every replica restarts from the kept outer params, dropping the diverged local steps);
@@ -36,16 +38,16 @@ import numpy as np
 import optax
 
 from xshard.axis_rules import AxisRule
-from xshard.buckets import psum_tree
-from xshard.codecs import get_codec
-from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
+from xshard.compressed import tree_size
+from xshard.hierarchical import hierarchical_all_reduce, share_size, slow_bytes_sent
 from xshard.stats import tree_sq_norm
 
 
 class OuterState(NamedTuple):
     """The state a periodic axis adds: per fragment, the outer params (a list of leaves), the
-    outer optimizer's state and the error-feedback residual (per replica a flat float32
-    vector, `xshard.compressed.compressed_all_reduce`'s; None without error feedback)."""
+    outer optimizer's state and the error-feedback residual (per replica, a float32 row per
+    device of the replica for its share: `xshard.hierarchical`; None without error
+    feedback)."""
 
     params: tuple[list[jax.Array], ...]
     opt_state: tuple[Any, ...]
@@ -116,17 +118,21 @@ def due_fragment(step: int, rule: AxisRule) -> int | None:
 
 
 def init_outer(
-    rule: AxisRule, leaves: list[jax.Array], groups: tuple[tuple[int, ...], ...], replicas: int
+    rule: AxisRule,
+    leaves: list[jax.Array],
+    groups: tuple[tuple[int, ...], ...],
+    replicas: int,
+    inner: int = 1,
 ) -> OuterState:
     """The outer state for the parameter `leaves` (of one replica), split by `groups`.
 
-    The residuals (with ``error_feedback``) have a leading dimension of `replicas`: each
-    replica keeps its own.
+    The residuals (with ``error_feedback``) are ``(replicas, inner) + (share,)``: each device
+    of each replica keeps its share's (`residual_shape`; `inner`: the devices of a replica).
     """
     params = tuple([leaves[i] for i in g] for g in groups)
     opt = tuple(rule.outer_optimizer.init(p) for p in params)
     residual = tuple(
-        jnp.zeros((replicas, residual_size(p, replicas, rule)), jnp.float32)
+        jnp.zeros((replicas, *residual_shape(p, replicas, inner, rule)), jnp.float32)
         if rule.error_feedback
         else None
         for p in params
@@ -134,25 +140,20 @@ def init_outer(
     return OuterState(params, opt, residual)
 
 
-def residual_size(leaves: Sequence[Any], replicas: int, rule: AxisRule) -> int:
-    """Elements of one replica's error-feedback residual for `leaves` (the codec's padding)."""
-    codec = get_codec(rule.comm_dtype or "float32")
-    return padded_size(tree_size(leaves), replicas, codec.block_size)
+def residual_shape(
+    leaves: Sequence[Any], replicas: int, inner: int, rule: AxisRule
+) -> tuple[int, int]:
+    """One replica's error-feedback residuals for `leaves`: a row per device of the replica
+    (`inner` of them), each its share's (`xshard.hierarchical.share_size`)."""
+    return inner, share_size(tree_size(leaves), replicas, inner, rule.comm_dtype or "float32")
 
 
-def bytes_per_sync(leaves: Sequence[Any], replicas: int, rule: AxisRule) -> int:
-    """Bytes one replica sends over the axis to sync `leaves` (its codec's, if any)."""
-    if rule.comm_dtype is None:  # a packed all-reduce in the params' dtype
-        size = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in leaves)
-        return 2 * (replicas - 1) * size // replicas
-    return bytes_sent(tree_size(leaves), replicas, get_codec(rule.comm_dtype))
-
-
-def _mean_over(axis: str, delta: list[jax.Array], drift_sq: jax.Array) -> tuple[list, jax.Array]:
-    """pmean of `delta` and of `drift_sq` over `axis`, packed: one all-reduce per dtype."""
-    n = jax.lax.axis_size(axis)
-    summed = psum_tree((delta, drift_sq.astype(jnp.float32)), axis, pack=True).tree
-    return [s / n for s in summed[0]], summed[1] / n
+def bytes_per_sync(leaves: Sequence[Any], replicas: int, inner: int, rule: AxisRule) -> int:
+    """Bytes one device sends over the axis to sync `leaves`: its share, in the params' dtype
+    or its codec's (`xshard.hierarchical.slow_bytes_sent`)."""
+    itemsize = np.dtype(jnp.result_type(*leaves)).itemsize if leaves else 4
+    codec = rule.comm_dtype or "float32"
+    return slow_bytes_sent(tree_size(leaves), replicas, inner, codec, itemsize)
 
 
 def sync_fragment(
@@ -162,6 +163,7 @@ def sync_fragment(
     opt_state: Any,
     residual: Any,
     replica: list[jax.Array],
+    inner_axes: tuple[str, ...] = (),
 ) -> Synced:
     """One fragment's sync, inside ``shard_map`` with `axis` manual (module docstring).
 
@@ -170,8 +172,10 @@ def sync_fragment(
       axis: the periodic mesh axis.
       outer_params: the fragment's outer params (the same on every replica).
       opt_state: the fragment's outer optimizer state.
-      residual: this replica's error-feedback residuals (a list), or None.
+      residual: this replica's error-feedback residuals (`residual_shape`), or None.
       replica: this replica's params of the fragment.
+      inner_axes: the mesh axes of a replica (not manual), whose devices each reduce a share
+        of the pseudo-gradient (`xshard.hierarchical`); empty: each reduces all of it.
 
     Returns:
       The `Synced` fragment; its ``replica`` leaves equal its ``params`` (varying over
@@ -179,13 +183,16 @@ def sync_fragment(
     """
     delta = [o - r for o, r in zip(outer_params, replica, strict=True)]
     drift_sq = tree_sq_norm(delta)
-    if rule.comm_dtype is None:
-        mean, drift_sq = _mean_over(axis, delta, drift_sq)
-        new_residual, error_sq = residual, jnp.zeros((), jnp.float32)
-    else:  # through the codec: the same decoded mean on every replica
-        reduced = compressed_all_reduce(delta, axis, rule.comm_dtype, residual=residual)
-        mean, new_residual = reduced.value, reduced.residual
-        drift_sq, error_sq = jax.lax.pmean((drift_sq, jnp.square(reduced.error_norm)), axis)
+    reduced = hierarchical_all_reduce(
+        delta,
+        axis,
+        inner_axes,
+        comm_dtype=rule.comm_dtype,
+        residual=residual,
+        extra=drift_sq[None],
+    )
+    mean, new_residual, error_sq = reduced.value, reduced.residual, reduced.error_sq
+    drift_sq = reduced.extra[0]
     ok = jnp.isfinite(tree_sq_norm(mean))  # the same on every replica: after the reduction
     updates, new_opt = rule.outer_optimizer.update(mean, opt_state, outer_params)
     new_params = optax.apply_updates(outer_params, updates)

@@ -22,8 +22,10 @@ out per replica (a row each) and the host averages them (`trainers.core.metrics`
 several processes does the stop vote (one int) cross it.
 
 **The sync program** (one per fragment) is `xshard.periodic.sync_fragment` inside a
-``shard_map`` manual over the axis: one packed all-reduce of the pseudo-gradient over the
-axis. Two compiled programs, not a traced branch: the HLO of each shows what crosses the axis.
+``shard_map`` manual over the axis: one all-reduce over the axis per device, of its
+``1 / F`` share of the pseudo-gradient (F: the devices of a replica, over `inner_axes`), then
+an all-gather of the shares within the replica (`xshard.hierarchical`). Two compiled programs,
+not a traced branch: the HLO of each shows what crosses the axis.
 
 The inner optimizer's state stays per replica across syncs (DiLoCo keeps each worker's AdamW
 state); only the params restart from the outer params.
@@ -129,6 +131,16 @@ class Periodic:
         """S: the number of replicas (the axis's size)."""
         return int(self.mesh.shape[self.axis])
 
+    @property
+    def inner_axes(self) -> tuple[str, ...]:
+        """The mesh axes of a replica: every axis but the periodic one."""
+        return tuple(a for a in self.mesh.axis_names if a != self.axis)
+
+    @property
+    def replica_devices(self) -> int:
+        """F: the devices of a replica, each syncing a share of its pseudo-gradient."""
+        return int(np.prod([self.mesh.shape[a] for a in self.inner_axes]))
+
     def replica_mesh(self) -> Any:
         """The mesh as a replica's step sees it: the periodic axis manual (an AbstractMesh)."""
         return self.mesh.abstract_mesh.update_axis_types({self.axis: AxisType.Manual})
@@ -177,21 +189,24 @@ class Periodic:
                 opt_shardings(outer_tx, p, b)
                 for p, b in zip(frag(leaves), frag(jax.tree.leaves(base)), strict=True)
             ),
-            tuple(  # a flat vector per replica
-                NamedSharding(self.mesh, P(self.axis)) if self.rule.error_feedback else None
+            tuple(  # a row per device of each replica: its share's
+                NamedSharding(self.mesh, P(self.axis, self.inner_axes))
+                if self.rule.error_feedback
+                else None
                 for _ in groups
             ),
         )
         return jax.jit(
-            lambda p: init_outer(self.rule, p, groups, self.replicas), out_shardings=out_shardings
+            lambda p: init_outer(self.rule, p, groups, self.replicas, self.replica_devices),
+            out_shardings=out_shardings,
         )(leaves)
 
     def bytes_per_step(self, params: Any) -> float:
-        """Bytes one replica sends over the axis per step, averaged over a period: every
-        fragment's pseudo-gradient once per ``every_steps`` steps."""
+        """Bytes one device sends over the axis per step, averaged over a period: its share
+        of every fragment's pseudo-gradient once per ``every_steps`` steps."""
         leaves = jax.tree.leaves(params)
         sent = sum(
-            bytes_per_sync([leaves[i] for i in g], self.replicas, self.rule)
+            bytes_per_sync([leaves[i] for i in g], self.replicas, self.replica_devices, self.rule)
             for g in self.groups(params)
         )
         return sent / self.rule.every_steps
@@ -220,7 +235,7 @@ class Periodic:
 
     def sync(self, state: TrainState, fragment: int, groups: tuple[tuple[int, ...], ...]) -> Any:
         """The sync program of `fragment`: returns the new state and the `SyncStats` vector."""
-        axis, rep, rule = self.axis, P(self.axis), self.rule
+        axis, rep, rule, inner_axes = self.axis, P(self.axis), self.rule, self.inner_axes
         leaves, treedef = jax.tree.flatten(state.params)
         idx = groups[fragment]
         outer = state.outer
@@ -228,7 +243,9 @@ class Periodic:
 
         def one(outer_params, opt_state, residual, replica):
             res = None if residual is None else _squeeze(residual)
-            done = sync_fragment(rule, axis, outer_params, opt_state, res, _squeeze(replica))
+            done = sync_fragment(
+                rule, axis, outer_params, opt_state, res, _squeeze(replica), inner_axes
+            )
             back = None if done.residual is None else _expand(done.residual)
             return done.params, done.opt_state, back, _expand(done.replica), done.stats
 

@@ -1,8 +1,6 @@
 """A periodic mesh axis (local SGD, DiLoCo) in the real Trainer on 8 simulated CPU devices:
 the semantics issue 25 pins, the two programs' HLO, fragments and the non-finite guard."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +9,11 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import xshard
+from benchmarks.axis_traffic import collectives_by_axis, traffic
 from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
 from xshard.axis_rules import AxisRule
+from xshard.compressed import tree_size
 from xshard.periodic import due_fragment, fragment_leaves
 
 BATCH = 32
@@ -127,41 +127,23 @@ def test_every_h_steps_replicas_hold_the_outer_params_and_between_them_outer_sta
     run(trainer, state, 8, check)
 
 
-def _collectives_over_slice(hlo: str) -> list[str]:
-    """Collective ops whose replica groups hold devices of both slices (0-3 and 4-7)."""
-    out = []
-    for line in hlo.splitlines():
-        op = re.search(
-            r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all|"
-            r"collective-permute)(-start)?\(",
-            line,
-        )
-        if not op:
-            continue
-        groups = re.search(r"replica_groups=\{([^}]*(\}[^}]*)*)\}", line)
-        iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\]", line)
-        if iota:  # [g, k]<=[n]: g groups of k consecutive devices
-            crosses = int(iota.group(2)) > 4
-        elif groups:
-            crosses = any(
-                {int(d) < 4 for d in g.split(",") if d.strip()} == {True, False}
-                for g in re.findall(r"\{([\d,]+)\}", "{" + groups.group(1) + "}")
-            )
-        else:  # no groups: every device
-            crosses = True
-        if crosses:
-            out.append(op.group(1))
-    return out
-
-
 def test_hlo_inner_program_never_crosses_slice_and_the_sync_once(task, mesh):
     trainer, state = make(task, mesh, optax.sgd(0.05), periodic=averaging(every_steps=2))
     state = run(trainer, state, 2)
-    inner = trainer.executable_for(0).as_text()
-    assert _collectives_over_slice(inner) == []
-    assert re.search(r"all-reduce", inner)  # it does reduce over data
-    sync = trainer.sync_executable(0).as_text()
-    assert _collectives_over_slice(sync) == ["all-reduce"]
+    shape = dict(mesh.shape)
+    inner = collectives_by_axis(trainer.executable_for(0).as_text(), shape)
+    assert traffic(inner, "slice").ops == {}
+    assert traffic(inner, "data").ops  # it does reduce over data
+    sync = collectives_by_axis(trainer.sync_executable(0).as_text(), shape)
+    over_slice = [c for c in sync if "slice" in c.axes]
+    assert [(c.op, c.axes) for c in over_slice] == [("all-reduce", ("slice",))]
+    # Hierarchical: each of a slice's 4 devices reduces its quarter of the pseudo-gradient
+    # (the drift scalar rides along), then the quarters are gathered within the slice.
+    size = tree_size(outer_tree(trainer, state))
+    assert over_slice[0].result_bytes == 4 * (-(-size // 4) + 1)
+    assert [(c.op, c.axes) for c in sync if c.axes == ("data",)] == [("all-gather", ("data",))]
+    logged = trainer.periodic_programs.bytes_per_step * 2  # every_steps=2
+    assert logged == pytest.approx(over_slice[0].flat_bytes, abs=8)
 
 
 def test_fragments_sync_their_own_leaves_on_their_own_steps(task, mesh):

@@ -8,7 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from tests.trainers.core.test_periodic import BATCH, _collectives_over_slice, make, outer_tree
+from benchmarks.axis_traffic import collectives_by_axis, traffic
+from tests.trainers.core.test_periodic import BATCH, make, outer_tree
 from trainers.core.step import PLAIN
 from xshard.axis_rules import AxisRule
 from xshard.errors import ConfigError
@@ -71,9 +72,11 @@ def test_warmup_is_the_synchronous_mean_then_replicas_train_alone(task, mesh):
             for r, o in zip(replicas, _leaves(outer_tree(trainer, state)), strict=True):
                 np.testing.assert_array_equal(r[1], o)
     # The warm-up program reduces over `slice`; the inner program never does.
+    shape = dict(mesh.shape)
     warm_hlo = trainer.executable_for(PLAIN, warmup=True).as_text()
-    assert _collectives_over_slice(warm_hlo)
-    assert _collectives_over_slice(trainer.executable_for(PLAIN).as_text()) == []
+    assert traffic(collectives_by_axis(warm_hlo, shape), "slice").ops
+    inner_hlo = trainer.executable_for(PLAIN).as_text()
+    assert traffic(collectives_by_axis(inner_hlo, shape), "slice").ops == {}
 
 
 @pytest.mark.parametrize(

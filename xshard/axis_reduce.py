@@ -7,13 +7,18 @@ one step as follows:
 1. over the data axes without a rule, by the reduction's mode (``psum``/``pmean``, as without
    `axes`);
 2. then over the axis with an every-step rule (``not rule.periodic``; at most one), by
-   its rule (``mean``, ``sum`` or ``adasum``; None: the mode) and codec
-   (`xshard.compressed.compressed_all_reduce`, `xshard.adasum.adasum_all_reduce`);
+   its rule (``mean``, ``sum`` or ``adasum``; None: the mode) and codec. The gradient is now
+   the same on the devices of the axes of step 1 (its *inner* axes), so ``mean`` and ``sum``
+   reduce hierarchically (`xshard.hierarchical`): each of those devices reduces its share over
+   the rule's axis, plainly or through the codec (`xshard.compressed.compressed_all_reduce`),
+   and the shares are all-gathered over the inner axes; ``adasum`` reduces the whole gradient
+   from every device (`xshard.adasum.adasum_all_reduce`: its dot products need all of it);
 3. an axis with a periodic rule (``rule.periodic``: local SGD, DiLoCo) takes no part: no
    collective of the step crosses it (its parameters are synced by a separate step).
 
 Each every-step axis keeps an `AxisCommState` in the cross-shard state: its error-feedback
-residual (per replica, so sharded over that axis: `state_partition_specs`), the compression
+residual (a row per device, one per share: sharded over that axis and the inner axes:
+`state_partition_specs`), the compression
 error norm and the bytes one replica sends over the axis per step, which the trainer logs as
 ``comm/<axis>/compression_error_norm`` and ``comm/<axis>/bytes``.
 """
@@ -21,8 +26,10 @@ error norm and the bytes one replica sends over the axis per step, which the tra
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +38,40 @@ from jax.sharding import PartitionSpec as P
 
 from xshard.adasum import adasum_all_reduce, adasum_bytes_sent
 from xshard.axis_rules import AxisRule, check_rules
-from xshard.codecs import get_codec
-from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
+from xshard.compressed import tree_size
+from xshard.hierarchical import (
+    hierarchical_all_reduce,
+    residual_spec,
+    share_size,
+    slow_bytes_sent,
+)
 from xshard.reduction_mode import Reduction
 
 
-class AxisCommState(NamedTuple):
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["residual", "error_norm", "bytes_sent"],
+    meta_fields=["inner_axes"],
+)
+@dataclasses.dataclass(frozen=True)
+class AxisCommState:
     """What an every-step axis rule keeps in the `cross_shard` state.
 
     Attributes:
-      residual: the error-feedback residual, float32 ``(axis size, padded length)``, row ``i``
-        replica ``i``'s (sharded over the axis: `state_partition_specs`); `optax.EmptyState`
-        without error feedback.
+      residual: the error-feedback residuals, float32 ``(axis size, F, share length)``:
+        ``[i, j]`` the share of device ``j`` of replica ``i`` (F the devices of the inner
+        axes; sharded over the axis and the inner axes: `state_partition_specs`);
+        `optax.EmptyState` without error feedback.
       error_norm: float32, the root mean square over the axis's replicas of their compression
         error norms on the last step (0 for a lossless codec).
-      bytes_sent: float32, bytes one replica sends over the axis per step.
+      bytes_sent: float32, bytes one device sends over the axis per step.
+      inner_axes: the axes whose devices share the reduction (static: not an array).
     """
 
     residual: jax.Array | optax.EmptyState
     error_norm: jax.Array
     bytes_sent: jax.Array
+    inner_axes: tuple[str, ...] = ()
 
 
 def _check_axes(axes: Mapping[str, AxisRule], data_axes: tuple[str, ...]) -> None:
@@ -73,10 +94,13 @@ class AxisReductions:
     Attributes:
       rules: the every-step rules, ``(axis, rule)`` in the order given.
       periodic: the axes with a periodic rule (no collective over them in the step).
+      inner_axes: the axes the every-step rules' reductions share out (`mode_axes`: their
+        devices hold the same gradient after step 1).
     """
 
     rules: tuple[tuple[str, AxisRule], ...] = ()
     periodic: tuple[str, ...] = ()
+    inner_axes: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -93,7 +117,8 @@ class AxisReductions:
             return cls()
         _check_axes(axes, data_axes)
         every = tuple((a, r) for a, r in axes.items() if not r.periodic)
-        return cls(every, tuple(a for a, r in axes.items() if r.periodic))
+        out = cls(every, tuple(a for a, r in axes.items() if r.periodic))
+        return dataclasses.replace(out, inner_axes=out.mode_axes(data_axes))
 
     def step_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:
         """The axes a step's collectives cross: `data_axes` less the periodic ones."""
@@ -116,18 +141,20 @@ class AxisReductions:
         size = tree_size(params)
         out = {}
         for axis, rule in self.rules:
-            if mesh.empty or axis not in mesh.shape:
+            inner_axes = self.inner_axes
+            if mesh.empty or any(a not in mesh.shape for a in (axis, *inner_axes)):
                 raise ValueError(
                     f"cross_shard(axes={{{axis!r}: ...}}).init needs the mesh in context "
                     "(jax.set_mesh(mesh)) to size its per-replica state over that axis."
                 )
             n = mesh.shape[axis]
+            inner = math.prod(mesh.shape[a] for a in inner_axes)
             residual: jax.Array | optax.EmptyState = optax.EmptyState()
             if _feeds_back(rule):
-                codec = get_codec(rule.comm_dtype or "float32")
-                residual = jnp.zeros((n, padded_size(size, n, codec.block_size)), jnp.float32)
-            sent = jnp.float32(_bytes_sent(rule, size, n))
-            out[axis] = AxisCommState(residual, jnp.zeros((), jnp.float32), sent)
+                share = share_size(size, n, inner, rule.comm_dtype or "float32")
+                residual = jnp.zeros((n, inner, share), jnp.float32)
+            sent = jnp.float32(_bytes_sent(rule, size, n, inner))
+            out[axis] = AxisCommState(residual, jnp.zeros((), jnp.float32), sent, inner_axes)
         return out
 
     def reduce(self, tree: Any, mode: Reduction, comm: Any) -> tuple[Any, dict[str, AxisCommState]]:
@@ -153,10 +180,11 @@ def _rule_name(rule: AxisRule, mode: Reduction) -> str:
     return rule.rule if rule.rule is not None else mode.value
 
 
-def _bytes_sent(rule: AxisRule, size: int, n: int) -> int:
+def _bytes_sent(rule: AxisRule, size: int, n: int, inner: int) -> int:
+    """Bytes one device sends over the rule's axis (of `n` replicas, `inner` devices each)."""
     if rule.rule == "adasum":
         return adasum_bytes_sent(size, 4, n)
-    return bytes_sent(size, n, get_codec(rule.comm_dtype or "float32"))
+    return slow_bytes_sent(size, n, inner, rule.comm_dtype or "float32")
 
 
 def _reduce_axis(
@@ -168,27 +196,35 @@ def _reduce_axis(
         return adasum_all_reduce(tree, axis), state
     residual = None
     if isinstance(state.residual, jax.Array):
-        residual = state.residual.reshape(state.residual.shape[-1])  # this replica's row
-    codec = rule.comm_dtype or "float32"
-    out = compressed_all_reduce(tree, axis, codec, rule=name, residual=residual)
+        residual = state.residual.reshape(state.residual.shape[-2:])  # this device's row
+    out = hierarchical_all_reduce(
+        tree,
+        axis,
+        state.inner_axes,
+        comm_dtype=rule.comm_dtype,
+        rule=name,
+        residual=residual,
+        inner_manual=True,
+    )
     new_residual: jax.Array | optax.EmptyState = state.residual
     if out.residual is not None:
         new_residual = out.residual[None]
-    error_norm = jnp.sqrt(jax.lax.pmean(out.error_norm**2, axis))
-    return out.value, AxisCommState(new_residual, error_norm, state.bytes_sent)
+    error_norm = jnp.sqrt(out.error_sq)
+    return out.value, dataclasses.replace(state, residual=new_residual, error_norm=error_norm)
 
 
 def state_partition_specs(opt_state: Any) -> Any:
-    """A tree like `opt_state` (or its shapes) of PartitionSpecs: ``P(axis)`` for the residual
-    of the `AxisCommState` of `axis` (a row per replica of the axis), ``P()`` for every other
-    leaf: the state's specs in a ``shard_map`` over the data axes, and the data-axis part of
-    its shardings at rest."""
+    """A tree like `opt_state` (or its shapes) of PartitionSpecs: `residual_spec` for the
+    residual of the `AxisCommState` of `axis` (a row per device), ``P()`` for every other leaf:
+    the state's specs in a ``shard_map`` over the data axes, and the data-axis part of its
+    shardings at rest."""
 
     def spec(path: Any, node: Any) -> Any:
         if isinstance(node, AxisCommState):
             axis = path[-1].key  # the state's key in the dict of axes
-            residual = jax.tree.map(lambda _: P(axis), node.residual)
-            return AxisCommState(residual, P(), P())  # type: ignore[arg-type]  # specs
+            where = residual_spec(axis, node.inner_axes)
+            residual = jax.tree.map(lambda _: where, node.residual)
+            return AxisCommState(residual, P(), P(), node.inner_axes)  # type: ignore[arg-type]
         return P()
 
     return jax.tree_util.tree_map_with_path(

@@ -30,6 +30,7 @@ from xshard.stats import (
     tree_max_abs,
     worth_splitting,
 )
+from xshard.vma import as_varying, varying_axes
 
 
 class GuardSettings(Protocol):
@@ -56,15 +57,9 @@ def _position(flag: Flag, values: tuple[bool, ...]) -> jax.Array | int:
     return 0 if len(values) == 1 else jnp.asarray(flag, jnp.int32)
 
 
-def _varying(x: Any) -> frozenset[str]:
-    mat = getattr(jax.typeof(x), "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
-
-
 def _vary_like(x: jax.Array, ref: jax.Array) -> jax.Array:
     """`x` cast to varying over the manual axes `ref` varies over and it does not."""
-    missing = tuple(sorted(_varying(ref) - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return as_varying(x, varying_axes(ref))
 
 
 def _zeros_like_abstract(aval: jax.ShapeDtypeStruct) -> jax.Array:
@@ -287,7 +282,7 @@ class GuardedStep:
         for the per-leaf statistics (a shard's own slice, after a scatter, is not split).
         """
         axes = self.shard_axes
-        same = axes and not any(_varying(x) & set(axes) for x in jax.tree.leaves(g))
+        same = axes and not any(varying_axes(x) & set(axes) for x in jax.tree.leaves(g))
         return {
             statistic: axes if same and worth_splitting(g, statistic) else None
             for statistic in ("sq_norms", "histograms")
@@ -320,8 +315,4 @@ def _varying_like(new: Any, old: Any) -> Any:
     learning rate) is otherwise invariant where the state held per replica is varying (a
     periodic axis, `xshard.periodic`), and the two branches' types would differ."""
 
-    def one(n: Any, o: Any) -> Any:
-        missing = tuple(sorted(_varying(o) - _varying(n)))
-        return jax.lax.pcast(n, missing, to="varying") if missing else n
-
-    return jax.tree.map(one, new, old)
+    return jax.tree.map(lambda n, o: as_varying(n, varying_axes(o)), new, old)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from xshard.codecs import Codec, get_codec
 from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
+from xshard.vma import as_varying
 
 RULES = ("mean", "sum")
 
@@ -79,6 +80,14 @@ def slow_bytes_sent(
     return bytes_sent(share, axis_size, codec)
 
 
+def residual_spec(axis: str, inner_axes: tuple[str, ...]) -> P:
+    """Where error-feedback residuals of shares, ``(axis size, F, share)``, live at rest: a row
+    per device, over `axis` and the inner axes."""
+    if not inner_axes:
+        return P(axis)
+    return P(axis, inner_axes[0] if len(inner_axes) == 1 else inner_axes)
+
+
 def _flatten(leaves: list[jax.Array], total: int, dtype: Any) -> jax.Array:
     flat = [jnp.ravel(x).astype(dtype) for x in leaves]
     vec = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
@@ -115,7 +124,9 @@ def reduce_shares(
     mine = jax.lax.dynamic_slice_in_dim(vec, index * share, share)
     new_residual = residual
     if codec.identity:  # one all-reduce: XLA carries the share and the scalars in one tuple
-        mine, extra = jax.lax.psum((mine, extra), axis)
+        mine, extra = (
+            jax.lax.psum((mine, extra), axis) if extra.size else (jax.lax.psum(mine, axis), extra)
+        )
         error_sq = jnp.zeros((), jnp.float32)
         if rule == "mean":
             mine = mine / n
@@ -127,9 +138,9 @@ def reduce_shares(
         if out.residual is not None:
             new_residual = out.residual[None]
         # A replica's error sums its shares'; with the scalars, one small collective.
-        if inner_axes:  # equal on a replica's devices: a part of the sum from each
-            extra = jax.lax.pcast(extra / inner, inner_axes, to="varying")
-        extra, error_sq = jax.lax.psum((extra, jnp.square(out.error_norm)), (axis, *inner_axes))
+        axes = (axis, *inner_axes)  # the scalars are equal on a replica's devices: a part
+        parts = (as_varying(extra / inner, axes), as_varying(jnp.square(out.error_norm), axes))
+        extra, error_sq = jax.lax.psum(parts, axes)
     extra = extra / n
     if inner_axes:
         mine = jax.lax.all_gather(mine, inner_axes, tiled=True, to="invarying")
@@ -145,11 +156,13 @@ def hierarchical_all_reduce(
     rule: str = "mean",
     residual: jax.Array | None = None,
     extra: jax.Array | None = None,
+    inner_manual: bool = False,
 ) -> HierarchicalReduce:
     """Sum or mean of `tree` over `axis`, each device of a replica reducing one share of it.
 
-    Inside ``jax.shard_map`` with `axis` manual and `inner_axes` not (module docstring).
-    `tree` (float arrays) varies over `axis` and is equal on the devices of a replica.
+    Inside ``jax.shard_map`` with `axis` manual, and `inner_axes` manual too if `inner_manual`
+    (module docstring). `tree` (float arrays) varies over `axis` and is equal on the devices of
+    a replica.
 
     Args:
       tree: the replica's pytree.
@@ -159,8 +172,10 @@ def hierarchical_all_reduce(
         ``"float32"``: a plain all-reduce in the leaves' common dtype.
       rule: ``"mean"`` or ``"sum"``.
       residual: the replica's share residuals from the last call, ``(F, share_size)`` float32
-        (zeros at first), or None for no error feedback.
+        (zeros at first; with `inner_manual` this device's row, ``(1, share_size)``), or None
+        for no error feedback.
       extra: float32 scalars (a vector) to average over `axis` alongside; None: none.
+      inner_manual: whether `inner_axes` are manual here (inside a ``shard_map`` over them).
 
     Returns:
       A `HierarchicalReduce`.
@@ -175,9 +190,10 @@ def hierarchical_all_reduce(
     mesh = jax.sharding.get_abstract_mesh()
     inner = math.prod(mesh.shape[a] for a in inner_axes)
     share = share_size(tree_size(tree), n, inner, codec)
-    if residual is not None and residual.shape != (inner, share):
+    rows = 1 if inner_manual else inner
+    if residual is not None and residual.shape != (rows, share):
         raise ValueError(
-            f"residual must have shape {(inner, share)} (F, share_size), got {residual.shape}."
+            f"residual must have shape {(rows, share)} (rows, share_size), got {residual.shape}."
         )
     leaves = jax.tree.leaves(tree)
     dtype = jnp.result_type(*leaves) if codec.identity and leaves else jnp.float32
@@ -187,7 +203,7 @@ def hierarchical_all_reduce(
     def body(vec: jax.Array, residual: jax.Array | None, extra: jax.Array) -> HierarchicalReduce:
         return reduce_shares(vec, axis, inner_axes, codec, rule, residual, extra)
 
-    if inner_axes:
+    if inner_axes and not inner_manual:
         body = jax.shard_map(
             body,
             in_specs=(P(), P(inner_axes), P()),

@@ -32,6 +32,7 @@ from xshard.errors import ConfigError
 from xshard.reduction_args import axis_names, clip_norm
 from xshard.reduction_mode import Reduction
 from xshard.stats import when
+from xshard.vma import varying_axes
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +69,6 @@ def _manual_axes(axes: tuple[str, ...]) -> bool:
     return bool(hits)
 
 
-def _varying_axes(x: Any) -> frozenset[str]:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older JAX spelling
-
-
 def _tracks_varying(axes: tuple[str, ...]) -> bool:
     """Whether the current trace tracks varying-ness (shard_map with check_vma=True).
 
@@ -83,14 +76,14 @@ def _tracks_varying(axes: tuple[str, ...]) -> bool:
     replicated params is per shard already, so there is nothing to check.
     """
     probe = jax.lax.pcast(jnp.zeros((), jnp.int32), axes, to="varying")
-    return bool(set(axes) & _varying_axes(probe))
+    return bool(set(axes) & varying_axes(probe))
 
 
 def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
     if not _tracks_varying(axes):
         return
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        missing = [a for a in axes if a not in _varying_axes(g)]
+        missing = [a for a in axes if a not in varying_axes(g)]
         if missing:
             raise DoubleReductionError(
                 f"Gradient leaf {jax.tree_util.keystr(path) or '<root>'} is already invariant over "

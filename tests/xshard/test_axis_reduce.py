@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import xshard
+from benchmarks.axis_traffic import collectives_by_axis
 from tests.cross_shard_helpers import (
     SLICE_AXES,
     assert_same_on_every_replica,
@@ -26,6 +27,7 @@ from xshard.axis_rules import AxisRule
 from xshard.codecs import get_codec
 from xshard.compressed import bytes_sent, tree_size
 from xshard.errors import ConfigError
+from xshard.hierarchical import share_size, slow_bytes_sent
 
 INT8_EF = AxisRule(comm_dtype="int8", error_feedback=True)
 
@@ -96,11 +98,46 @@ def test_int8_error_feedback_over_slice_is_identical_everywhere_and_close_to_the
     comm = state.comm["slice"]
     assert isinstance(comm, AxisCommState)
     residual = np.asarray(comm.residual)
-    assert residual.shape[0] == 2 and np.abs(residual).max() > 0
+    size = tree_size(_params())
+    # A row per device: each of a slice's 4 devices reduces (and feeds back) its own share.
+    assert residual.shape == (2, 4, share_size(size, 2, 4, "int8"))
+    assert np.abs(residual).max() > 0
     assert not np.array_equal(residual[0], residual[1])  # one per replica of 'slice'
     assert float(comm.error_norm) > 0
-    size = tree_size(_params())
-    assert float(comm.bytes_sent) == bytes_sent(size, 2, get_codec("int8"))
+    assert float(comm.bytes_sent) == slow_bytes_sent(size, 2, 4, "int8")
+
+
+def test_compressed_and_float32_rules_send_one_share_per_device_over_slice():
+    """After the mean over 'data' the gradient is the same on a slice's 4 devices: each sends
+    a quarter of it over 'slice' (the bytes the compiled step's collectives carry)."""
+    big = {"w": jax.random.normal(jax.random.key(7), (8, 64, 96)), "b": jnp.ones((8, 13))}
+    params = {"w": jnp.zeros((64, 96)), "b": jnp.zeros(13)}
+    size = tree_size(params)
+    mesh = make_slice_mesh()
+    for rule, codec in ((INT8_EF, "int8"), (AxisRule(comm_dtype="float32"), "float32")):
+        tx = xshard.cross_shard(optax.sgd(1.0), axis_name=SLICE_AXES, axes={"slice": rule})
+        with jax.set_mesh(mesh):
+            state = jax.jit(tx.init)(params)
+        specs = state_partition_specs(state)
+
+        def body(state, grads, tx=tx):
+            grads = jax.tree.map(lambda g: g[0], grads)
+            updates, state = tx.update(grads, state, params)
+            return jax.tree.map(lambda u: u[None], updates), state
+
+        step = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(specs, P(SLICE_AXES)), out_specs=(P(SLICE_AXES), specs)
+            )
+        )
+        hlo = step.lower(state, big).compile().as_text()
+        found = collectives_by_axis(hlo, dict(mesh.shape))
+        over_slice = sum(c.hierarchical_bytes["slice"] for c in found if "slice" in c.axes)
+        want = slow_bytes_sent(size, 2, 4, codec)
+        assert want <= over_slice <= want + 64, (codec, over_slice, want)  # + the stats' scalars
+        if codec == "int8":  # every device sending all of it would be 4x
+            assert over_slice < bytes_sent(size, 2, get_codec("int8")) / 3
+            assert float(state.comm["slice"].bytes_sent) == want
 
 
 def test_float32_rule_is_the_mean_and_sends_plain_floats():
@@ -210,12 +247,12 @@ def test_trainer_step_with_int8_error_feedback(int8_run):
     trainer, state, rec = int8_run
     _assert_replicas_hold_the_same_params(state)
     residual = state.opt_state.comm["slice"].residual
-    assert residual.sharding.spec == P("slice")
+    assert residual.sharding.spec == P("slice", "data")  # a row per device
     assert np.abs(np.asarray(residual)).max() > 0
     size = tree_size(state.params)
     for step in (1, 2, 3):
         m = rec.metrics[step]
-        assert m["comm/slice/bytes"] == bytes_sent(size, 2, get_codec("int8"))
+        assert m["comm/slice/bytes"] == slow_bytes_sent(size, 2, 4, "int8")
         assert m["comm/slice/compression_error_norm"] > 0
         assert np.isfinite(m["train/loss"])
 
@@ -230,7 +267,7 @@ def test_error_feedback_state_survives_a_checkpoint(int8_run, tmp_path):
     restored = restore_checkpoint(RestoreSource(tmp_path / "ckpt"), target, CONFIG)
     for key, value in host(state).items():
         np.testing.assert_array_equal(host(restored)[key], value)
-    assert restored.opt_state.comm["slice"].residual.sharding.spec == P("slice")
+    assert restored.opt_state.comm["slice"].residual.sharding.spec == P("slice", "data")
 
 
 def test_trainer_step_with_adasum_over_slice():

@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from xshard.vma import varying_axes
+
 ModelState = Any
 InitFn = Callable[[jax.Array, Any], tuple[Any, ModelState]]
 LossFn = Callable[[Any, ModelState, Any, jax.Array], tuple[jax.Array, dict, ModelState]]
@@ -69,7 +71,7 @@ def reduce_over_shards(model_state: ModelState, axes: Sequence[str]) -> ModelSta
     axes = tuple(axes)
 
     def one(path, x):
-        varying = tuple(a for a in axes if a in _varying_axes(x))
+        varying = tuple(a for a in axes if a in varying_axes(x))
         if not varying:
             return x
         if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -80,13 +82,6 @@ def reduce_over_shards(model_state: ModelState, axes: Sequence[str]) -> ModelSta
         )
 
     return jax.tree_util.tree_map_with_path(one, model_state)
-
-
-def _varying_axes(x: Any) -> frozenset[str]:
-    """The manual axes `x` varies over (JAX's type of it, in a shard_map)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
 class _SavedState(NamedTuple):

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.core.step import TrainState
 from xshard.axis_rules import AxisRule
 from xshard.errors import ConfigError
+from xshard.hierarchical import residual_spec
 from xshard.optimizer import CrossShardTransformation, over_axes
 from xshard.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
 
@@ -190,7 +191,7 @@ class Periodic:
                 for p, b in zip(frag(leaves), frag(jax.tree.leaves(base)), strict=True)
             ),
             tuple(  # a row per device of each replica: its share's
-                NamedSharding(self.mesh, P(self.axis, self.inner_axes))
+                NamedSharding(self.mesh, residual_spec(self.axis, self.inner_axes))
                 if self.rule.error_feedback
                 else None
                 for _ in groups

@@ -50,10 +50,15 @@ def test_bytes_per_axis_come_from_the_compiled_programs(results):
     assert any(op.startswith("all-to-all s8") for op in int8["programs"]["sync"]["slice"]["ops"])
     # int8 on the wire: fewer bytes over slice than the float32 sync of the same period.
     assert int8["per_step"]["slice"]["flat_bytes"] < local["per_step"]["slice"]["flat_bytes"] / 3
-    # The trainer's logged bytes per step agree with the compiled sync program (zero_stage 0).
-    assert local["logged_bytes_per_step"] == pytest.approx(
-        local["per_step"]["slice"]["flat_bytes"], rel=0.01
-    )
+    # The trainer's logged bytes per step agree with the compiled sync program.
+    for v in (local, int8):
+        assert v["logged_bytes_per_step"] == pytest.approx(
+            v["per_step"]["slice"]["hierarchical_bytes"], rel=0.01
+        )
+    # Against the hierarchical synchronous mean: H fewer bytes over slice, about 4H with int8
+    # (each device of a slice syncs its quarter of the pseudo-gradient).
+    assert local["ratio_to_mean"]["hierarchical_bytes"] == pytest.approx(8, rel=0.02)
+    assert 3 * 8 < int8["ratio_to_mean"]["hierarchical_bytes"] <= 4 * 8
 
 
 @pytest.mark.slow

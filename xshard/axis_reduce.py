@@ -17,10 +17,10 @@ one step as follows:
    collective of the step crosses it (its parameters are synced by a separate step).
 
 Each every-step axis keeps an `AxisCommState` in the cross-shard state: its error-feedback
-residual (a row per device, one per share: sharded over that axis and the inner axes:
-`state_partition_specs`), the compression
-error norm and the bytes one replica sends over the axis per step, which the trainer logs as
-``comm/<axis>/compression_error_norm`` and ``comm/<axis>/bytes``.
+residuals (a row per device, one per share: sharded over that axis and the inner axes,
+`state_partition_specs`), the compression error norm and the bytes one device sends over the
+axis per step, which the trainer logs as ``comm/<axis>/compression_error_norm`` and
+``comm/<axis>/bytes``.
 """
 
 from __future__ import annotations

@@ -91,10 +91,10 @@ def bytes_sent(size: int, axis_size: int, codec: Codec) -> int:
     return sent
 
 
-def flatten(tree: Any, total: int) -> jax.Array:
-    """The leaves of `tree` as one float32 vector of `total` elements (zero padding)."""
-    flat = [jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)]
-    vec = jnp.concatenate(flat) if flat else jnp.zeros((0,), jnp.float32)
+def flatten(tree: Any, total: int, dtype: Any = jnp.float32) -> jax.Array:
+    """The leaves of `tree` as one vector of `total` elements of `dtype` (zero padding)."""
+    flat = [jnp.ravel(x).astype(dtype) for x in jax.tree.leaves(tree)]
+    vec = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
     return jnp.pad(vec, (0, total - vec.shape[0]))
 
 

@@ -34,7 +34,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from xshard.codecs import Codec, get_codec
-from xshard.compressed import bytes_sent, compressed_all_reduce, padded_size, tree_size
+from xshard.compressed import (
+    bytes_sent,
+    compressed_all_reduce,
+    flatten,
+    padded_size,
+    tree_size,
+    unflatten,
+)
 from xshard.vma import as_varying
 
 RULES = ("mean", "sum")
@@ -86,22 +93,6 @@ def residual_spec(axis: str, inner_axes: tuple[str, ...]) -> P:
     if not inner_axes:
         return P(axis)
     return P(axis, inner_axes[0] if len(inner_axes) == 1 else inner_axes)
-
-
-def _flatten(leaves: list[jax.Array], total: int, dtype: Any) -> jax.Array:
-    flat = [jnp.ravel(x).astype(dtype) for x in leaves]
-    vec = jnp.concatenate(flat) if flat else jnp.zeros((0,), dtype)
-    return jnp.pad(vec, (0, total - vec.shape[0]))
-
-
-def _unflatten(vec: jax.Array, like: Any) -> Any:
-    leaves, treedef = jax.tree.flatten(like)
-    out, start = [], 0
-    for x in leaves:
-        size = math.prod(x.shape)
-        out.append(vec[start : start + size].reshape(x.shape).astype(x.dtype))
-        start += size
-    return jax.tree.unflatten(treedef, out)
 
 
 def reduce_shares(
@@ -197,7 +188,7 @@ def hierarchical_all_reduce(
         )
     leaves = jax.tree.leaves(tree)
     dtype = jnp.result_type(*leaves) if codec.identity and leaves else jnp.float32
-    vec = _flatten(leaves, inner * share, dtype)
+    vec = flatten(leaves, inner * share, dtype)
     extra = jnp.zeros((0,), jnp.float32) if extra is None else jnp.asarray(extra, jnp.float32)
 
     def body(vec: jax.Array, residual: jax.Array | None, extra: jax.Array) -> HierarchicalReduce:
@@ -211,4 +202,4 @@ def hierarchical_all_reduce(
             axis_names=set(inner_axes),
         )
     out = body(vec, residual, extra)
-    return out._replace(value=_unflatten(out.value, tree))
+    return out._replace(value=unflatten(out.value, tree))

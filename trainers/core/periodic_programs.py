@@ -36,7 +36,7 @@ class PeriodicPrograms:
     Attributes:
       periodic: the axis.
       groups: the parameter leaves of each fragment (set by `prepare`).
-      bytes_per_step: bytes a replica sends over the axis per step, over a period.
+      bytes_per_step: bytes a device sends over the axis per step, over a period.
     """
 
     def __init__(self, periodic: Periodic):

@@ -415,9 +415,12 @@ class _StepProgram:
             self.flags.with_stats,
             self.tx.phases.reduce,
             self._shard_grads,
+            whole=bool(self.tx.spec.axes.rules),
         )
         rng = step_rng(self.spec.seed, state.step)
-        reduced = reduce(gathered(self.zero_layout, state.params), state.model_state, batch, rng)
+        comm = state.opt_state.comm if self.tx.spec.axes.rules else None
+        params = gathered(self.zero_layout, state.params)
+        reduced = reduce(params, state.model_state, batch, rng, comm)
         trained = self.train_and_measure(state.params, state.opt_state, reduced.local)
         new_state = TrainState(
             state.step + 1, trained.params, trained.opt_state, reduced.model_state

@@ -79,21 +79,6 @@ def step_spec(
     )
 
 
-def check_rules_layout(tx: CrossShardTransformation, zero_stage: int) -> None:
-    """An every-step axis rule runs with ZeRO stage 0 only.
-
-    Raises:
-      ConfigError: naming the rule's axis and ``sharding.zero_stage``.
-    """
-    ruled = [axis for axis, _ in tx.spec.axes.rules]
-    if ruled and zero_stage > 0:
-        raise ConfigError(
-            f"reduction.axes.{ruled[0]} reduces every step by its own rule, which runs with "
-            f"sharding.zero_stage=0 only (got {zero_stage}): its error-feedback "
-            "state is per replica of the axis, not sliced over the data axes."
-        )
-
-
 def as_cross_shard(
     tx: optax.GradientTransformation,
     reduction: Reduction | str | None,

@@ -38,7 +38,6 @@ from trainers.core.step import (
 )
 from trainers.core.step_tx import (
     as_cross_shard,
-    check_rules_layout,
     periodic_inner_axes,
     refuse_nested_cross_shard,
     step_spec,
@@ -143,7 +142,6 @@ class Trainer:
         )
         # The rules are read once the params exist (a Flax task's come from its model).
         self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
-        check_rules_layout(self.tx, self.layout.stage)
         self.batch_sharding = NamedSharding(mesh, P(data_axes))
         # A replica's step sees the mesh with the periodic axis manual.
         step_mesh = mesh if self.periodic is None else self.periodic.replica_mesh()

@@ -27,6 +27,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.zero import ZeroLayout
+from xshard.axis_reduce import state_partition_specs
 from xshard.buckets import all_gather_tree
 from xshard.optimizer import LocalReduction
 
@@ -110,6 +111,7 @@ def manual_zero_step(
     with_stats: bool,
     reduce_fn: Callable[..., LocalReduction],
     shard_grads: Callable[..., Any],
+    whole: bool = False,
 ) -> Callable[..., ZeroReduced]:
     """The reducing half of a ZeRO step on the manual path.
 
@@ -122,18 +124,27 @@ def manual_zero_step(
       shard_grads: ``(params, model_state, batch, rng) -> trainers.core.step.LossAndGrads`` for
         one shard (params replicated, the gradient per shard, the new model state already
         reduced over the shards), run inside the shard_map.
+      whole: reduce the gradient whole at every stage, as stage 1 does (the update's
+        constraints then slice it): for every-step axis rules (`xshard.axis_reduce`), which
+        share their reduction out by their own shares, not by the ZeRO slices.
 
     Returns:
-      ``reduce(params, model_state, batch, rng) -> ZeroReduced``.
+      ``reduce(params, model_state, batch, rng, comm) -> ZeroReduced``, `comm` the
+      cross-shard state's ``comm`` field (the axis rules' residuals; None without rules).
     """
 
-    def reduce(params, model_state, batch, rng) -> ZeroReduced:
+    def reduce(params, model_state, batch, rng, comm=None) -> ZeroReduced:
         dims = layout.scatter_dims(params, layout.base_shardings(params))
+        if whole:
+            dims = jax.tree.map(lambda _: None, dims, is_leaf=_is_none)
         specs = jax.tree.map(lambda d: data_spec(d, axes), dims, is_leaf=_is_none)
+        comm_specs = None if comm is None else state_partition_specs(comm)
 
-        def shard_step(params, model_state, batch, rng) -> ZeroReduced:
+        def shard_step(params, model_state, batch, rng, comm) -> ZeroReduced:
             out = shard_grads(params, model_state, batch, rng)
-            local = reduce_fn(out.grads, params, with_stats=with_stats, scatter_dims=dims)
+            local = reduce_fn(
+                out.grads, params, with_stats=with_stats, scatter_dims=dims, comm=comm
+            )
             # Divided here: the reduction leaves the shard_map as the gradient itself.
             local = dataclasses.replace(
                 local, updates=local.gradient(), parts=None, mean_over=1, unpack=None
@@ -145,10 +156,14 @@ def manual_zero_step(
         return jax.shard_map(
             shard_step,
             mesh=mesh,
-            in_specs=(P(), P(), P(axes), P()),
+            in_specs=(P(), P(), P(axes), P(), comm_specs),
             # Specs in place of values: a pytree prefix of the result's structure.
-            out_specs=ZeroReduced(LocalReduction(specs, P(), P()), P(), P()),  # type: ignore[arg-type]
+            out_specs=ZeroReduced(
+                LocalReduction(specs, P(), P(), None, comm_specs),  # type: ignore[arg-type]
+                P(),
+                P(),
+            ),
             axis_names=set(axes),
-        )(params, model_state, batch, rng)
+        )(params, model_state, batch, rng, comm)
 
     return reduce

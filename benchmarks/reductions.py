@@ -5,11 +5,11 @@ every run built from the Hydra configs as the CLI builds it (`benchmarks.reducti
 
 1. ``bytes``: what crosses each mesh axis per step, read from the compiled inner and sync
    programs (`benchmarks.axis_traffic`): the synchronous ``mean`` against ``local_sgd`` H=8 and
-   H=32 and ``diloco_int8`` (H=8), also with ``sharding.zero_stage=1`` (outer state sharded
-   over ``data``). Per step over ``slice`` = inner program + sync program / H.
+   H=32, ``diloco_int8`` and its int4 variant (H=8), also with ``sharding.zero_stage=1`` (outer
+   state sharded over ``data``). Per step over ``slice`` = inner program + sync program / H.
 2. ``quality``: final training loss (mean of the last updates) and eval loss of the outer params
-   of ``mean``, ``diloco`` H=8 and H=32, ``diloco_int8`` and ``local_sgd`` H=8, same steps and
-   tokens, 3 seeds.
+   of ``mean``, ``diloco`` H=8 and H=32, ``diloco_int8`` and its int4 variant, ``local_sgd``
+   H=8, same steps and tokens, 3 seeds.
 3. ``timing``: step time of the inner and sync programs against the synchronous step, side by
    side in one process (`benchmarks.timing.interleave`, medians).
 
@@ -41,6 +41,7 @@ BYTES_VARIANTS: dict[str, tuple[str, ...]] = {
     "local_sgd H=8": ("reduction=local_sgd",),
     "local_sgd H=32": ("reduction=local_sgd", "reduction.axes.slice.every_steps=32"),
     "diloco_int8 H=8": ("reduction=diloco_int8",),
+    "diloco_int4 H=8": ("reduction=diloco_int8", "reduction.axes.slice.comm_dtype=int4"),
     "mean zero1": ("reduction=mean", "sharding.zero_stage=1"),
     "local_sgd H=8 zero1": ("reduction=local_sgd", "sharding.zero_stage=1"),
     "diloco_int8 H=8 zero1": ("reduction=diloco_int8", "sharding.zero_stage=1"),
@@ -51,6 +52,7 @@ QUALITY_VARIANTS: dict[str, tuple[str, ...]] = {
     "diloco H=8": ("reduction=diloco",),
     "diloco H=32": ("reduction=diloco", "reduction.axes.slice.every_steps=32"),
     "diloco_int8 H=8": ("reduction=diloco_int8",),
+    "diloco_int4 H=8": ("reduction=diloco_int8", "reduction.axes.slice.comm_dtype=int4"),
     "local_sgd H=8": ("reduction=local_sgd",),  # the outer step without momentum: plain averaging
 }
 #: The runs whose programs are timed (from BYTES_VARIANTS).

@@ -24,7 +24,7 @@ from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
 # The codecs a rule may name (``comm_dtype``); xshard.codecs implements exactly these.
-CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "int8", "float8_e4m3fn")
+CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
 # The rules by which an axis combines what its replicas send.
 RULE_NAMES: tuple[str, ...] = ("mean", "sum", "adasum")
 

@@ -7,6 +7,8 @@ cut into blocks of `Codec.block_size` elements, is encoded for the wire and deco
 - ``float32``: the identity (the reduction is the plain ``psum``/``pmean``);
 - ``bfloat16``: a cast, no scales;
 - ``int8``: ``round(x / s)`` clipped to [-127, 127], one scale ``s`` per block;
+- ``int4``: ``round(x / s)`` clipped to [-7, 7], one scale per block, two values packed in each
+  byte on the wire (4 bits each, two's complement nibbles);
 - ``float8_e4m3fn``: ``x / s`` cast to float8 e4m3 (largest finite 448), one scale per block.
 
 Scales are powers of two, the smallest with ``absmax(block) / s <= qmax``: dividing and
@@ -19,13 +21,15 @@ added on the wire: collectives and per-replica scales do not commute).
 Error bounds per element, for finite ``x`` in a block with absmax ``m``:
 
 - ``bfloat16``: ``|x - decode(encode(x))| <= 2**-8 |x|`` (round to nearest, 8 significant bits);
-- ``int8``: ``<= s / 2 < m / 127``;
+- ``int8``: ``<= s / 2 < m / 127``; ``int4``: ``<= s / 2 < m / 7``;
 - ``float8_e4m3fn``: ``<= 2**-4 |x| + 2**-10 s`` (4 significant bits; 2**-10 s is half the
   spacing of e4m3's subnormals), with ``s < 2 m / 448``.
 
 A non-finite entry makes its block's scale non-finite, so the decoded block is NaN and the
-non-finite guard after the reduction sees it. There is no 4-bit codec: XLA:CPU's collectives do
-not carry a 4-bit type, so what would cross the axis could not be checked in the compiled HLO.
+non-finite guard after the reduction sees it. XLA:CPU's collectives carry no 4-bit type, so
+``int4`` packs its values in pairs into ``uint8`` before a collective and unpacks them after
+(`Codec.to_carrier`): the compiled HLO shows ``u8`` collectives of half as many elements as
+``int8``'s ``s8`` ones.
 
 `CODECS` maps each name of `xshard.axis_rules.CODEC_NAMES` to its codec (a test checks that the
 two name the same codecs).
@@ -54,6 +58,7 @@ class Codec:
         no scales, the codec is a cast.
       integer: whether encoding rounds to integers (then clips to ``[-qmax, qmax]``).
       block_size: elements per block sharing a scale.
+      packed: wire values per carried byte (2 for 4-bit values, two nibbles a byte; 1: none).
     """
 
     name: str
@@ -61,6 +66,7 @@ class Codec:
     qmax: float | None = None
     integer: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
+    packed: int = 1
 
     @property
     def identity(self) -> bool:
@@ -73,9 +79,9 @@ class Codec:
         return self.qmax is not None
 
     @property
-    def itemsize(self) -> int:
-        """Bytes per element on the wire."""
-        return jnp.dtype(self.wire_dtype).itemsize
+    def bits(self) -> int:
+        """Bits per element on the wire."""
+        return 8 * jnp.dtype(self.wire_dtype).itemsize // self.packed
 
     def scales(self, absmax: jax.Array) -> jax.Array | None:
         """The power-of-two scales for blocks with these absmax values (None: unscaled).
@@ -120,21 +126,34 @@ class Codec:
 
     @property
     def carrier_dtype(self) -> Any:
-        """The dtype the collectives carry: the wire dtype's bits as an integer of its width
-        for a float narrower than 32 bits (XLA:CPU widens bf16 and f8 collectives to f32 and
-        f16; an integer of the same width it leaves alone), else the wire dtype."""
+        """The dtype the collectives carry: bytes for packed values; the wire dtype's bits as
+        an integer of its width for a float narrower than 32 bits (XLA:CPU widens bf16 and f8
+        collectives to f32 and f16; an integer of the same width it leaves alone); else the
+        wire dtype."""
         dtype = jnp.dtype(self.wire_dtype)
+        if self.packed > 1:
+            return jnp.dtype(jnp.uint8)
         if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
             return jnp.dtype(f"uint{8 * dtype.itemsize}")
         return dtype
 
     def to_carrier(self, wire: jax.Array) -> jax.Array:
-        """Wire values as the collectives carry them (a bitcast: no value changes)."""
-        return jax.lax.bitcast_convert_type(wire, self.carrier_dtype)
+        """Wire values ``(..., block_size)`` as the collectives carry them: a bitcast, or for
+        4-bit values pairs packed into bytes (``(..., block_size // 2)``, the first of a pair in
+        the low nibble). No value changes."""
+        if self.packed == 1:
+            return jax.lax.bitcast_convert_type(wire, self.carrier_dtype)
+        nibbles = jnp.bitwise_and(wire.astype(jnp.int32), 0xF).astype(jnp.uint8)
+        pairs = nibbles.reshape(*wire.shape[:-1], wire.shape[-1] // 2, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
 
     def from_carrier(self, carried: jax.Array) -> jax.Array:
         """`to_carrier`'s inverse."""
-        return jax.lax.bitcast_convert_type(carried, self.wire_dtype)
+        if self.packed == 1:
+            return jax.lax.bitcast_convert_type(carried, self.wire_dtype)
+        nibbles = jnp.stack([carried & 0xF, carried >> 4], axis=-1).astype(jnp.int8)
+        values = jnp.where(nibbles > 7, nibbles - 16, nibbles)  # two's complement
+        return values.reshape(*carried.shape[:-1], 2 * carried.shape[-1]).astype(self.wire_dtype)
 
     def roundtrip(self, blocks: jax.Array, scales: jax.Array | None) -> jax.Array:
         """``decode(encode(blocks))``: what the receivers see of `blocks`."""
@@ -151,6 +170,7 @@ CODECS: dict[str, Codec] = {
     "float32": Codec("float32", jnp.float32),
     "bfloat16": Codec("bfloat16", jnp.bfloat16),
     "int8": Codec("int8", jnp.int8, qmax=127.0, integer=True),
+    "int4": Codec("int4", jnp.int8, qmax=7.0, integer=True, packed=2),
     "float8_e4m3fn": Codec("float8_e4m3fn", jnp.float8_e4m3fn, qmax=448.0),
 }
 
@@ -168,4 +188,9 @@ def get_codec(name: str | Codec, block_size: int | None = None) -> Codec:
         return codec
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}.")
+    if block_size % codec.packed:
+        raise ValueError(
+            f"block_size of codec {codec.name!r} must be a multiple of {codec.packed} (values "
+            f"packed per byte), got {block_size}."
+        )
     return dataclasses.replace(codec, block_size=block_size)

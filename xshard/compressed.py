@@ -84,7 +84,7 @@ def bytes_sent(size: int, axis_size: int, codec: Codec) -> int:
         return 2 * (n - 1) * size * 4 // n
     total = padded_size(size, n, codec.block_size)
     chunk = total // n
-    sent = 2 * (n - 1) * chunk * codec.itemsize
+    sent = 2 * (n - 1) * chunk * codec.bits // 8
     if codec.scaled:
         blocks = total // codec.block_size
         sent += 2 * (n - 1) * blocks * 4 // n + (n - 1) * (blocks // n) * 4

@@ -23,7 +23,7 @@ AVG = {"_target_": "optax.sgd", "learning_rate": 1.0}
             ["axes.slice.fragments=3", "every_steps=2"],
         ),
         ({"slice": {"fragments": 0, "outer_optimizer": AVG}}, ["axes.slice.fragments=0"]),
-        ({"data": {"comm_dtype": "int4"}}, ["axes.data.comm_dtype='int4'", "int8"]),
+        ({"data": {"comm_dtype": "int3"}}, ["axes.data.comm_dtype='int3'", "int8"]),
         ({"data": {"rule": "median"}}, ["axes.data.rule='median'", "adasum"]),
         ({"data": {"error_feedback": True}}, ["axes.data.error_feedback", "comm_dtype"]),
         (
@@ -112,7 +112,7 @@ def test_good_presets_become_axis_rules():
 @pytest.mark.parametrize(
     "axes",
     [
-        {"data": {"comm_dtype": "int4"}},
+        {"data": {"comm_dtype": "int3"}},
         {"data": {"rule": "median"}},
         {"data": {"error_feedback": True}},
         {"data": {"rule": "adasum", "comm_dtype": "int8"}},

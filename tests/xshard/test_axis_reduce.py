@@ -193,7 +193,7 @@ def test_axes_none_keeps_todays_state_and_reduction():
     [
         ({"slice": AxisRule(rule="adasum", comm_dtype="int8")}, "comm_dtype='int8': rule adasum"),
         ({"model": AxisRule(comm_dtype="int8")}, "'model' is not one of"),
-        ({"slice": AxisRule(comm_dtype="int4")}, "comm_dtype='int4'"),
+        ({"slice": AxisRule(comm_dtype="int3")}, "comm_dtype='int3'"),
         ({"slice": AxisRule(rule="max")}, "rule='max'"),
         ({"slice": "int8"}, "must be an xshard.axis_rules.AxisRule"),
         ({"slice": INT8_EF, "data": AxisRule(rule="sum")}, "at most one axis"),

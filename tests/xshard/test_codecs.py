@@ -25,9 +25,9 @@ from xshard.compressed import (
     tree_size,
 )
 
-LOSSY = ("bfloat16", "int8", "float8_e4m3fn")
+LOSSY = ("bfloat16", "int8", "int4", "float8_e4m3fn")
 # Per codec: the largest integer magnitude it represents exactly (with power-of-two scales).
-EXACT_INTEGERS = {"float32": 2**24, "bfloat16": 256, "int8": 127, "float8_e4m3fn": 16}
+EXACT_INTEGERS = {"float32": 2**24, "bfloat16": 256, "int8": 127, "int4": 7, "float8_e4m3fn": 16}
 
 
 def _blocks(seed, shape=(16, 256), scale=3.0):
@@ -44,7 +44,7 @@ def _bound(name, x, scales):
     if name == "bfloat16":
         return 2.0**-8 * x
     s = np.asarray(scales)[:, None]
-    if name == "int8":
+    if name in ("int8", "int4"):
         return s / 2 + 0 * x
     return 2.0**-4 * x + 2.0**-10 * s
 
@@ -54,10 +54,22 @@ def test_registry_names_are_the_contracts_codec_names():
 
 
 def test_unknown_codec_and_bad_block_size_are_refused():
-    with pytest.raises(ValueError, match="int4.*allowed: float32, bfloat16"):
-        get_codec("int4")
+    with pytest.raises(ValueError, match="int2.*allowed: float32, bfloat16"):
+        get_codec("int2")
     with pytest.raises(ValueError, match="block_size"):
         get_codec("int8", 0)
+    with pytest.raises(ValueError, match="block_size of codec 'int4' must be a multiple of 2"):
+        get_codec("int4", 63)
+
+
+def test_int4_packs_two_values_a_byte_and_unpacks_them_bitwise():
+    codec = get_codec("int4", block_size=16)
+    wire = jnp.array([[*range(-7, 8), -7]], jnp.int8)  # every 4-bit value int4 sends
+    carried = codec.to_carrier(wire)
+    assert carried.dtype == jnp.uint8 and carried.shape == (1, 8)
+    assert int(carried[0, 0]) == (-7 & 0xF) | ((-6 & 0xF) << 4)  # first of a pair: low nibble
+    np.testing.assert_array_equal(codec.from_carrier(carried), wire)
+    assert codec.bits == 4 and get_codec("int8").bits == 8
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
@@ -193,7 +205,8 @@ def _collective_bytes(fn, x):
 
 
 @pytest.mark.parametrize(
-    ("name", "carrier"), [("bfloat16", "u16"), ("int8", "s8"), ("float8_e4m3fn", "u8")]
+    ("name", "carrier"),
+    [("bfloat16", "u16"), ("int8", "s8"), ("int4", "u8"), ("float8_e4m3fn", "u8")],
 )
 def test_hlo_carries_the_codec_bits(name, carrier):
     x = jnp.ones((8, 4096))
@@ -208,9 +221,10 @@ def test_hlo_carries_the_codec_bits(name, carrier):
     coded = _collective_bytes(reduce, x)
     base = _collective_bytes(plain, x)
     assert set(coded) - {"f32"} == {carrier}  # the payload; f32 only for scales and 'data'
-    width = {"u16": 2, "s8": 1, "u8": 1}[carrier]
-    # The payload: an all-to-all and an all-gather of 4096 elements each in the carrier.
-    assert coded[carrier] >= 2 * 4096 * width
+    # The payload: an all-to-all and an all-gather of 4096 elements each in the codec's bits
+    # (int4: two a byte), and nothing wider.
+    payload = 2 * 4096 * get_codec(name).bits // 8
+    assert payload <= coded[carrier] < 2 * payload
     assert coded["f32"] - base["f32"] <= 4096 * 4 // 32  # scales: a small fraction
 
 
@@ -221,6 +235,7 @@ def test_bytes_sent_falls_with_the_codec():
     ratios = {c: f32 / bytes_sent(size, n, get_codec(c)) for c in LOSSY}
     assert 1.9 < ratios["bfloat16"] <= 2
     assert 3.5 < ratios["int8"] < 4 and 3.5 < ratios["float8_e4m3fn"] < 4
+    assert 6.5 < ratios["int4"] < 8  # the scales cost 1/32 of int4's payload
 
 
 # ----------------------------------------------------------------------------- error feedback

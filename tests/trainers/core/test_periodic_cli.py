@@ -32,11 +32,16 @@ def _checkpoint_arrays(step_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("reduction", ["local_sgd", "diloco", "diloco_int8"])
-def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction):
+@pytest.mark.parametrize(
+    "reduction, codec",
+    [("local_sgd", None), ("diloco", None), ("diloco_int8", None), ("diloco_int8", "int4")],
+    ids=["local_sgd", "diloco", "diloco_int8", "diloco_int4"],
+)
+def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction, codec):
     run_train(
         *COMMON,
         f"reduction={reduction}",
+        *([f"reduction.axes.slice.comm_dtype={codec}"] if codec else []),
         "reduction.axes.slice.every_steps=4",
         "trainer.steps=8",
         f"hydra.run.dir={tmp_path}",
@@ -114,8 +119,8 @@ def test_cli_sweep_over_reductions(tmp_path):
         (["reduction=diloco", "reduction.axes.slice.every_steps=0"], ["every_steps=0"]),
         (["reduction=diloco", "reduction.axes.slice.fragments=9"], ["fragments=9", "every_steps"]),
         (
-            ["reduction=diloco", "reduction.axes.slice.comm_dtype=int4"],
-            ["reduction.axes.slice.comm_dtype='int4'", "int8"],
+            ["reduction=diloco", "reduction.axes.slice.comm_dtype=int3"],
+            ["reduction.axes.slice.comm_dtype='int3'", "int8"],
         ),
         (
             ["reduction=diloco", "reduction.axes.slice.outer_optimizer._target_=os.system"],

@@ -26,10 +26,9 @@ from xshard.reduce import (
     PerShardClipState,
     PerShardGradientsRequired,
     Reduced,
-    _manual_axes,
-    _shards_in_context,
 )
 from xshard.reduction_mode import Reduction
+from xshard.shard_context import _manual_axes, _shards_in_context
 from xshard.shard_stats import ShardStats, empty_shard_stats, local_norms, shard_stats
 from xshard.stats import Flag, GradSummary, when
 
@@ -41,7 +40,7 @@ class CrossShardUpdate:
     Attributes:
       spec: its settings.
       inner: the inner optimizer, with extra-args support.
-      clip: the per-shard clip (`xshard.reduce.per_shard_clip`), or None.
+      clip: the per-shard clip (`xshard.per_shard_clip.per_shard_clip`), or None.
       reducer: the reduction across shards by the mode (None: no axis left to it).
       guarded: steps 3-5, in one branch (`xshard.guard.GuardedUpdate`).
     """

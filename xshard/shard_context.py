@@ -1,6 +1,6 @@
 """What the trace in context says about a reduction's mesh axes: whether they are manual here
 (inside ``jax.shard_map`` or ``pmap``), whether the gradients are per shard over them, and how
-many shards they hold.
+many shards they hold; and the axes' names as a tuple (`axis_tuple`).
 
 `xshard.reduce` reduces where this says the gradient lives: a gradient that is already invariant
 over a manual axis was reduced before (`DoubleReductionError`), and per-shard clipping and

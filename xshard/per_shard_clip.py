@@ -15,7 +15,7 @@ import optax
 from xshard.clipping import clip_recorded
 from xshard.errors import ConfigError
 from xshard.reduction_args import clip_norm
-from xshard.shard_context import AxisNames, _require_per_shard, axis_tuple
+from xshard.shard_context import AxisNames, axis_tuple, require_per_shard
 from xshard.stats import when
 
 
@@ -57,7 +57,7 @@ def per_shard_clip(
 
     def update_fn(updates, state, params=None, *, with_stats=None, **extra):
         del state, params, extra
-        _require_per_shard(updates, axes, "clip_per_shard")
+        require_per_shard(updates, axes, "clip_per_shard")
         clipped, _, fired = clip_recorded(updates, max_norm)
         fraction = when(with_stats, lambda: jax.lax.pmean(fired.astype(jnp.float32), axes))
         return clipped, PerShardClipState(fraction)

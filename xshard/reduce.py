@@ -35,11 +35,11 @@ from xshard.shard_context import (
     AxisNames,
     DoubleReductionError,
     PerShardGradientsRequired,
-    _check_per_shard,
-    _manual_axes,
-    _require_per_shard,
-    _shards_in_context,
+    axes_are_manual,
     axis_tuple,
+    check_per_shard,
+    require_per_shard,
+    shards_in_context,
 )
 
 __all__ = [
@@ -108,7 +108,7 @@ def _all_reduce(
     scatter = scatter_dims is not None and bool(jax.tree.leaves(scatter_dims))
     if defer_mean and mode is Reduction.MEAN and w is None and comm_dtype is None and not scatter:
         packed = psum_tree(grads, axes)
-        n = _shards_in_context(axes, None)
+        n = shards_in_context(axes, None)
         return Reduced(packed.tree, n, packed.parts, packed.unpack)
     psum: Callable[[Any, Any], Any]
     pmean: Callable[[Any, Any], Any]
@@ -120,7 +120,7 @@ def _all_reduce(
             return psum_scatter_tree(tree, scatter_dims, axes)
 
         def pmean(tree, axes):  # pmean's arithmetic: the sum over the shard count
-            return divide(psum(tree, axes), _shards_in_context(axes, None))
+            return divide(psum(tree, axes), shards_in_context(axes, None))
 
     if w is None:
         collective = psum if mode is Reduction.SUM else pmean
@@ -198,9 +198,9 @@ class AllReduce:
         plain MEAN inside shard_map is the psum and the shard count, the division left to the
         consumers (`divide`)."""
         if shard_weight is not None:
-            _require_per_shard(updates, self.axes, "shard_weight")
-        if _manual_axes(self.axes):
-            _check_per_shard(updates, self.axes)
+            require_per_shard(updates, self.axes, "shard_weight")
+        if axes_are_manual(self.axes):
+            check_per_shard(updates, self.axes)
             return _all_reduce(
                 updates,
                 self.mode,
@@ -214,7 +214,7 @@ class AllReduce:
             raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
         if self.mode is Reduction.MEAN:
             return Reduced(updates)
-        n = _shards_in_context(self.axes, self.num_shards)
+        n = shards_in_context(self.axes, self.num_shards)
         return Reduced(jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates))
 
     def update(

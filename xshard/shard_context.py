@@ -42,7 +42,7 @@ def axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
     return axis_names(axis_name)
 
 
-def _manual_axes(axes: tuple[str, ...]) -> bool:
+def axes_are_manual(axes: tuple[str, ...]) -> bool:
     """True if every axis in `axes` is manual here (shard_map or pmap); False if none is."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(() if mesh.empty else mesh.manual_axes)
@@ -55,7 +55,7 @@ def _manual_axes(axes: tuple[str, ...]) -> bool:
     return bool(hits)
 
 
-def _tracks_varying(axes: tuple[str, ...]) -> bool:
+def tracks_varying(axes: tuple[str, ...]) -> bool:
     """Whether the current trace tracks varying-ness (shard_map with check_vma=True).
 
     Under `pmap` or `shard_map(check_vma=False)` nothing is marked varying, and the gradient of
@@ -65,8 +65,14 @@ def _tracks_varying(axes: tuple[str, ...]) -> bool:
     return bool(set(axes) & varying_axes(probe))
 
 
-def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
-    if not _tracks_varying(axes):
+def check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
+    """Refuses a gradient already reduced over a manual axis of `axes` (JAX types it invariant
+    there): reducing it again would count every shard N times.
+
+    Raises:
+      DoubleReductionError: naming the leaf and the axes, with the fix.
+    """
+    if not tracks_varying(axes):
         return
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         missing = [a for a in axes if a not in varying_axes(g)]
@@ -81,18 +87,24 @@ def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
             )
 
 
-def _require_per_shard(grads: Any, axes: tuple[str, ...], what: str) -> None:
+def require_per_shard(grads: Any, axes: tuple[str, ...], what: str) -> None:
     """Per-shard clipping and weighting need per-shard gradients: inside shard_map, varying."""
-    if not _manual_axes(axes):
+    if not axes_are_manual(axes):
         raise PerShardGradientsRequired(
             f"{what}: needs per-shard gradients, computed inside jax.shard_map with mesh axes "
             f"{axes!r} manual; these gradients were computed outside it (plain jit / GSPMD), "
             "where no per-shard gradient exists."
         )
-    _check_per_shard(grads, axes)
+    check_per_shard(grads, axes)
 
 
-def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
+def shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
+    """The number of shards over `axes`: `num_shards` if given, else from the mesh in context
+    (1, with a warning, where there is none).
+
+    Raises:
+      ValueError: for an axis the mesh in context lacks.
+    """
     if num_shards is not None:
         return num_shards
     mesh = jax.sharding.get_abstract_mesh()

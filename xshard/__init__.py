@@ -16,7 +16,7 @@ _EXPORTS: dict[str, str] = {
     "CrossShardSpec": "xshard.optimizer",
     "CrossShardState": "xshard.optimizer",
     "CrossShardTransformation": "xshard.optimizer",
-    "DoubleReductionError": "xshard.reduce",
+    "DoubleReductionError": "xshard.shard_context",
     "MeshConfigError": "xshard.mesh",
     "Reduction": "xshard.reduction_mode",
     "build_mesh": "xshard.mesh",
@@ -67,9 +67,9 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
     from xshard.optimizer import CrossShardState as CrossShardState
     from xshard.optimizer import CrossShardTransformation as CrossShardTransformation
     from xshard.optimizer import cross_shard as cross_shard
-    from xshard.reduce import DoubleReductionError as DoubleReductionError
     from xshard.reduce import reduce_gradients as reduce_gradients
     from xshard.reduction_mode import Reduction as Reduction
+    from xshard.shard_context import DoubleReductionError as DoubleReductionError
     from xshard.slots import get_hyperparams as get_hyperparams
     from xshard.slots import get_slot as get_slot
     from xshard.slots import get_slot_names as get_slot_names

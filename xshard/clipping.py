@@ -1,7 +1,7 @@
 """Clipping by global norm that records what it did, for logging without a second pass.
 
 * `clip_recorded` — `optax.clip_by_global_norm`, plus the norm it compared and whether it
-  fired (the per-shard clip of `xshard.reduce.per_shard_clip` uses it).
+  fired (the per-shard clip of `xshard.per_shard_clip` uses it).
 * `clip_by_global_norm` — a drop-in for `optax.clip_by_global_norm` whose state records the
   norm before clipping, the norm after it and whether it fired (`GlobalClipState`). It computes
   the norm on every step anyway, so the record is free; `xshard.build_optimizer` uses it for

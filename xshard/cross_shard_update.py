@@ -26,10 +26,9 @@ from xshard.reduce import (
     PerShardClipState,
     PerShardGradientsRequired,
     Reduced,
-    _manual_axes,
-    _shards_in_context,
 )
 from xshard.reduction_mode import Reduction
+from xshard.shard_context import axes_are_manual, shards_in_context
 from xshard.shard_stats import ShardStats, empty_shard_stats, local_norms, shard_stats
 from xshard.stats import Flag, GradSummary, when
 
@@ -41,7 +40,7 @@ class CrossShardUpdate:
     Attributes:
       spec: its settings.
       inner: the inner optimizer, with extra-args support.
-      clip: the per-shard clip (`xshard.reduce.per_shard_clip`), or None.
+      clip: the per-shard clip (`xshard.per_shard_clip.per_shard_clip`), or None.
       reducer: the reduction across shards by the mode (None: no axis left to it).
       guarded: steps 3-5, in one branch (`xshard.guard.GuardedUpdate`).
     """
@@ -116,7 +115,7 @@ class CrossShardUpdate:
             )
         local = None
         step_axes = spec.step_axes
-        if spec.track_stats and _manual_axes(step_axes):  # local gradients exist here
+        if spec.track_stats and axes_are_manual(step_axes):  # local gradients exist here
             local = local_norms(
                 raw,
                 step_axes,
@@ -143,7 +142,7 @@ class CrossShardUpdate:
         (`xshard.axis_reduce`): the reduced gradient and the rules' new state."""
         spec = self.spec
         ruled = tuple(a for a, _ in spec.axes.rules)
-        if not _manual_axes(ruled):
+        if not axes_are_manual(ruled):
             raise PerShardGradientsRequired(
                 f"cross_shard's rules for axes {ruled!r} need per-shard gradients inside "
                 "jax.shard_map with those axes manual (the trainer's grad_impl=manual)."
@@ -236,7 +235,7 @@ class CrossShardUpdate:
             finalize=finalize,
             skipped=skipped,
             max_abs=local.max_abs,
-            shard_axes=axes if _manual_axes(axes) else None,
+            shard_axes=axes if axes_are_manual(axes) else None,
             with_stats=with_stats,
             layer_norms=layer_norms,
             histograms=histograms,
@@ -293,6 +292,6 @@ class CrossShardUpdate:
             spec = self.spec
             summed = 1
             if spec.reduction is Reduction.SUM:
-                summed = _shards_in_context(spec.step_axes, spec.num_shards)
+                summed = shards_in_context(spec.step_axes, spec.num_shards)
             shards = shard_stats(local.shards, summary.norm, summed)
         return shards, (None if measure is None else measure(out, updates, summary))

@@ -4,7 +4,7 @@
 wrapped a `tf.train.Optimizer`. It is a composition of small optax transforms, applied in this
 order in one update:
 
-1. `xshard.reduce.per_shard_clip` (``clip_per_shard``): `optax.clip_by_global_norm` of each
+1. `xshard.per_shard_clip.per_shard_clip` (``clip_per_shard``): `optax.clip_by_global_norm` of each
    shard's local gradient (the reason TF reduced late: one shard's huge gradient must not
    dominate the others);
 2. `xshard.reduce.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean

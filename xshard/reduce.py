@@ -12,12 +12,14 @@ computed:
   cross_replica_sum").
 * Outside any manual axis (plain ``jit``, GSPMD) the compiler has already reduced the gradient
   of a global-mean loss: MEAN is the identity and SUM multiplies by the number of shards.
+
+Step 1 is `xshard.per_shard_clip`; which case applies (manual axes, per-shard gradients, the
+shard count) is read by `xshard.shard_context`. Their public names are importable from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,83 +29,32 @@ import optax
 
 from xshard import reduction_args
 from xshard.buckets import psum_scatter_tree, psum_tree
-from xshard.clipping import clip_recorded
-from xshard.errors import ConfigError
-from xshard.reduction_args import axis_names, clip_norm
+from xshard.per_shard_clip import PerShardClipState, per_shard_clip
 from xshard.reduction_mode import Reduction
-from xshard.stats import when
-from xshard.vma import varying_axes
+from xshard.shard_context import (
+    AxisNames,
+    DoubleReductionError,
+    PerShardGradientsRequired,
+    axes_are_manual,
+    axis_tuple,
+    check_per_shard,
+    require_per_shard,
+    shards_in_context,
+)
 
-logger = logging.getLogger(__name__)
-
-AxisNames = str | Sequence[str]
-
-
-class PerShardGradientsRequired(ValueError):
-    """Per-shard clipping or weighting was asked for gradients that were already reduced."""
-
-
-class DoubleReductionError(ValueError):
-    """Raised when gradients to reduce are already invariant over the reduction axis."""
-
-
-def axis_tuple(axis_name: AxisNames) -> tuple[str, ...]:
-    """`axis_name` as a tuple of distinct, non-empty axis names (`xshard.reduction_args`).
-
-    Raises:
-      ConfigError: for an empty name, an empty tuple or duplicates.
-    """
-    return axis_names(axis_name)
-
-
-def _manual_axes(axes: tuple[str, ...]) -> bool:
-    """True if every axis in `axes` is manual here (shard_map or pmap); False if none is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = set(() if mesh.empty else mesh.manual_axes)
-    hits = [a for a in axes if a in manual]
-    if hits and len(hits) != len(axes):
-        raise ValueError(
-            f"Reduction axes {axes!r} are only partly manual here (manual: {tuple(hits)!r}); "
-            "put all of them, or none, in the shard_map's manual axes."
-        )
-    return bool(hits)
-
-
-def _tracks_varying(axes: tuple[str, ...]) -> bool:
-    """Whether the current trace tracks varying-ness (shard_map with check_vma=True).
-
-    Under `pmap` or `shard_map(check_vma=False)` nothing is marked varying, and the gradient of
-    replicated params is per shard already, so there is nothing to check.
-    """
-    probe = jax.lax.pcast(jnp.zeros((), jnp.int32), axes, to="varying")
-    return bool(set(axes) & varying_axes(probe))
-
-
-def _check_per_shard(grads: Any, axes: tuple[str, ...]) -> None:
-    if not _tracks_varying(axes):
-        return
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        missing = [a for a in axes if a not in varying_axes(g)]
-        if missing:
-            raise DoubleReductionError(
-                f"Gradient leaf {jax.tree_util.keystr(path) or '<root>'} is already invariant over "
-                f"mesh axes {tuple(missing)!r}: it was reduced before reaching cross_shard, and "
-                "reducing it again would count every shard's contribution N times. Inside "
-                "shard_map, jax.grad of a loss w.r.t. replicated params is already summed over "
-                "the manual axes. Take per-shard gradients instead: "
-                f"params = jax.lax.pcast(params, {axes!r}, to='varying') before jax.grad."
-            )
-
-
-def _require_per_shard(grads: Any, axes: tuple[str, ...], what: str) -> None:
-    """Per-shard clipping and weighting need per-shard gradients: inside shard_map, varying."""
-    if not _manual_axes(axes):
-        raise PerShardGradientsRequired(
-            f"{what}: needs per-shard gradients, computed inside jax.shard_map with mesh axes "
-            f"{axes!r} manual; these gradients were computed outside it (plain jit / GSPMD), "
-            "where no per-shard gradient exists."
-        )
-    _check_per_shard(grads, axes)
+__all__ = [
+    "AllReduce",
+    "AxisNames",
+    "DoubleReductionError",
+    "PerShardClipState",
+    "PerShardGradientsRequired",
+    "Reduced",
+    "all_reduce",
+    "axis_tuple",
+    "divide",
+    "per_shard_clip",
+    "reduce_gradients",
+]
 
 
 class Reduced(NamedTuple):
@@ -157,7 +108,7 @@ def _all_reduce(
     scatter = scatter_dims is not None and bool(jax.tree.leaves(scatter_dims))
     if defer_mean and mode is Reduction.MEAN and w is None and comm_dtype is None and not scatter:
         packed = psum_tree(grads, axes)
-        n = _shards_in_context(axes, None)
+        n = shards_in_context(axes, None)
         return Reduced(packed.tree, n, packed.parts, packed.unpack)
     psum: Callable[[Any, Any], Any]
     pmean: Callable[[Any, Any], Any]
@@ -169,7 +120,7 @@ def _all_reduce(
             return psum_scatter_tree(tree, scatter_dims, axes)
 
         def pmean(tree, axes):  # pmean's arithmetic: the sum over the shard count
-            return divide(psum(tree, axes), _shards_in_context(axes, None))
+            return divide(psum(tree, axes), shards_in_context(axes, None))
 
     if w is None:
         collective = psum if mode is Reduction.SUM else pmean
@@ -188,79 +139,6 @@ def divide(tree: Any, n: int) -> Any:
     if n == 1:
         return tree
     return jax.tree.map(lambda v: v / n, tree)
-
-
-def _shards_in_context(axes: tuple[str, ...], num_shards: int | None) -> int:
-    if num_shards is not None:
-        return num_shards
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        logger.warning(
-            "cross_shard(reduction='sum') runs outside shard_map with no mesh in context "
-            "(jax.set_mesh) and no num_shards=: assuming 1 shard."
-        )
-        return 1
-    unknown = [a for a in axes if a not in mesh.shape]
-    if unknown:
-        raise ValueError(
-            f"Reduction axis_name {tuple(unknown)!r} is not an axis of the mesh in context "
-            f"(axes: {tuple(mesh.axis_names)!r})."
-        )
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
-
-
-# --------------------------------------------------------------------------------------------
-# The two transforms before the reduction's summary and guard (see xshard.optimizer)
-# --------------------------------------------------------------------------------------------
-
-
-class PerShardClipState(NamedTuple):
-    """State of `per_shard_clip`."""
-
-    clipped_fraction: jax.Array  # f32: share of shards clipped on the last statistics step
-
-
-def per_shard_clip(
-    max_norm: float, axis_name: AxisNames = "data"
-) -> optax.GradientTransformationExtraArgs:
-    """`optax.clip_by_global_norm` of each shard's own gradient, before the reduction.
-
-    TF reduced late for this: one shard's huge gradient must not dominate the others. Must run
-    inside ``jax.shard_map`` on per-shard (varying) gradients.
-
-    Args:
-      max_norm: the global norm each shard's local gradient is clipped to (> 0).
-      axis_name: the data-parallel mesh axis, or axes, the gradients vary over.
-
-    Returns:
-      A transformation with state `PerShardClipState`. Its `update` takes the extra
-      arguments ``with_stats`` (None, a bool or a traced bool: record the fraction of shards
-      that were clipped, one scalar ``pmean``; None: on every update, False: never, NaN).
-
-    Raises:
-      ValueError: for a `max_norm` that is not > 0; at update time,
-        `PerShardGradientsRequired` outside shard_map and `DoubleReductionError` for
-        gradients that are already reduced.
-    """
-    if clip_norm(max_norm) is None:
-        raise ConfigError("clip_per_shard=None: per_shard_clip needs a global norm > 0.")
-    axes = axis_tuple(axis_name)
-
-    def init_fn(params):
-        del params
-        return PerShardClipState(jnp.full((), jnp.nan, jnp.float32))
-
-    def update_fn(updates, state, params=None, *, with_stats=None, **extra):
-        del state, params, extra
-        _require_per_shard(updates, axes, "clip_per_shard")
-        clipped, _, fired = clip_recorded(updates, max_norm)
-        fraction = when(with_stats, lambda: jax.lax.pmean(fired.astype(jnp.float32), axes))
-        return clipped, PerShardClipState(fraction)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,9 +198,9 @@ class AllReduce:
         plain MEAN inside shard_map is the psum and the shard count, the division left to the
         consumers (`divide`)."""
         if shard_weight is not None:
-            _require_per_shard(updates, self.axes, "shard_weight")
-        if _manual_axes(self.axes):
-            _check_per_shard(updates, self.axes)
+            require_per_shard(updates, self.axes, "shard_weight")
+        if axes_are_manual(self.axes):
+            check_per_shard(updates, self.axes)
             return _all_reduce(
                 updates,
                 self.mode,
@@ -336,7 +214,7 @@ class AllReduce:
             raise ValueError("scatter_dims needs per-shard gradients inside shard_map.")
         if self.mode is Reduction.MEAN:
             return Reduced(updates)
-        n = _shards_in_context(self.axes, self.num_shards)
+        n = shards_in_context(self.axes, self.num_shards)
         return Reduced(jax.tree.map(lambda g: g * jnp.asarray(n, g.dtype), updates))
 
     def update(

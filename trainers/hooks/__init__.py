@@ -2,7 +2,8 @@
 
 TensorBoard logging (`tensorboard`, `tb_writer`, `hparams`, `noise_ema`), the progress bar
 and non-finite monitor (`monitor`), profiling and throughput (`perf`), evaluation
-(`evaluation`) and the run's summary (`summary`).
+(`evaluation`: the hook; `evaluator`, `eval_agreement`, `eval_scoring`: the eval step) and the
+run's summary (`summary`).
 
 May import: `trainers.core`, `trainers.checkpoint` (what was saved), `trainers.rundir`,
 `trainers.config`, `trainers.tasks`, `trainers.errors`, `xshard`. Never `trainers.app`.

@@ -1,7 +1,8 @@
 """Built-in example tasks (model + data, pure JAX) and the task contract the trainer relies on.
 
-The `Task` protocol (`base`), the MLP teacher regression and the tiny GPT, Flax NNX and linen
-adapters, and the sharding rules of their params (`sharding`, `logical`).
+The `Task` protocol (`base`), the MLP teacher regression and the tiny GPT (`tiny_gpt`, its
+block in `gpt_layers`, its data in `corpus_windows`), Flax NNX and linen adapters, and the
+sharding rules of their params (`sharding`, `logical`).
 
 May import: `trainers.data`, `trainers.config`, `trainers.errors`, `xshard`.
 """

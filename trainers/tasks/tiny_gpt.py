@@ -15,6 +15,10 @@ Sharding over a `model` axis is Megatron-style: q/k/v and w1 split by columns (h
 units), wo and w2 by rows, so each block needs one reduction after attention and one after the
 MLP; embeddings are split along d_model.
 
+The block's math is `trainers.tasks.gpt_layers`; the corpus windows, training and held-out,
+are `trainers.tasks.corpus_windows.CorpusWindows`; this module is the task: its config, params,
+forward pass, loss and a sampling demo.
+
 Precision and memory: the model computes in the dtype of the params it is given (the trainer
 casts them to ``precision.compute_dtype``), with LayerNorm statistics, the attention softmax
 and the logits in float32. ``remat`` (``${trainer.remat}`` in its node) rematerialises each
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -39,10 +43,11 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.config.precision import check_remat
 from trainers.data.batch import Batch
-from trainers.data.step_indexed import StepIndexedData, StepIndexedEvalData
 from trainers.tasks import corpus
 from trainers.tasks.args import non_negative_number, positive_int
 from trainers.tasks.base import Params
+from trainers.tasks.corpus_windows import CorpusWindows
+from trainers.tasks.gpt_layers import block, layer_norm
 from trainers.tasks.remat import remat as remat_layer
 
 #: Megatron-style rules over the `model` axis (dropped on meshes without it).
@@ -58,50 +63,11 @@ SHARDING_RULES: tuple[tuple[str, P], ...] = (
 
 
 # --------------------------------------------------------------------------------------------
-# Layers (pure functions of params).
-# --------------------------------------------------------------------------------------------
-
-
-def layer_norm(p: Params, x: jax.Array, eps: float = 1e-5) -> jax.Array:
-    """LayerNorm over the last axis with params `scale` and `bias`, computed in float32 and
-    returned in `x`'s dtype."""
-    y = x.astype(jnp.float32)
-    mean = jnp.mean(y, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(y - mean), axis=-1, keepdims=True)
-    y = (y - mean) * jax.lax.rsqrt(var + eps) * p["scale"].astype(jnp.float32)
-    return (y + p["bias"].astype(jnp.float32)).astype(x.dtype)
-
-
-def causal_attention(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
-    """Causal multi-head self-attention: x (b, t, d) -> (b, t, d)."""
-    b, t, d = x.shape
-    split = lambda y: y.reshape(b, t, n_heads, d // n_heads)
-    q, k, v = split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"])
-    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // n_heads)
-    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
-    scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # the softmax in float32
-    out = jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d)
-    return out @ p["wo"]
-
-
-def mlp(p: Params, x: jax.Array) -> jax.Array:
-    """The GELU MLP of a block: x (..., d) -> (..., d)."""
-    return jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-
-def block(p: Params, x: jax.Array, n_heads: int) -> jax.Array:
-    """One pre-LN transformer block."""
-    x = x + causal_attention(p["attn"], layer_norm(p["ln1"], x), n_heads)
-    return x + mlp(p["mlp"], layer_norm(p["ln2"], x))
-
-
-# --------------------------------------------------------------------------------------------
 # The task.
 # --------------------------------------------------------------------------------------------
 
 
-class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
+class TinyGPTTask(CorpusWindows):
     """Next-byte prediction with a small decoder-only transformer.
 
     The last `eval_fraction` of the corpus is held out: training windows come from the rest,
@@ -199,11 +165,6 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
             )
         self._sample_step: Callable[..., Any] | None = None
 
-    @property
-    def tokens(self) -> np.ndarray:
-        """The corpus as uint8 byte tokens (cached per process)."""
-        return corpus.corpus_tokens(self.corpus_max_chars)
-
     # ---------------------------------------------------------------------------------------
     # Model.
     # ---------------------------------------------------------------------------------------
@@ -295,76 +256,6 @@ class TinyGPTTask(StepIndexedData, StepIndexedEvalData):
         nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
         accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
         return jnp.mean(nll), {"accuracy": accuracy}
-
-    # ---------------------------------------------------------------------------------------
-    # Data.
-    # ---------------------------------------------------------------------------------------
-
-    def batches(self, global_batch_size: int, **kwargs: Any) -> Iterator[Batch]:
-        """This process's batches: from the ``task.data`` file if set, else the corpus.
-
-        Args and Returns as `StepIndexedData.batches` (keyword arguments passed on).
-        """
-        if self.data is not None:
-            return self.data.batches(global_batch_size, **kwargs)
-        return super().batches(global_batch_size, **kwargs)
-
-    def num_data_steps(self, global_batch_size: int) -> int | None:
-        """Steps of the ``task.data`` file's epochs, if set; the corpus is endless."""
-        return None if self.data is None else self.data.num_data_steps(global_batch_size)
-
-    def global_batch(self, global_batch_size: int, *, seed: int, step: int) -> Batch:
-        """The whole global batch at `step`: random corpus windows, a pure function of (seed, step).
-
-        Args:
-          global_batch_size: rows.
-          seed: the data seed.
-          step: the training step.
-
-        Returns:
-          `{"inputs": int32 (n, seq_len), "targets": int32 (n, seq_len)}`, targets being the
-          inputs shifted by one token.
-        """
-        tokens = self.tokens[: self.eval_start]
-        rng = np.random.default_rng([seed, step])
-        starts = rng.integers(0, len(tokens) - self.seq_len, size=global_batch_size)
-        windows = tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
-
-    @property
-    def has_eval_split(self) -> bool:
-        """Whether part of the corpus is held out (``eval_fraction > 0``); a run on the tokens
-        of ``task.data.path`` has none (the corpus is not its data)."""
-        return self.eval_fraction > 0 and self.data is None
-
-    def _eval_windows(self) -> int:
-        """Consecutive windows of ``seq_len + 1`` tokens (overlapping by one) in the eval split."""
-        return (len(self.tokens) - self.eval_start - 1) // self.seq_len
-
-    def num_eval_batches(self, global_batch_size: int) -> int:
-        """Eval batches of `global_batch_size` windows that hold every window of the held-out
-        tail once: the last one short unless they divide evenly."""
-        return -(-self._eval_windows() // global_batch_size)
-
-    def global_eval_batch(self, global_batch_size: int, *, seed: int, index: int) -> Batch:
-        """Global eval batch `index`: windows ``index * n``, ... of the held-out tail (fewer
-        than ``n`` in the last batch; the evaluation pads and masks it).
-
-        Args:
-          global_batch_size: rows (n).
-          seed: unused: the eval split is the same for every run seed.
-          index: the eval batch's number, below `num_eval_batches`.
-
-        Returns:
-          `{"inputs": int32 (rows, seq_len), "targets": int32 (rows, seq_len)}`, ``rows <= n``.
-        """
-        del seed
-        tail = self.tokens[self.eval_start :]
-        first = index * global_batch_size
-        rows = max(0, min(global_batch_size, self._eval_windows() - first))
-        starts = (first + np.arange(rows)) * self.seq_len
-        windows = tail[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-        return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
     # ---------------------------------------------------------------------------------------
     # Demo.

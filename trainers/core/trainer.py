@@ -73,11 +73,11 @@ class Trainer(StepDispatch):
       precision: the dtypes of the params (and optimizer state, checkpoints) and of the
         forward and backward passes (`trainers.core.precision`; default: float32 for both).
 
-    Each kind of step (plain, statistics, per-layer norms, histograms: `trainers.core.step_levels`
-    levels) has its own compiled program (docs/benchmarks.md measured the alternatives
-    slower), compiled when a step first needs it: the first step waits for one program, not
-    for all of them (time to the first step, measured in docs/benchmarks.md). `compile_levels`
-    compiles several ahead of time, concurrently.
+    Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
+    `trainers.core.step_levels`) has its own compiled program (docs/benchmarks.md measured the
+    alternatives slower), compiled when a step first needs it: the first step waits for one
+    program, not for all of them (time to the first step, measured in docs/benchmarks.md).
+    `compile_levels` compiles several ahead of time, concurrently.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or

@@ -1,4 +1,4 @@
-"""The train step: gradients (per shard or GSPMD), microbatch accumulation, update, statistics.
+"""The train step: gradients (per shard or GSPMD), update, statistics.
 
 Two ways to get the gradient, one result:
 
@@ -21,12 +21,15 @@ There is one update path: the optimizer is a `cross_shard` (`Trainer` wraps a pl
 one), whose phases (`xshard.optimizer.CrossShardPhases`) the step runs: ``reduce`` where the
 per-shard gradients are, ``apply`` (the guard, the inner update and its addition to the params,
 in one branch) after it.
+
+The step's data (`TrainState`, `StepSpec`, `StepResult`, `TrainStep`) live in
+`trainers.core.step_types` and the levels in `trainers.core.step_levels`, both importable from
+here; the loss and gradient over microbatches in `trainers.core.grads`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -36,9 +39,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from trainers.config.run import GRAD_IMPLS
+from trainers.core.grads import LossAndGrads, loss_and_grads
 from trainers.core.metrics import StepMetrics, stack_metrics, state_metrics
 from trainers.core.model_state import LossFn, loss_fn, reduce_over_shards
 from trainers.core.precision import Precision
+from trainers.core.step_levels import (
+    HISTOGRAMS,
+    LAYERS,
+    LEVELS,
+    PLAIN,
+    STATS,
+    LevelFlags,
+    level_flags,
+)
+from trainers.core.step_types import StepResult, StepSpec, TrainState, TrainStep, step_rng
 from trainers.core.zero import ZeroLayout
 from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
 from xshard.axis_reduce import state_partition_specs
@@ -47,6 +61,11 @@ from xshard.optimizer import Applied, CrossShardTransformation, LocalReduction
 from xshard.stats import leaf_sq_norms
 
 __all__ = [
+    "HISTOGRAMS",
+    "LAYERS",
+    "LEVELS",
+    "PLAIN",
+    "STATS",
     "StepMetrics",
     "StepResult",
     "StepSpec",
@@ -56,33 +75,6 @@ __all__ = [
     "stack_metrics",
 ]
 
-#: Step levels: what a step computes besides the update (each includes the ones below).
-PLAIN, STATS, LAYERS, HISTOGRAMS = 0, 1, 2, 3
-LEVELS = (PLAIN, STATS, LAYERS, HISTOGRAMS)
-
-
-class TrainState(NamedTuple):
-    """Everything that changes during training. The RNG is a pure function of (seed, step)."""
-
-    step: jax.Array  # int32 scalar: number of updates applied
-    params: Any
-    opt_state: optax.OptState
-    #: Variables that change but are not trained (BatchNorm statistics, RNG counters):
-    #: ``{}`` for a plain task (`trainers.core.model_state`).
-    model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
-    #: With a periodic mesh axis (local SGD, DiLoCo): the outer params and optimizer state
-    #: (`xshard.periodic.OuterState`, `trainers.core.periodic`); None otherwise.
-    outer: Any = None
-
-
-class LossAndGrads(NamedTuple):
-    """`loss_and_grads`' result: means over the microbatches, and the new model state."""
-
-    loss: jax.Array
-    aux: dict[str, jax.Array]
-    grads: Any
-    model_state: Any
-
 
 class Trained(NamedTuple):
     """The update and its measurements (`_StepProgram.train_and_measure`)."""
@@ -91,91 +83,6 @@ class Trained(NamedTuple):
     opt_state: optax.OptState
     metrics: dict[str, jax.Array]
     diag: dict[str, Any] | None
-
-
-class StepResult(NamedTuple):
-    """One train step's result."""
-
-    state: TrainState
-    #: Scalars; the statistics-only ones are NaN below level 1 (`TrainStep.stats_keys`).
-    metrics: dict[str, jax.Array]
-    #: Per-layer statistics when a level >= 2 is served, else None.
-    diag: dict[str, Any] | None
-
-
-class TrainStep(NamedTuple):
-    """`make_train_step`'s result: the step function and what its metrics mean."""
-
-    fn: Callable[[TrainState, Any], StepResult]
-    #: The metrics computed on statistics steps only (NaN below level 1); filled when `fn` is
-    #: traced.
-    stats_keys: set[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSpec:
-    """Static description of the step (hashable; changing it means a new compilation)."""
-
-    data_axes: tuple[str, ...]
-    num_data_shards: int
-    global_batch_size: int
-    microbatches: int = 1
-    grad_impl: str = "manual"
-    seed: int = 0
-    #: A periodic mesh axis whose replicas each run this step (`trainers.core.periodic`):
-    #: folded into each shard's RNG, so shard i of the whole mesh draws as it would in a
-    #: synchronous step; None: none.
-    replica_axis: str | None = None
-
-
-def step_rng(seed: int, step: jax.Array) -> jax.Array:
-    """The step's RNG key: a pure function of (seed, step), so a resumed run draws the same."""
-    return jax.random.fold_in(jax.random.key(seed), step)
-
-
-def _split_microbatches(batch: Any, k: int) -> Any:
-    """(b, ...) -> (k, b // k, ...): microbatch j holds rows j, j + k, j + 2k, ..."""
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
-def loss_and_grads(
-    loss_fn: LossFn,
-    params: Any,
-    model_state: Any,
-    batch: Any,
-    rng: jax.Array,
-    k: int,
-) -> LossAndGrads:
-    """Mean loss, mean aux, mean gradient and the new model state over `k` microbatches.
-
-    `loss_fn` is `trainers.core.model_state.loss_fn` of the task. Gradients accumulate in float32
-    across a `lax.scan` and are cast back to the params' dtypes once at the end; the model
-    state passes through the microbatches in order. Nothing is reduced across shards here.
-    """
-
-    def with_state(p, state, b, r):
-        loss, aux, state = loss_fn(p, state, b, r)
-        return loss, (aux, state)
-
-    grad_fn = jax.value_and_grad(with_state, has_aux=True)
-    if k == 1:
-        (loss, (aux, model_state)), grads = grad_fn(params, model_state, batch, rng)
-        return LossAndGrads(loss, aux, grads, model_state)
-
-    def body(carry, xs):
-        acc, state = carry
-        mb, i = xs
-        (loss, (aux, state)), grads = grad_fn(params, state, mb, jax.random.fold_in(rng, i))
-        acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
-        return (acc, state), (loss, aux)
-
-    acc0 = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-    (acc, model_state), (losses, auxes) = jax.lax.scan(
-        body, (acc0, model_state), (_split_microbatches(batch, k), jnp.arange(k))
-    )
-    grads = jax.tree.map(lambda a, p: (a / k).astype(p.dtype), acc, params)
-    aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-    return LossAndGrads(jnp.mean(losses), aux, grads, model_state)
 
 
 def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -190,34 +97,6 @@ def _norm_metrics(new_params, update_norm) -> tuple[dict[str, jax.Array], jax.Ar
         "params/global_norm": param_norm,
     }
     return metrics, jnp.sqrt(leaf_sq)
-
-
-class LevelFlags(NamedTuple):
-    """The statistics flags of a step's level, the keyword arguments of the optimizer's
-    phases (`xshard.cross_shard`)."""
-
-    #: From level 1: max |g|, the update/param norms, the per-shard statistics.
-    with_stats: bool
-    #: From level 2: the gradient's per-leaf norms (a reduction per leaf, which statistics
-    #: steps skip: their global norm and max |g| are one reduction each over the packed
-    #: gradient).
-    layer_norms: bool
-    #: At level 3: the gradient's per-leaf histograms.
-    histograms: bool
-
-
-def level_flags(level: int) -> LevelFlags:
-    """The statistics flags for a step of `level`, decided when tracing.
-
-    Args:
-      level: one of `LEVELS`.
-
-    Returns:
-      The `LevelFlags`: each holds from its level up.
-    """
-    return LevelFlags(
-        with_stats=level >= STATS, layer_norms=level >= LAYERS, histograms=level >= HISTOGRAMS
-    )
 
 
 def _measure(new_params: Any, updates: Any, summary: Any) -> tuple[Any, jax.Array]:

@@ -1,17 +1,50 @@
-"""Which level each step of a run has, and which levels a run meets.
+"""The step levels: what each computes, which level each step of a run has, which levels a run
+meets.
 
-A step's *level* (`trainers.core.step`: plain, statistics, per-layer norms, histograms) is what it
-computes besides the update. `step_level` is the schedule `Trainer.fit` follows, from the
-periods of ``trainer.stats_every``, ``trainer.layer_stats_every`` and
-``trainer.histogram_every``; `levels_in_run` the levels a run will meet, so that their
-programs (one per level, `trainers.Trainer`) are compiled before its first step.
+A step's *level* (plain, statistics, per-layer norms, histograms: `LEVELS`) is what it computes
+besides the update (`trainers.core.step`), and `LevelFlags` which statistics that takes.
+`step_level` is the schedule `Trainer.fit` follows, from the periods of ``trainer.stats_every``,
+``trainer.layer_stats_every`` and ``trainer.histogram_every``; `levels_in_run` the levels a run
+will meet, so that their programs (one per level, `trainers.Trainer`) are compiled before its
+first step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
+#: Step levels: what a step computes besides the update (each includes the ones below).
+PLAIN, STATS, LAYERS, HISTOGRAMS = 0, 1, 2, 3
+LEVELS = (PLAIN, STATS, LAYERS, HISTOGRAMS)
+
+
+class LevelFlags(NamedTuple):
+    """The statistics flags of a step's level, the keyword arguments of the optimizer's
+    phases (`xshard.cross_shard`)."""
+
+    #: From level 1: max |g|, the update/param norms, the per-shard statistics.
+    with_stats: bool
+    #: From level 2: the gradient's per-leaf norms (a reduction per leaf, which statistics
+    #: steps skip: their global norm and max |g| are one reduction each over the packed
+    #: gradient).
+    layer_norms: bool
+    #: At level 3: the gradient's per-leaf histograms.
+    histograms: bool
+
+
+def level_flags(level: int) -> LevelFlags:
+    """The statistics flags for a step of `level`, decided when tracing.
+
+    Args:
+      level: one of `LEVELS`.
+
+    Returns:
+      The `LevelFlags`: each holds from its level up.
+    """
+    return LevelFlags(
+        with_stats=level >= STATS, layer_norms=level >= LAYERS, histograms=level >= HISTOGRAMS
+    )
 
 
 def step_level(

@@ -119,9 +119,10 @@ def manual_zero_step(
       layout: the run's layout (stage >= 1).
       mesh: the mesh.
       axes: its data axes (manual in the shard_map).
-      with_stats: whether the step's level takes the statistics (`trainers.core.step.LevelFlags`).
+      with_stats: whether the step's level takes the statistics
+        (`trainers.core.step_levels.LevelFlags`).
       reduce_fn: the first phase of the cross-shard optimizer (`CrossShardPhases.reduce`).
-      shard_grads: ``(params, model_state, batch, rng) -> trainers.core.step.LossAndGrads`` for
+      shard_grads: ``(params, model_state, batch, rng) -> trainers.core.grads.LossAndGrads`` for
         one shard (params replicated, the gradient per shard, the new model state already
         reduced over the shards), run inside the shard_map.
       whole: reduce the gradient whole at every stage, as stage 1 does (the update's

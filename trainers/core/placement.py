@@ -1,0 +1,124 @@
+"""Where a `Trainer`'s arrays live on the mesh: the params (the task's sharding rules, and the
+data axes with ``zero_stage=3``), the optimizer state, the batches; and the initial state,
+initialised from the seed and placed there (with a periodic axis, replicated over it).
+
+`Placement` is a base class of `trainers.core.trainer.Trainer`, whose ``__init__`` sets the
+attributes it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.core.model_state import init_fn
+from trainers.core.periodic_programs import PeriodicPrograms
+from trainers.core.precision import Precision
+from trainers.core.step_tx import refuse_nested_cross_shard
+from trainers.core.step_types import StepSpec, TrainState
+from trainers.core.zero import ZeroLayout
+from xshard.axis_reduce import state_partition_specs
+from xshard.optimizer import CrossShardTransformation
+
+# Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
+_INIT_STREAM = 0x7FFFFFFF
+
+
+class Placement:
+    """The shardings of a `Trainer`'s params, optimizer state and batches, and its initial state.
+
+    Attributes (set by `Trainer.__init__`):
+      task: the task (`trainers.tasks.base.Task`).
+      tx: the optimizer as the step runs it.
+      mesh: the device mesh.
+      spec: the step's static description (its seed seeds the params).
+      layout: the ZeRO layout (`trainers.core.zero`).
+      precision: the dtypes of the params and of the step's computation.
+      batch_sharding: a batch's sharding: split over the data axes.
+      periodic_programs: the periodic axis's programs, or None.
+    """
+
+    task: Any
+    tx: CrossShardTransformation
+    mesh: Mesh
+    spec: StepSpec
+    layout: ZeroLayout
+    precision: Precision
+    batch_sharding: NamedSharding
+    periodic_programs: PeriodicPrograms | None
+    _replicated: NamedSharding
+
+    def param_shardings(self, params: Any) -> Any:
+        """NamedShardings of `params` at rest: the task's sharding rules, and with
+        ``zero_stage=3`` the data axes (`trainers.core.zero`)."""
+        return self.layout.params_at_rest(params, self.layout.base_shardings(params))
+
+    def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        """The task's params (placed with their shardings, in the precision's param dtype) and
+        model state (replicated), initialised from the seed (`trainers.core.model_state`:
+        ``{}`` for a plain task)."""
+        example = jax.tree.map(lambda x: x[:1], first_batch)
+        rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
+        task_init, master = init_fn(self.task), self.precision.master
+
+        def init(rng, example):
+            params, model_state = task_init(rng, example)
+            return master(params), model_state
+
+        shapes = jax.eval_shape(init, rng, example)
+        shardings = (self.param_shardings(shapes[0]), self._replicated)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(init, out_shardings=shardings)(rng, example)
+
+    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
+        """Initialises the task's params from the seed, placed with their shardings."""
+        return self.init_variables(first_batch)[0]
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Returns the initial `TrainState` for `params` and `model_state` (placed on the
+        mesh; None: the empty model state of a plain task)."""
+        shardings = self.param_shardings(params)
+        params = jax.device_put(params, shardings)
+        with jax.set_mesh(self.mesh):  # the axis rules size their state from the mesh
+            refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
+            opt_shardings = self.opt_state_shardings(params)
+            opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
+        model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
+        state = TrainState(step, params, opt_state, model_state)
+        if self.periodic_programs is None:
+            return state
+        with jax.set_mesh(self.mesh):  # the replicas and the outer state
+            return self.periodic_programs.replicate(
+                state, self.layout, self.param_shardings, self.opt_state_shardings
+            )
+
+    def opt_state_shardings(self, params: Any) -> Any:
+        """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
+        axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
+        hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`.
+        The error-feedback residuals of the axis rules (`xshard.axis_reduce`) are sharded over
+        their axis, a row per replica. Call it with the mesh in context (``jax.set_mesh``)."""
+        shardings = self.layout.opt_state_shardings(
+            self.tx, params, self.layout.base_shardings(params)
+        )
+        specs = state_partition_specs(jax.eval_shape(self.tx.init, params))
+        return jax.tree.map(
+            lambda s, spec: s if spec == P() else NamedSharding(self.mesh, spec), shardings, specs
+        )
+
+    def state_shardings(self, state: TrainState) -> Any:
+        """The shardings every `TrainState` of this run has (what the step keeps)."""
+        return jax.tree.map(lambda x: x.sharding, state)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local NumPy arrays -> global arrays sharded over the data axes."""
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local_batch,
+        )

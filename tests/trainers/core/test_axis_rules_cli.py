@@ -25,14 +25,21 @@ def _train(tmp_path, name, *overrides):
     return tmp_path / name / "tb"
 
 
+SLICES = ("mesh=cpu2x4_slices", "reduction=slice_int8")
+
+
+@pytest.fixture(scope="module")
+def int8(tmp_path_factory):
+    """One ``reduction=slice_int8`` run at ZeRO stage 0, its TensorBoard directory."""
+    return _train(tmp_path_factory.mktemp("slice_int8"), "int8", *SLICES)
+
+
 @pytest.mark.slow
-def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path):
-    slices = ("mesh=cpu2x4_slices", "reduction=slice_int8")
-    int8 = _train(tmp_path, "int8", *slices)
+def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path, int8):
     full = _train(
         tmp_path,
         "float32",
-        *slices,
+        *SLICES,
         "reduction.axes.slice.comm_dtype=float32",
         "reduction.axes.slice.error_feedback=false",
     )
@@ -48,10 +55,9 @@ def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_slice_int8_under_zero_2_trains_as_without(tmp_path):
-    slices = ("mesh=cpu2x4_slices", "reduction=slice_int8")
-    plain = _train(tmp_path, "zero0", *slices)
-    zero = _train(tmp_path, "zero2", *slices, "sharding.zero_stage=2")
+def test_cli_slice_int8_under_zero_2_trains_as_without(tmp_path, int8):
+    plain = int8
+    zero = _train(tmp_path, "zero2", *SLICES, "sharding.zero_stage=2")
     assert scalars(zero, "comm/slice/bytes") == scalars(plain, "comm/slice/bytes")
     want, got = scalars(plain, "train/loss"), scalars(zero, "train/loss")
     assert sorted(got) == [1, 2, 3, 4]

@@ -151,3 +151,43 @@ def test_bad_rule_and_residual_shape_are_refused(mesh):
         _reduce(mesh, _replicas(5), rule="max")
     with pytest.raises(ValueError, match=r"residual must have shape \(4, "):
         _reduce(mesh, _replicas(5), comm_dtype="int8", residual=jnp.zeros((2, 4, 3)))
+
+
+def test_a_model_sharded_leaf_on_a_three_axis_mesh_reduces_exactly():
+    """Mesh (slice 2, data 2, model 2): a leaf sharded over 'model' within each replica is
+    gathered by the flattening and shared out over both inner axes (F = 4)."""
+    from jax.sharding import AxisType, Mesh
+
+    mesh = Mesh(
+        np.array(jax.devices()[:8]).reshape(2, 2, 2),
+        ("slice", "data", "model"),
+        axis_types=(AxisType.Auto,) * 3,
+    )
+    keys = jax.random.split(jax.random.key(6))
+    x = {  # integers: the mean of two is exact
+        "w": jax.random.randint(keys[0], (2, 6, 8), -63, 64).astype(jnp.float32),
+        "b": jax.random.randint(keys[1], (2, 11), -63, 64).astype(jnp.float32),
+    }
+    size = 6 * 8 + 11
+    inner = ("data", "model")
+
+    def one(tree):
+        mine = jax.tree.map(lambda v: v[0], tree)
+        return hierarchical_all_reduce(mine, "slice", inner).value
+
+    fn = jax.jit(
+        jax.shard_map(one, mesh=mesh, in_specs=P("slice"), out_specs=P(), axis_names={"slice"})
+    )
+    with jax.set_mesh(mesh):
+        sharded = {
+            "w": jax.device_put(x["w"], NamedSharding(mesh, P("slice", None, "model"))),
+            "b": jax.device_put(x["b"], NamedSharding(mesh, P("slice"))),
+        }
+        value = fn(sharded)
+        hlo = fn.lower(sharded).compile().as_text()
+    for name in x:
+        want = (np.asarray(x[name][0]) + np.asarray(x[name][1])) / 2
+        np.testing.assert_array_equal(np.asarray(value[name]), want)
+    over_slice = [c for c in collectives_by_axis(hlo, dict(mesh.shape)) if "slice" in c.axes]
+    assert [(c.op, c.axes) for c in over_slice] == [("all-reduce", ("slice",))]
+    assert over_slice[0].result_bytes == 4 * share_size(size, 2, 4, "float32")

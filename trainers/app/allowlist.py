@@ -11,8 +11,10 @@ that reaches the composed config from one of them (``allowed_targets: [os.]`` in
   config's entries), as parsed by Hydra's own argument and override parsers from
   ``sys.argv``. Not from ``hydra.overrides.task``: Hydra
   appends the real overrides to whatever a composed file wrote there;
-- the environment variable ``XSHARD_ALLOWED_TARGETS`` (comma-separated entries), which
-  `trainers.main` also uses to hand the command line's entries to a launcher's processes;
+- the environment variable ``XSHARD_ALLOWED_TARGETS`` (comma-separated entries) as the
+  process was started with, which `trainers.main` also uses to hand the command line's entries
+  to a launcher's processes; a job whose ``hydra.job.env_set`` sets it is refused (Hydra
+  exports env_set before the task function runs, and a sweep's overrides can set it);
 - installed packages, through the entry point group ``xshard.allowed_targets`` (each entry
   point's value is a module, whose whole package is then allowed): code a user installs is
   trusted.
@@ -212,11 +214,18 @@ def check_allowlist_sources(cfg: DictConfig) -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
+    hydra_cfg = HydraConfig.get()
+    if ALLOWED_TARGETS_ENV in (hydra_cfg.job.env_set or {}):
+        raise ConfigError(
+            f"hydra.job.env_set.{ALLOWED_TARGETS_ENV}: the allowlist is widened by the "
+            "environment the run is started in, never by Hydra's env_set (a config or a sweep "
+            f"can set that); export {ALLOWED_TARGETS_ENV} before the command, or pass "
+            f"+{ALLOWED_TARGETS_KEY}=[...] on the command line."
+        )
     composed = section(cfg, ALLOWED_TARGETS_KEY, required=False)
     allowed_prefixes(composed)  # raises ConfigError unless a list of dotted names
     if not composed:
         return
-    hydra_cfg = HydraConfig.get()
     config_name = hydra_cfg.job.config_name
     trusted = (
         command_line_entries(argv_overrides())

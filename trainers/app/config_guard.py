@@ -1,26 +1,16 @@
-"""What each composed config file may set, checked inside Hydra's composition.
+"""The trust rule applied inside Hydra's composition, before Hydra acts on any of it.
 
-Threat model (docs/reliability.md): code a user installs is trusted; a config file copied from
-elsewhere is not; what the user types on the command line is theirs. Hydra acts on the
-``hydra`` node of the composed config before any task code runs: it instantiates
-``hydra.callbacks``, hands ``hydra.job_logging`` to `logging.config.dictConfig` (whose ``()``
-key calls any factory), exports ``hydra.job.env_set``, lets the Optuna sweeper instantiate
-``hydra.sweeper.sampler``, composes every multirun job from ``hydra.overrides.hydra``, and
-appends the real command line to ``hydra.overrides.task`` after whatever a file wrote there.
-So the check cannot wait for the task function: `guard_compositions` runs it on every file of
-each defaults list Hydra composes (the run's, each multirun job's, ``--cfg``'s), before the
-files are merged, and a refused file ends the process with one line and exit status 2.
-
-The rules (`refused_keys`):
-
-- **Trusted files** (the primary config, and the files of installed packages: ``pkg://`` and
-  ``structured://`` sources) may set anything but ``hydra.overrides``.
-- **Other files** (``file://`` sources: ``--config-dir``, ``hydra.searchpath``, a repo's own
-  config dir) may set ``hydra`` keys under `UNTRUSTED_HYDRA_KEYS` only, never
-  ``hydra.overrides``, and ``allowed_targets`` only to entries a trusted source already grants
-  (a trusted file, the command line, ``XSHARD_ALLOWED_TARGETS``, an installed package:
-  `trainers.app.allowlist`), so a sweep file may repeat its experiment's list but not widen it.
-  Put anything else in your primary config or on the command line.
+Hydra acts on the ``hydra`` node of the composed config before any task code runs: it
+instantiates ``hydra.callbacks``, hands ``hydra.job_logging`` to `logging.config.dictConfig`
+(whose ``()`` key calls any factory), exports ``hydra.job.env_set``, lets the Optuna sweeper
+instantiate ``hydra.sweeper.sampler``, turns every ``hydra.sweeper.params`` entry into an
+override of each job, and appends the real command line to ``hydra.overrides.task`` after
+whatever a file wrote there. So the check cannot wait for the task function:
+`guard_compositions` runs `trainers.app.trust`'s rule on every file of each defaults list Hydra
+composes (the run's, each multirun job's, ``--cfg``'s, the doctor's), before the files are
+merged, and a refused file ends the process with one line and exit status 2. A sweep's
+search space is checked as the file writes it, so the overrides the sweeper builds for its jobs
+hold nothing the rule refuses; each job's own composition is checked again.
 
 Nothing here resolves an interpolation or imports a target: keys are read as written.
 """
@@ -31,157 +21,52 @@ import contextlib
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainers.app.trust import ComposedFile, at_root, refusals
 from trainers.errors import UntrustedConfigError
 from xshard.targets import ALLOWED_TARGETS_KEY
 
 #: Config sources whose files come with installed packages, and so are trusted.
 TRUSTED_SCHEMES = ("pkg", "structured")
 
-#: The ``hydra`` keys a file that is neither the primary config nor installed may set: where
-#: outputs go, the job's name, and the search space of a sweep (whose values are composed and
-#: checked like any override). Hydra ignores ``hydra.searchpath`` outside the primary config.
-UNTRUSTED_HYDRA_KEYS = (
-    "hydra.run.dir",
-    "hydra.sweep.dir",
-    "hydra.sweep.subdir",
-    "hydra.job.name",
-    "hydra.job.chdir",
-    "hydra.mode",
-    "hydra.searchpath",
-    "hydra.sweeper.params",
-    "hydra.sweeper.direction",
-    "hydra.sweeper.n_trials",
-    "hydra.sweeper.n_jobs",
-    "hydra.sweeper.max_failure_rate",
-    "hydra.sweeper.study_name",
-)
 
-#: Keys no config file may set: Hydra records the real overrides there after composing.
-FORGED_KEY = "hydra.overrides"
-
-
-class ComposedFile(NamedTuple):
-    """One file of a defaults list, as Hydra loaded it (nothing resolved).
-
-    Attributes:
-      name: where it was read from, for messages (a path, or ``pkg://module/name.yaml``).
-      trusted: the primary config, or a file of an installed package.
-      package: the config node its content lands in ("" for the root).
-      content: its keys and values as written (its defaults list left out).
-    """
-
-    name: str
-    trusted: bool
-    package: str
-    content: Any
-
-
-def _dotted(prefix: str, key: object) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
-
-
-def _leaves(node: Any, prefix: str) -> Iterator[tuple[str, Any]]:
-    """The dotted key and value of every leaf of `node` (an empty dict is a leaf)."""
-    if isinstance(node, dict) and node:
-        for key, value in node.items():
-            yield from _leaves(value, _dotted(prefix, key))
-    else:
-        yield prefix, node
-
-
-def _under(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + ".")
-
-
-def _at_root(file: ComposedFile) -> dict[str, Any]:
-    """`file`'s content placed at its package in the root config (its defaults list left out)."""
-    content = file.content if isinstance(file.content, dict) else {}
-    node: Any = {k: v for k, v in content.items() if k != "defaults"}
-    for part in reversed(file.package.split(".") if file.package else []):
-        node = {part: node}
-    return node
-
-
-def widening_entries(file: ComposedFile, granted: frozenset[str]) -> list[str]:
-    """The ``allowed_targets`` entries an untrusted `file` writes beyond `granted`.
-
-    An entry that cannot be read in that file alone (an interpolation of a key set elsewhere,
-    not a string) counts as widening.
-    """
-    from trainers.app.allowlist import file_entries
-
-    root = _at_root(file)
-    if file.trusted or ALLOWED_TARGETS_KEY not in root:
-        return []
-    entries = file_entries(root[ALLOWED_TARGETS_KEY])
-    return [
-        repr(e) if e is not None else "an entry read elsewhere" for e in entries if e not in granted
-    ]
-
-
-def refused_keys(file: ComposedFile, granted: frozenset[str] = frozenset()) -> list[str]:
-    """The keys `file` sets that its origin may not set (module docstring), in file order.
+def check_file(
+    file: ComposedFile,
+    granted: frozenset[str] = frozenset(),
+    declared: frozenset[str] | None = None,
+) -> None:
+    """Refuses `file` if it sets a key its origin may not set (`trainers.app.trust`).
 
     Args:
       file: the file.
       granted: the ``allowed_targets`` entries trusted sources grant (`granted_entries`).
-    """
-    refused = []
-    for key, value in _leaves(_at_root(file), ""):
-        if _under(key, FORGED_KEY):  # Hydra's own schema declares it empty
-            if value or not file.trusted:
-                refused.append(key)
-        elif file.trusted or _under(key, ALLOWED_TARGETS_KEY):
-            continue
-        elif _under(key, "hydra") and not any(_under(key, ok) for ok in UNTRUSTED_HYDRA_KEYS):
-            refused.append(key)
-    if widening_entries(file, granted):
-        refused.append(ALLOWED_TARGETS_KEY)
-    return refused
-
-
-def _why(key: str) -> str:
-    if _under(key, FORGED_KEY):
-        return "Hydra records the real command line there, so no config file may set it"
-    if _under(key, ALLOWED_TARGETS_KEY):
-        return (
-            f"only the primary config, the command line (+{ALLOWED_TARGETS_KEY}=[mypkg.]), "
-            "XSHARD_ALLOWED_TARGETS or an installed package may widen the allowlist (a copied "
-            "file may only repeat what they grant)"
-        )
-    return (
-        "Hydra acts on it before the run starts, so only the primary config, the command line "
-        f"or an installed package may set it; other files may set {', '.join(UNTRUSTED_HYDRA_KEYS)}"
-    )
-
-
-def check_file(file: ComposedFile, granted: frozenset[str] = frozenset()) -> None:
-    """Refuses `file` if it sets a key its origin may not set.
-
-    Args:
-      file: the file.
-      granted: the ``allowed_targets`` entries trusted sources grant (`granted_entries`).
+      declared: the top-level keys trusted sources declare (`declared_keys`); None: any.
 
     Raises:
       UntrustedConfigError: naming the file, the first such key and why.
     """
-    refused = refused_keys(file, granted)
-    if not refused:
-        return
-    if refused[0] == ALLOWED_TARGETS_KEY:
-        widening = ", ".join(widening_entries(file, granted))
+    refused = refusals(file, granted, declared)
+    if refused:
+        key, why = refused[0]
         raise UntrustedConfigError(
-            f"config file {file.name} sets {ALLOWED_TARGETS_KEY} to {widening}, which no "
-            f"trusted source grants: {_why(ALLOWED_TARGETS_KEY)}."
+            f"config file {file.name} sets {key}, which a config file that is not trusted may "
+            f"not set: {why}."
         )
-    raise UntrustedConfigError(
-        f"config file {file.name} sets {refused[0]}, which a composed config file may not "
-        f"set: {_why(refused[0])}."
-    )
+
+
+def declared_keys(defaults: Sequence[Any], files: Sequence[ComposedFile]) -> frozenset[str]:
+    """The top-level keys that trusted sources declare in one composition: those the trusted
+    files among `files` set, and the packages of the groups their defaults lists choose
+    (``task`` for ``xshard_train``'s ``task: mlp``, whichever file the option comes from)."""
+    paths = {f.config_path for f in files if f.trusted}
+    roots = {key for f in files if f.trusted for key in at_root(f)}
+    chosen = [d for d in defaults if d.parent in paths and d.config_path]
+    roots |= {d.package.split(".")[0] for d in chosen if d.package}
+    roots |= {d.config_path.split("/")[0] for d in chosen if "/" in d.config_path}
+    return frozenset(roots | {"hydra"})
 
 
 def granted_entries(files: Sequence[ComposedFile]) -> frozenset[str]:
@@ -200,7 +85,7 @@ def granted_entries(files: Sequence[ComposedFile]) -> frozenset[str]:
 
     granted = command_line_entries(argv_overrides()) | environment_entries() | installed_entries()
     for file in files:
-        root = _at_root(file)
+        root = at_root(file)
         if file.trusted and ALLOWED_TARGETS_KEY in root:
             granted |= {e for e in file_entries(root[ALLOWED_TARGETS_KEY]) if e is not None}
     return frozenset(granted)
@@ -214,6 +99,16 @@ def _source_name(source_path: str, config_path: str) -> tuple[str, bool]:
     if scheme == "file":
         return str(Path(where) / f"{config_path}.yaml"), False
     return f"{source_path}/{config_path}.yaml", scheme in TRUSTED_SCHEMES
+
+
+def _defaults_specs(loaded: Any) -> list[str]:
+    """A loaded file's defaults list as ``group@package`` strings, as written (Hydra's parsed
+    ``InputDefault`` items: a group default's group, a config default's path)."""
+    specs = []
+    for item in loaded.defaults_list or []:
+        where = getattr(item, "group", None) or getattr(item, "path", None) or ""
+        specs.append(f"{where}@{item.package}" if item.package else where)
+    return specs
 
 
 def composed_files(defaults: Sequence[Any], repo: Any) -> Iterator[ComposedFile]:
@@ -231,19 +126,49 @@ def composed_files(defaults: Sequence[Any], repo: Any) -> Iterator[ComposedFile]
             continue
         name, installed = _source_name(loaded.path, default.config_path)
         content = OmegaConf.to_container(loaded.config, resolve=False)
-        yield ComposedFile(name, installed or default.primary, default.package or "", content)
+        if isinstance(content, dict):
+            content["defaults"] = _defaults_specs(loaded)
+        trusted = installed or default.primary
+        yield ComposedFile(name, trusted, default.package or "", content, default.config_path)
 
 
-def check_defaults(defaults: Sequence[Any], repo: Any) -> None:
-    """Refuses a defaults list if any of its files sets a key its origin may not set.
+def shadowed_files(defaults: Sequence[Any], repo: Any) -> Iterator[str]:
+    """One line for each option of the defaults list that an installed package's config
+    dir supplied while a ``file://`` dir (``--config-dir``, ``hydra.searchpath``) also has a
+    file of that name: Hydra takes the first source in the search path that has it."""
+    for default in defaults:
+        path = default.config_path
+        if path is None or default.primary:
+            continue
+        sources = [s for s in repo.get_sources() if s.available() and s.is_config(path)]
+        if len(sources) > 1 and sources[0].scheme() != "file":
+            mine = next((s for s in sources if s.scheme() == "file"), None)
+            if mine is not None:
+                yield (
+                    f"{mine.path}/{path}.yaml is not used: {sources[0].full_path()}/{path}.yaml "
+                    "comes first in the config search path (the primary config's own dir "
+                    "first, --config-dir after it): give your option another name, or make "
+                    "your dir the primary config's (--config-name from it, or your own app)"
+                )
+
+
+def check_defaults(defaults: Sequence[Any], repo: Any, warned: set[str] | None = None) -> None:
+    """Refuses a defaults list if any of its files sets a key its origin may not set, and
+    warns once (on stderr, collected in `warned`) about each file of a config dir of the user's
+    that an installed one shadows (`shadowed_files`).
 
     Raises:
       UntrustedConfigError: naming the first such file and key.
     """
     files = list(composed_files(defaults, repo))
     granted = granted_entries(files)
+    declared = declared_keys(defaults, files)
     for file in files:
-        check_file(file, granted)
+        check_file(file, granted, declared)
+    for line in shadowed_files(defaults, repo):
+        if warned is not None and line not in warned:
+            warned.add(line)
+            print(f"xshard: warning: {line}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
@@ -261,10 +186,11 @@ def guard_compositions(exit_code: int) -> Iterator[None]:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     compose = ConfigLoaderImpl._compose_config_from_defaults_list
+    warned: set[str] = set()
 
     def checked(self: Any, defaults: list[Any], repo: Any) -> Any:
         try:
-            check_defaults(defaults, repo)
+            check_defaults(defaults, repo, warned)
         except UntrustedConfigError as e:
             print(f"xshard: error: {e}", file=sys.stderr, flush=True)
             sys.exit(exit_code)

@@ -11,14 +11,17 @@ own experiment repo's main with it too (docs/config.md). Around Hydra's own main
    the command line in ``hydra.overrides`` or widen ``allowed_targets`` (exit 2, one line);
 3. hands the ``allowed_targets`` entries typed on the command line to the processes a launcher
    starts (through ``XSHARD_ALLOWED_TARGETS``, `trainers.app.allowlist`);
-4. reports, in one line, a stop signal that came after the run had ended;
-5. registers the resolvers xshard's configs use (also where Hydra's plugin scan did not run),
+4. refuses ``--experimental-rerun``, which unpickles a run dir's ``config.pickle`` (a pickle
+   from a copied run dir runs code): rerun with the overrides of ``.hydra/overrides.yaml``;
+5. reports, in one line, a stop signal that came after the run had ended;
+6. registers the resolvers xshard's configs use (also where Hydra's plugin scan did not run),
    ``${xshard.help:}`` of ``--help`` among them.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -66,6 +69,7 @@ def main(
             from trainers.errors import EXIT_CONFIG_ERROR
 
             signal_latch.install()
+            refuse_rerun(EXIT_CONFIG_ERROR)
             try:
                 export_command_line_entries()
                 with guard_compositions(EXIT_CONFIG_ERROR):
@@ -76,3 +80,19 @@ def main(
         return entry
 
     return decorate
+
+
+def refuse_rerun(exit_code: int, argv: list[str] | None = None) -> None:
+    """Exits with `exit_code` and one line if the command line asks Hydra to
+    ``--experimental-rerun`` a pickled config: unpickling a file runs whatever code it names,
+    and run dirs are copied between people (docs/reliability.md)."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a == "--experimental-rerun" or a.startswith("--experimental-rerun=") for a in args):
+        print(
+            "xshard: error: --experimental-rerun unpickles the run's config.pickle, and a "
+            "pickle runs the code it names: refused. Rerun with the run's overrides instead "
+            "(.hydra/overrides.yaml), or resume it with hydra.run.dir=<run dir>.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(exit_code)

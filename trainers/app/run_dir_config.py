@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -62,7 +63,8 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
       ConfigError: the file is not a YAML mapping, or an override is not ``key=value``.
     """
     from trainers.app.allowlist import command_line_entries, environment_entries, installed_entries
-    from trainers.app.config_guard import ComposedFile, check_file
+    from trainers.app.config_guard import check_file
+    from trainers.app.trust import ComposedFile, is_location, leaves
 
     path = run_dir / CONFIG_FILE
     try:
@@ -73,8 +75,14 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ConfigError(f"{path}: expected a mapping of config keys.")
     granted = frozenset(command_line_entries(overrides) | environment_entries())
     granted |= installed_entries()
-    check_file(ComposedFile(str(path), False, "", content), granted)
-    cfg = OmegaConf.create({k: v for k, v in content.items() if k not in ("hydra", "paths")})
+    kept = {k: v for k, v in content.items() if k not in ("hydra", "paths")}
+    for key, _ in list(leaves(kept)):  # where the run wrote is the run's own: not reused here
+        if is_location(key):
+            _drop(kept, key.split("."))
+    hydra = {"hydra": content["hydra"]} if "hydra" in content else {}
+    saved = ComposedFile(str(path), False, "", {**kept, **hydra})
+    check_file(saved, granted)
+    cfg = OmegaConf.create(kept)
     for override in overrides:
         key, sep, value = override.lstrip("+").partition("=")
         if not sep or not key:
@@ -88,6 +96,16 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
         "checkpoint_dir": str(run_dir / CHECKPOINTS),
     }
     return cfg
+
+
+def _drop(node: dict[Any, Any], path: list[str]) -> None:
+    """Removes the key at `path` from the nested mapping `node` (the schema's default then
+    applies)."""
+    parent: Any = node
+    for part in path[:-1]:
+        parent = parent.get(part) if isinstance(parent, dict) else None
+    if isinstance(parent, dict):
+        parent.pop(path[-1], None)
 
 
 def _value(text: str) -> object:

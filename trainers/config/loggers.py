@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 
-from xshard.config.nodes import shown
+from xshard.config.nodes import LOCATION, shown
 from xshard.errors import ConfigError
 
 #: Logger name -> (the module it needs, the pip extra that installs it).
@@ -47,7 +47,7 @@ class WandbLogger:
     entity: str | None = None
     mode: str | None = None
     name: str | None = None
-    dir: str = "${paths.output_dir}"
+    dir: str = dataclasses.field(default="${paths.output_dir}", metadata=LOCATION)
     tags: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -69,7 +69,7 @@ class MlflowLogger:
       run_name: the run's name; null: the TensorBoard run folder's (the overrides).
     """
 
-    tracking_uri: str | None = None
+    tracking_uri: str | None = dataclasses.field(default=None, metadata=LOCATION)
     experiment: str = "xshard"
     run_name: str | None = None
 
@@ -82,7 +82,7 @@ class CsvLogger:
       path: the file (in the run's dir by default).
     """
 
-    path: str = "${paths.output_dir}/metrics.csv"
+    path: str = dataclasses.field(default="${paths.output_dir}/metrics.csv", metadata=LOCATION)
 
 
 #: The ``logger`` group's options, by name: the node each one sets.

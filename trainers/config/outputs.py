@@ -16,7 +16,7 @@ from trainers.config.loggers import (
     check_installed,
 )
 from trainers.config.run import check_int, finite_positive
-from xshard.config.nodes import read_node
+from xshard.config.nodes import LOCATION, read_node
 from xshard.errors import ConfigError
 
 #: What the TensorBoard hook does when events cannot be written (disk full).
@@ -37,9 +37,13 @@ class PathsOptions:
       checkpoint_dir: Orbax checkpoints, one folder per step.
     """
 
-    output_dir: str = "${hydra:runtime.output_dir}"
-    tb_dir: str = "${xshard.tb_dir:${paths.output_dir}}"
-    checkpoint_dir: str = "${paths.output_dir}/checkpoints"
+    output_dir: str = dataclasses.field(default="${hydra:runtime.output_dir}", metadata=LOCATION)
+    tb_dir: str = dataclasses.field(
+        default="${xshard.tb_dir:${paths.output_dir}}", metadata=LOCATION
+    )
+    checkpoint_dir: str = dataclasses.field(
+        default="${paths.output_dir}/checkpoints", metadata=LOCATION
+    )
 
     @classmethod
     def from_config(cls, node: Any) -> PathsOptions:

@@ -13,7 +13,7 @@ from typing import Any
 
 from trainers.config.early_stopping import EarlyStoppingOptions
 from trainers.config.precision import NO_REMAT, check_remat
-from xshard.config.nodes import shown
+from xshard.config.nodes import LOCATION, shown
 from xshard.errors import ConfigError
 
 #: How per-shard gradients are computed: in `jax.shard_map` or by the compiler (GSPMD).
@@ -173,7 +173,9 @@ class TrainerOptions:
     objective: str = TRAIN_OBJECTIVE
     early_stopping: EarlyStoppingOptions = dataclasses.field(default_factory=EarlyStoppingOptions)
     remat: str = NO_REMAT
-    compilation_cache_dir: str | None = DEFAULT_COMPILATION_CACHE_DIR
+    compilation_cache_dir: str | None = dataclasses.field(
+        default=DEFAULT_COMPILATION_CACHE_DIR, metadata=LOCATION
+    )
 
     def __post_init__(self) -> None:
         check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
@@ -256,7 +258,7 @@ class DistributedOptions:
     """
 
     enabled: bool = False
-    coordinator_address: str | None = None
+    coordinator_address: str | None = dataclasses.field(default=None, metadata=LOCATION)
     num_processes: int | None = None
     process_id: int | None = None
     cpu_collectives: str | None = None

@@ -18,23 +18,34 @@ from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptio
 from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions
 from trainers.config.sharding import ShardingOptions
-from xshard.config.nodes import permissive
+from xshard.config.nodes import location_keys, permissive
 from xshard.config.schemas import register_schemas
+
+#: The trainer's top-level config nodes and their schemas.
+NODES: dict[str, type] = {
+    "trainer": TrainerOptions,
+    "distributed": DistributedOptions,
+    "checkpoint": CheckpointOptions,
+    "logger": LoggerOptions,
+    "paths": PathsOptions,
+    "sharding": ShardingOptions,
+    "precision": PrecisionOptions,
+}
 
 #: ``{group: {name: schema}}`` of the trainer's nodes.
 TRAINER_SCHEMAS: dict[str, dict[str, Any]] = {
-    "trainer": {"base": permissive(TrainerOptions)},
-    "distributed": {"base": permissive(DistributedOptions)},
-    "checkpoint": {"base": permissive(CheckpointOptions)},
-    "logger": {"base": permissive(LoggerOptions)},
-    "paths": {"base": permissive(PathsOptions)},
-    "sharding": {"base": permissive(ShardingOptions)},
-    "precision": {"base": permissive(PrecisionOptions)},
+    **{node: {"base": permissive(schema)} for node, schema in NODES.items()},
     # task.data of the built-in task options (``/xshard_schemas/data@data: base``).
     "data": {"base": permissive(DataOptions)},
     # Each option of the logger group: ``/xshard_schemas/logger/wandb@wandb`` in logger/wandb.yaml.
     "logger_node": {name: permissive(schema) for name, schema in LOGGERS.items()},
 }
+
+#: Every key marked `xshard.config.nodes.LOCATION` in the trainer's schemas: where a run writes
+#: or connects (``paths.*``, ``logger.csv.path``, ``trainer.compilation_cache_dir``, ...).
+LOCATION_KEYS: tuple[str, ...] = tuple(
+    key for node, schema in NODES.items() for key in location_keys(schema, node)
+)
 
 
 def register_trainer_schemas(cs: ConfigStore | None = None) -> None:

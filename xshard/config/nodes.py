@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import typing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -84,6 +85,28 @@ def read_node(schema: type[T], node: Any, key: str) -> T:
         raise ConfigError(f"{key}: {_first_line(e)}") from e
     assert isinstance(typed, DictConfig)
     return OmegaConf.to_object(typed)  # type: ignore[return-value]
+
+
+#: Field metadata marking a key whose value is a place the run writes to or connects to (a
+#: directory, a file, a server): `location_keys` lists them for the trust rule, under which only
+#: trusted sources may set them (``trainers.app.trust``). Mark new keys of that kind with it:
+#: ``dir: str = dataclasses.field(default=..., metadata=LOCATION)``.
+LOCATION: dict[str, bool] = {"xshard.location": True}
+
+
+def location_keys(schema: type, prefix: str) -> tuple[str, ...]:
+    """The dotted keys of the fields of `schema` (and of its nested dataclass fields) that are
+    marked `LOCATION`, under the node `prefix`."""
+    hints = typing.get_type_hints(schema)
+    found: list[str] = []
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}.{f.name}"
+        if f.metadata.get("xshard.location"):
+            found.append(key)
+        for arg in typing.get_args(hints[f.name]) or (hints[f.name],):
+            if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+                found.extend(location_keys(arg, key))
+    return tuple(found)
 
 
 @functools.cache

@@ -15,8 +15,10 @@ TCP, which nothing can abort:
 - process 0 listens on that port (all interfaces, as JAX's service will) in a thread
   (`RollCall`); if the port is taken, it only answers the roll there like every other process,
   so a second process 0 on one host is refused as a duplicate;
-- every process, process 0 included, connects to ``coordinator_address`` and sends its
-  `Answer` (``process_id``, ``num_processes``, host:pid) (`answer_roll`);
+- every process connects to ``coordinator_address`` and sends its `Answer` (``process_id``,
+  ``num_processes``, host:pid) (`answer_roll`); process 0's own counts from the moment it
+  listens, and it answers at the address too, so that a process 0 on another host holding the
+  roll there (the same address given to two processes 0) refuses it as a duplicate;
 - process 0's listener replies to every process with one line as soon as it can: the error of
   the first mistake it sees (a ``process_id`` given twice, a ``num_processes`` other than
   process 0's), or "ok" once every id in ``0..num_processes-1`` answered; then it closes the
@@ -34,7 +36,7 @@ import errno
 import json
 import logging
 import os
-import select
+import selectors
 import socket
 import threading
 import time
@@ -139,6 +141,9 @@ def answer_roll(opts: DistributedOptions, deadline: float, probe: CoordinatorPro
     roll = RollCall.hold(opts, me, deadline) if me.process_id == 0 else None
     try:
         while time.monotonic() < deadline:
+            if roll is not None and roll.reply is not None:  # maybe before this one answered
+                roll.thread.join(timeout=SEND_TIMEOUT_S * (me.num_processes + 1))
+                return _accepted(roll.reply, opts, me)
             sock = probe.connect(opts.coordinator_address)
             if sock is None:
                 time.sleep(min(PROBE_EVERY_S, max(0.0, deadline - time.monotonic())))
@@ -219,15 +224,22 @@ class RollCall:
     """Process 0's side: listens on the coordinator's port until every process answered.
 
     Answers are kept per connection; a connection that closes takes its answer with it (the
-    process ended, and may be started again). Use `hold`.
+    process ended, and may be started again). Process 0's own answer counts from the start
+    (its own connection, if it makes one, says the same). `reply`, once set, is what every
+    process is told. Use `hold`.
     """
 
-    def __init__(self, listener: socket.socket, opts: DistributedOptions, deadline: float):
-        self.listener, self.deadline = listener, deadline
+    def __init__(
+        self, listener: socket.socket, opts: DistributedOptions, me: Answer, deadline: float
+    ):
+        self.listener, self.me, self.deadline = listener, me, deadline
+        self.reply: bytes | None = None
         self.address = opts.coordinator_address
         self.count = opts.num_processes
         self.answers: dict[socket.socket, Answer] = {}
         self.unread: dict[socket.socket, bytes] = {}
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ)
         self.thread = threading.Thread(target=self._serve, name="xshard-roll-call", daemon=True)
         self._stopped = threading.Event()
 
@@ -256,7 +268,7 @@ class RollCall:
                 f"cannot listen on port {port} ({e.strerror or e}). Choose a port this host "
                 "lets a process listen on (above 1023, not in use)."
             ) from e
-        roll = cls(listener, opts, deadline)
+        roll = cls(listener, opts, me, deadline)
         roll.thread.start()
         return roll
 
@@ -267,32 +279,33 @@ class RollCall:
 
     def _serve(self) -> None:
         try:
-            reply = None
-            while reply is None and not self._stopped.is_set():
+            while self.reply is None and not self._stopped.is_set():
                 if time.monotonic() >= self.deadline:
                     break
                 self._read_ready()
-                reply = self._reply()
-            if reply is not None:
+                self.reply = self._reply()
+            if self.reply is not None:
                 for conn in list(self.answers):
-                    _send(conn, reply)
-        except Exception:  # noqa: BLE001 - the roll call must never end the process
-            logger.exception("The roll call on the coordinator's port failed.")
+                    _send(conn, self.reply)
+        except Exception as e:  # noqa: BLE001 - the roll call must never end the process
+            logger.error("The roll call on the coordinator's port failed: %r", e)
         finally:
             for conn in [*self.unread, *self.answers]:
                 with contextlib.suppress(OSError):
                     conn.close()
+            self.selector.close()
             self.listener.close()
 
     def _read_ready(self) -> None:
         """Accepts connections and reads answers for up to `PROBE_EVERY_S`."""
-        watched = [self.listener, *self.unread, *self.answers]
-        ready, _, _ = select.select(watched, [], [], PROBE_EVERY_S)
-        for sock in ready:
+        for key, _ in self.selector.select(PROBE_EVERY_S):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
             if sock is self.listener:
                 conn, _ = self.listener.accept()
                 conn.setblocking(False)
                 self.unread[conn] = b""
+                self.selector.register(conn, selectors.EVENT_READ)
                 continue
             try:
                 chunk = sock.recv(MAX_LINE)
@@ -313,16 +326,18 @@ class RollCall:
                 self._drop(sock)  # not a roll call
 
     def _drop(self, sock: socket.socket) -> None:
+        self.selector.unregister(sock)
         self.answers.pop(sock, None)
         self.unread.pop(sock, None)
         sock.close()
 
     def _reply(self) -> bytes | None:
         """The reply to send every process: an error, "ok" when all answered, or None yet."""
-        error = roll_call_mistake(list(self.answers.values()), self.count, str(self.address))
+        answers = [self.me, *self.answers.values()]
+        error = roll_call_mistake(answers, self.count, str(self.address))
         if error is not None:
             return json.dumps({"error": error}).encode() + b"\n"
-        ids = sorted(a.process_id for a in self.answers.values())
+        ids = sorted({a.process_id for a in answers})  # (each from one process: no mistake)
         if ids == list(range(self.count or 0)):
             return b'{"xshard_roll_call": "ok"}\n'
         return None

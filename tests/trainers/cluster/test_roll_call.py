@@ -82,7 +82,7 @@ def test_a_process_id_given_twice_refuses_every_process_at_once():
 
 
 def test_different_num_processes_refuse_every_process_with_each_value():
-    results, took, _ = roll((0, 2), (1, 3))
+    results, took, _ = roll((1, 3), (0, 2))  # 1 first: it may answer before 0 itself
     assert took < WAIT_S / 2, results
     assert [code for code, _ in results] == [2, 2], results
     for _, out in results:

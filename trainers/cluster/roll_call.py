@@ -358,6 +358,7 @@ def roll_call_mistake(answers: list[Answer], count: int | None, address: str) ->
       count: process 0's ``distributed.num_processes``, which every process must have.
       address: ``distributed.coordinator_address``, for the message.
     """
+    answers = list(dict.fromkeys(answers))  # one process answering twice (its own, a retry)
     where = f"the run at distributed.coordinator_address={shown(address)}"
     others = [a for a in answers if a.num_processes != count]
     if others:
@@ -371,7 +372,7 @@ def roll_call_mistake(answers: list[Answer], count: int | None, address: str) ->
             "the number of processes started, each with its own distributed.process_id in "
             "0..num_processes-1."
         )
-    for a in answers:  # one process answering on two connections (a retry) is one
+    for a in answers:
         twice = sorted({b.host for b in answers if b.process_id == a.process_id})
         if len(twice) > 1:
             hosts = " and ".join(twice)

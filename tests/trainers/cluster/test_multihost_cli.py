@@ -439,7 +439,7 @@ def test_processes_given_different_num_processes_both_exit_2_at_once(tmp_path):
     for log in logs:
         (line,) = error_lines(log)
         assert "error: distributed.num_processes differs between the processes of the run" in line
-        assert ": 2 on process 0 (" in line and "; 3 on process 1 (" in line, line
+        assert re.search(r": 2 on process 0 \([^)]*\); 3 on process 1 \([^)]*\)\. ", line), line
         assert "Give every process the same distributed.num_processes (process 0 has 2)" in line
 
 

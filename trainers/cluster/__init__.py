@@ -1,8 +1,8 @@
 """Several processes as one run, and a run's life as a process.
 
-Joining the cluster and its start-up agreements (`multihost`, `same_config`), the peer
-watchdog (`watchdog`), the run dirs every process shares (`run_dirs`), stop signals
-(`preemption` while training, `signal_latch` before and after).
+Joining the cluster (`multihost`, `join`, after the launch's `roll_call`) and its start-up
+agreements (`same_config`), the peer watchdog (`watchdog`), the run dirs every process shares
+(`run_dirs`), stop signals (`preemption` while training, `signal_latch` before and after).
 
 May import: `trainers.checkpoint`, `trainers.core`, `trainers.rundir`, `trainers.config`,
 `trainers.errors`, `xshard`. Never the hooks or the app.

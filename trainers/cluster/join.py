@@ -6,17 +6,22 @@ coordinator, or a cluster that does not form, fails with one line naming
 ``distributed.coordinator_address`` (exit status 2) before JAX's own deadline would abort the
 process with a C++ stack trace. A join abandoned that way is still running inside JAX:
 `abandoned` tells `trainers.cluster.multihost.exit_process` to end the process at once.
+
+A launch by hand (coordinator_address, num_processes and process_id all given) first answers
+process 0's roll call (`trainers.cluster.roll_call`), within the same wait: a process_id given
+twice or a num_processes that differs fails every process at once with one line naming the key,
+where JAX would abort processes in C++ or let them wait for the whole timeout.
 """
 
 from __future__ import annotations
 
 import atexit
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from trainers.cluster.leaving import EXIT_GRACE_S, flush_and_exit
+from trainers.cluster.roll_call import PROBE_EVERY_S, CoordinatorProbe, answer_roll
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
@@ -27,8 +32,6 @@ if TYPE_CHECKING:
 #: it passes, JAX ends the process (SIGABRT and a C++ stack trace), so xshard's wait, which
 #: ends with one line naming the key, must end first (`init_distributed`).
 JAX_JOIN_MARGIN_S = 30
-#: How often a joining process checks on the join and tries to reach the coordinator.
-PROBE_EVERY_S = 0.5
 
 _abandoned = False  # JAX's join still runs in a thread
 
@@ -65,13 +68,16 @@ def init_distributed(opts: DistributedOptions) -> None:
     `EXIT_GRACE_S` longer, so that the processes connected to it fail first). JAX's own join
     deadline lies `JAX_JOIN_MARGIN_S` beyond: when it passes, JAX ends the process itself
     (SIGABRT, exit 134, a C++ stack trace). Meanwhile a process other than 0 tries to reach the
-    coordinator's port, so that the error can say whether anything answered there.
+    coordinator's port, so that the error can say whether anything answered there. Launched by
+    hand, the processes first answer process 0's roll call on that port, in the same wait
+    (`_roll_call`).
 
     Raises:
       ConfigError: if JAX cannot form the cluster from these settings (e.g. nothing to
         detect it from), or not every process joined within the initialisation timeout:
         naming ``distributed.coordinator_address`` and its value. A join still running in
-        JAX is abandoned: `exit_process` then ends the process at once.
+        JAX is abandoned: `exit_process` then ends the process at once. At the roll call: a
+        ``distributed.process_id`` given twice, a ``distributed.num_processes`` that differs.
     """
     if not opts.enabled:
         return
@@ -83,8 +89,12 @@ def init_distributed(opts: DistributedOptions) -> None:
     # `StopOnSignal`'s) and agree on SIGTERM only; the trainer agrees on every stop signal
     # within its steps instead (`trainers.core.trainer.StopVote`).
     jax.config.update("jax_enable_preemption_service", False)
+    start, probe = time.monotonic(), CoordinatorProbe()
+    _roll_call(opts, start, probe)
     error = _join(
         opts,
+        start,
+        probe,
         coordinator_address=opts.coordinator_address,
         num_processes=opts.num_processes,
         process_id=opts.process_id,
@@ -109,8 +119,37 @@ def init_distributed(opts: DistributedOptions) -> None:
     ) from error
 
 
-def _join(opts: DistributedOptions, **kwargs: Any) -> BaseException | None:
-    """``jax.distributed.initialize(**kwargs)`` in a thread, waited for in bounded time.
+def _wait_s(opts: DistributedOptions, pid: int | None) -> float:
+    """How long process `pid` waits for the cluster to form (see `init_distributed`)."""
+    return opts.initialization_timeout_s + (EXIT_GRACE_S if pid in (0, None) else 0.0)
+
+
+def _roll_call(opts: DistributedOptions, start: float, probe: CoordinatorProbe) -> None:
+    """Answers process 0's roll call (`trainers.cluster.roll_call`) before JAX's join, when
+    the launch is by hand (coordinator_address, num_processes and process_id all given).
+
+    Raises:
+      ConfigError: for a launch mistake (a process_id given twice, num_processes differing),
+        or if the roll call did not complete within the wait (`_join_timeout_message`).
+    """
+    from jax._src import distributed
+
+    explicit = (opts.coordinator_address, opts.num_processes, opts.process_id)
+    if None in explicit or distributed.global_state.client is not None:
+        return  # a cluster JAX detects numbers its processes; a second join: JAX refuses it
+    if not answer_roll(opts, start + _wait_s(opts, opts.process_id), probe):
+        raise ConfigError(
+            _join_timeout_message(
+                opts, opts.process_id, opts.num_processes, opts.coordinator_address, probe
+            )
+        )
+
+
+def _join(
+    opts: DistributedOptions, start: float, probe: CoordinatorProbe, **kwargs: Any
+) -> BaseException | None:
+    """``jax.distributed.initialize(**kwargs)`` in a thread, waited for in bounded time
+    (from `start`, when this process began to join).
 
     Returns:
       The error ``initialize`` raised, or None once it returned.
@@ -133,9 +172,7 @@ def _join(opts: DistributedOptions, **kwargs: Any) -> BaseException | None:
             outcome.append(None)
 
     thread = threading.Thread(target=join, name="xshard-join", daemon=True)
-    start = time.monotonic()
     thread.start()
-    probe = _CoordinatorProbe()
     state = distributed.global_state
     while True:
         # Explicit values, else the ones JAX detected (set before it creates its client).
@@ -146,8 +183,7 @@ def _join(opts: DistributedOptions, **kwargs: Any) -> BaseException | None:
             else (state.process_id if detected else None)
         )
         address = opts.coordinator_address or (state.coordinator_address if detected else None)
-        wait = opts.initialization_timeout_s + (EXIT_GRACE_S if pid in (0, None) else 0.0)
-        left = start + wait - time.monotonic()
+        left = start + _wait_s(opts, pid) - time.monotonic()
         if left <= 0:
             break
         if pid not in (0, None) and address:
@@ -170,7 +206,7 @@ def _join_timeout_message(
     pid: int | None,
     count: int | None,
     address: str | None,
-    probe: _CoordinatorProbe,
+    probe: CoordinatorProbe,
 ) -> str:
     """The one line of a join that did not complete in time (`_join`)."""
     within = f"within distributed.initialization_timeout_s={opts.initialization_timeout_s:g} s"
@@ -209,30 +245,6 @@ def _join_timeout_message(
         "distributed.coordinator_address (process 0's host:port, reachable from every host) "
         "and a distinct distributed.process_id."
     )
-
-
-class _CoordinatorProbe:
-    """Tries to open a TCP connection to the coordinator, for the message of a failed join."""
-
-    def __init__(self) -> None:
-        self.answered = False
-        self.error: str | None = None
-        self._next = 0.0
-
-    def poke(self, address: str) -> None:
-        """One connection attempt to `address` (host:port) if due and none answered yet."""
-        now = time.monotonic()
-        if self.answered or now < self._next:
-            return
-        self._next = now + PROBE_EVERY_S
-        host, _, port = address.rpartition(":")
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                self.answered = True
-        except socket.gaierror as e:
-            self.error = f"cannot resolve {host}: {e.strerror or e}"
-        except (OSError, ValueError) as e:
-            self.error = getattr(e, "strerror", None) or first_line(e) or type(e).__name__
 
 
 def first_line(error: BaseException) -> str:

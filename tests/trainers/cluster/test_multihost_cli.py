@@ -401,3 +401,78 @@ def test_a_wrong_coordinator_address_is_one_line_naming_the_key_in_bounded_time(
     assert "distributed.coordinator_address='127.0.0.1:" in lead, lead
     assert "the cluster did not form within distributed.initialization_timeout_s=5 s" in lead
     assert "not all distributed.num_processes=2 processes joined" in lead, lead
+
+
+#: The join's timeout in the launch-mistake tests: long, so that a process that waited for it
+#: (JAX alone: the whole timeout, or a C++ abort) fails the test's bound of a quarter of it.
+LONG_JOIN_S = 600
+LONG_JOIN = (f"distributed.initialization_timeout_s={LONG_JOIN_S}",)
+
+
+@pytest.mark.slow
+def test_two_processes_given_the_same_process_id_both_exit_2_at_once(tmp_path):
+    started = time.monotonic()
+    same = ["distributed.process_id=0"]
+    procs, logs = start_two(tmp_path, same, same, common=LONG_JOIN)
+    # JAX alone: both take the port (gRPC shares it) and wait for the whole timeout.
+    assert finish(procs, logs, timeout=LONG_JOIN_S / 3) == [2, 2], tail(logs[0]) + tail(logs[1])
+    assert time.monotonic() - started < LONG_JOIN_S / 4  # start-up (under load), then at once
+    for log in logs:
+        (line,) = error_lines(log)
+        assert line.startswith(
+            "xshard: error: distributed.process_id=0 was given to 2 processes of the run at "
+            "distributed.coordinator_address='127.0.0.1:"
+        ), line
+        assert line.endswith(
+            "Give each process its own distributed.process_id, "
+            "0 <= process_id < distributed.num_processes=2."
+        ), line
+
+
+@pytest.mark.slow
+def test_processes_given_different_num_processes_both_exit_2_at_once(tmp_path):
+    started = time.monotonic()
+    procs, logs = start_two(tmp_path, [], ["distributed.num_processes=3"], common=LONG_JOIN)
+    # JAX alone: the cluster forms, a misleading line, then a C++ abort (exit 134).
+    assert finish(procs, logs, timeout=LONG_JOIN_S / 3) == [2, 2], tail(logs[0]) + tail(logs[1])
+    assert time.monotonic() - started < LONG_JOIN_S / 4
+    for log in logs:
+        (line,) = error_lines(log)
+        assert "error: distributed.num_processes differs between the processes of the run" in line
+        assert re.search(r": 2 on process 0 \([^)]*\); 3 on process 1 \([^)]*\)\. ", line), line
+        assert "Give every process the same distributed.num_processes (process 0 has 2)" in line
+
+
+@pytest.mark.slow
+def test_a_process_whose_id_is_taken_is_kept_out_and_the_run_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    logs = [tmp_path / f"p{pid}.log" for pid in range(PROCESSES)]
+    procs = start_run(run_dir, "trainer.steps=40", *LONG_JOIN, *PACED, logs=logs)
+    try:
+        wait_until(
+            lambda: "Process 1 of 2" in logs[1].read_text() or procs[1].poll() is not None,
+            180,
+            "the cluster to form",
+        )
+        port = re.findall(r"127\.0\.0\.1:(\d+)", logs[0].read_text())[0]
+        stray = [*SMALL, "trainer.steps=40", *LONG_JOIN, *PACED, *distributed(int(port), 1)]
+        stray_log = tmp_path / "stray.log"
+        started = time.monotonic()
+        extra = start([stray_log], [[*stray, f"hydra.run.dir={tmp_path / 'stray'}"]])
+        # JAX alone: the coordination service sees task 1 connect twice and aborts them all.
+        assert finish(extra, [stray_log], timeout=LONG_JOIN_S / 3) == [2], tail(stray_log)
+        assert time.monotonic() - started < LONG_JOIN_S / 4
+        (line,) = error_lines(stray_log)
+        assert line == (
+            "xshard: error: distributed.process_id=1: the run at distributed.coordinator_address="
+            f"'127.0.0.1:{port}' formed already (JAX's coordinator answered there): every one "
+            "of its processes had answered the roll, so this process is one too many, and was "
+            "kept out so as not to disturb it. Give each process its own distributed.process_id, "
+            "0 <= process_id < distributed.num_processes=2, and start num_processes of them."
+        )
+        assert finish(procs, logs) == [0, 0], tail(logs[0]) + tail(logs[1])
+        assert all(error_lines(log) == [] for log in logs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

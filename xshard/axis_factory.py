@@ -5,7 +5,8 @@ the mesh is checked here, once, when the optimizer is built (`xshard.factory`): 
 be an axis of the mesh, a periodic axis a data axis, an Adasum axis of power-of-two size.
 Each ``outer_optimizer`` node is built like the ``optimizer`` node: its ``_target_`` must pass
 the ``allowed_targets`` allowlist, its keys must be the factory's arguments, and the arguments
-every optax optimizer shares (``momentum``, ``b1``, ...) obey the schemas' `OPTIMIZER_RULES`.
+every optax optimizer shares (``learning_rate``, ``momentum``, ``b1``, ...) obey the schemas'
+`OPTIMIZER_RULES`, as the inner optimizer's do.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import optax
 from xshard.axis_rules import AxisRule
 from xshard.config.axes import AxisReductionConf
 from xshard.config.optimizers import OPTIMIZER_RULES
+from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
 from xshard.errors import ConfigError
 from xshard.targets import resolve_target
@@ -37,10 +39,7 @@ def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -
     target = kwargs.pop("_target_")
     fn = resolve_target(target, allowed, key=f"{key}._target_")
     check_kwargs(fn, kwargs, key, target)
-    for name, value in kwargs.items():
-        rule = OPTIMIZER_RULES.get(name)
-        if rule is not None:
-            rule.check(value, f"{key}.{name}")
+    check_args(OPTIMIZER_RULES, kwargs, key)  # learning_rate, momentum, ...: by name
     try:
         tx = fn(**kwargs)
     except (TypeError, ValueError) as e:

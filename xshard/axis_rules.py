@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol
 
 from xshard.config.nodes import shown
+from xshard.config.ranges import Range
 from xshard.errors import ConfigError
 
 # The codecs a rule may name (``comm_dtype``); xshard.codecs implements exactly these.
@@ -64,6 +65,12 @@ class AxisRule(NamedTuple):
 PERIODIC_RULES: tuple[str, ...] = ("mean",)
 #: The fields only a periodic axis has, with the value that means "not periodic".
 _PERIODIC_ONLY = (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0))
+#: The integer fields and their ranges (bounded by the int32 step counter).
+_COUNTS = {
+    "every_steps": Range("the steps between syncs (1: every step)", 1, integer=True),
+    "fragments": Range("the parameter fragments synced in turn", 1, integer=True),
+    "warmup_steps": Range("the synchronous steps before the first local one", integer=True),
+}
 #: What the first ``outer_optimizer`` could be, for the messages.
 _AVERAGING = "{_target_: optax.sgd, learning_rate: 1.0} (parameter averaging)"
 
@@ -105,10 +112,8 @@ def check_rule(rule: RuleFields, key: str) -> None:
     Raises:
       ConfigError: (a ValueError) naming ``<key>.<field>``, its value and what is allowed.
     """
-    for name, low in (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0)):
-        value = getattr(rule, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ConfigError(f"{key}.{name}={shown(value)}: expected an integer >= {low}.")
+    for name, count in _COUNTS.items():
+        count.check(getattr(rule, name), f"{key}.{name}")
     if rule.fragments > rule.every_steps:
         raise ConfigError(
             f"{key}.fragments={rule.fragments}: expected at most {key}.every_steps="

@@ -43,6 +43,7 @@ from xshard.axis_rules import AxisRule
 from xshard.clipping import clip_by_global_norm
 from xshard.config import read_node
 from xshard.config.optimizers import check_optimizer_args
+from xshard.config.schedules import check_schedule_args
 from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
 from xshard.errors import ConfigError
@@ -68,7 +69,8 @@ def _learning_rate(opt: dict[str, Any]) -> float:
         raise ConfigError(
             "optimizer.learning_rate is required: the base (peak) learning rate, a number > 0."
         )
-    return positive_number(opt["learning_rate"], "optimizer.learning_rate", "the base (peak) rate")
+    check_optimizer_args({"learning_rate": opt["learning_rate"]})
+    return opt["learning_rate"]
 
 
 def _required_target(node: dict[str, Any], prefix: str) -> str:
@@ -96,6 +98,7 @@ def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> opta
     # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
     first = next(iter(inspect.signature(fn).parameters), None)
     check_kwargs(fn, kwargs, "schedule", target, supplied=() if first is None else (first,))
+    check_schedule_args(kwargs)  # decay_steps, end_factor, ...: the schemas' rules, by name
     try:
         schedule = fn(learning_rate, **kwargs)
     except (TypeError, ValueError) as e:

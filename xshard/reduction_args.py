@@ -14,10 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from xshard.config.nodes import shown
+from xshard.config.ranges import FLOAT_DTYPES, Range
 from xshard.errors import ConfigError
 
 #: Dtypes the all-reduce may run in (``comm_dtype``): floating ones, cast back after.
-COMM_DTYPES = ("bfloat16", "float16", "float32", "float64")
+COMM_DTYPES = FLOAT_DTYPES
+#: A per-shard clip: a finite norm (inf would be no clip, nan every gradient lost), or none.
+_CLIP_NORM = Range("a global norm to clip each shard's gradient to", low_open=True, nullable=True)
 
 
 def axis_names(value: str | Sequence[str], *, key: str = "axis_name") -> tuple[str, ...]:
@@ -44,13 +47,10 @@ def clip_norm(value: Any, *, key: str = "clip_per_shard") -> float | None:
     """`value`, None or a global norm > 0 to clip each shard's gradient to.
 
     Raises:
-      ConfigError: for anything else (a bool, a string, a norm <= 0).
+      ConfigError: for anything else (a bool, a string, a norm <= 0, inf or nan).
     """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(f"{key}={shown(value)}: expected null or a global norm, a number > 0.")
-    return float(value)
+    _CLIP_NORM.check(value, key)
+    return None if value is None else float(value)
 
 
 def comm_dtype(value: Any, *, key: str = "comm_dtype") -> str | None:

@@ -8,6 +8,10 @@ whole schedule, warmup included, as in optax.
 
 A custom schedule for ``schedule._target_`` follows the same convention:
 ``fn(learning_rate, **schedule_cfg) -> optax.Schedule``.
+
+Each argument obeys one rule, the same whichever schedule has it, written once in
+`xshard.config.schedules.SCHEDULE_RULES`; a factory called with a value out of range raises
+`xshard.ConfigError` (a ValueError) naming the argument, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -17,24 +21,13 @@ from collections.abc import Callable
 
 import optax
 
+from xshard.config.schedules import check_schedule_args
+
 logger = logging.getLogger(__name__)
 
 
-def _check_positive_int(name: str, value: int, *, allow_zero: bool = False) -> None:
-    ok = (
-        isinstance(value, int)
-        and not isinstance(value, bool)
-        and (value >= 0 if allow_zero else value > 0)
-    )
-    if not ok:
-        kind = "a non-negative" if allow_zero else "a positive"
-        raise ValueError(f"{name}={value!r}: expected {kind} int number of steps.")
-
-
 def _warmup_only(warmup_steps: int, decay_steps: int) -> bool:
-    """Checks the step counts; warns (and returns True) when the warmup outlasts the run."""
-    _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
-    _check_positive_int("decay_steps", decay_steps)
+    """Warns (and returns True) when the warmup outlasts the run."""
     if warmup_steps >= decay_steps:
         logger.warning(
             "schedule.warmup_steps=%d >= schedule.decay_steps=%d: the schedule is warmup only "
@@ -76,7 +69,7 @@ def cosine(
     learning_rate: float, *, decay_steps: int, end_factor: float = 0.0, exponent: float = 1.0
 ) -> optax.Schedule:
     """Cosine decay from `learning_rate` to ``end_factor * learning_rate`` over `decay_steps`."""
-    _check_positive_int("decay_steps", decay_steps)
+    check_schedule_args(dict(decay_steps=decay_steps, end_factor=end_factor, exponent=exponent), "")
     return optax.cosine_decay_schedule(
         learning_rate, decay_steps, alpha=end_factor, exponent=exponent
     )
@@ -105,8 +98,18 @@ def warmup_cosine(
       An optax schedule.
 
     Raises:
-      ValueError: for a negative or non-integer step count.
+      ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
+    check_schedule_args(
+        dict(
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+            init_factor=init_factor,
+            end_factor=end_factor,
+            exponent=exponent,
+        ),
+        "",
+    )
     only = _warmup_only(warmup_steps, decay_steps)
     if warmup_steps == 0:
         return cosine(
@@ -145,8 +148,17 @@ def warmup_linear(
       An optax schedule.
 
     Raises:
-      ValueError: for a negative or non-integer step count.
+      ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
+    check_schedule_args(
+        dict(
+            warmup_steps=warmup_steps,
+            decay_steps=decay_steps,
+            init_factor=init_factor,
+            end_factor=end_factor,
+        ),
+        "",
+    )
     return _warmup_then(
         learning_rate,
         warmup_steps,
@@ -179,12 +191,17 @@ def exponential(
       An optax schedule.
 
     Raises:
-      ValueError: for a bad step count or a non-positive `decay_rate`.
+      ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
-    _check_positive_int("transition_steps", transition_steps)
-    _check_positive_int("warmup_steps", warmup_steps, allow_zero=True)
-    if not decay_rate > 0:
-        raise ValueError(f"decay_rate={decay_rate!r}: expected a positive factor.")
+    check_schedule_args(
+        dict(
+            transition_steps=transition_steps,
+            decay_rate=decay_rate,
+            warmup_steps=warmup_steps,
+            end_factor=end_factor,
+        ),
+        "",
+    )
     end_value = None if end_factor is None else end_factor * learning_rate
     if warmup_steps == 0:
         return optax.exponential_decay(

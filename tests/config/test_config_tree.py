@@ -395,5 +395,6 @@ def test_cli_reports_config_error_from_the_factory(tmp_path):
     proc = run_train("trainer.steps=1", "optimizer.learning_rate=-1", cwd=tmp_path, check=False)
     assert proc.returncode == 2, proc.stderr
     assert (
-        "optimizer.learning_rate=-1.0: expected the base (peak) rate, a number > 0" in proc.stderr
+        "optimizer.learning_rate=-1.0: expected the base (peak) learning rate, a finite number > 0"
+        in proc.stderr
     )

@@ -359,7 +359,7 @@ BAD_CONFIGS = {
         {"schedule": {**COSINE, "decay_steps": 10, "warmup": 1}},
         ["schedule.warmup: not an argument of xshard.schedules.cosine", "'decay_steps'"]),
     "schedule_bad_steps": (
-        {"schedule": {**COSINE, "decay_steps": 0}}, ["schedule", "decay_steps=0", "positive"]),
+        {"schedule": {**COSINE, "decay_steps": 0}}, ["schedule.decay_steps=0", "1 <= decay_steps"]),
     "schedule_unresolved_interpolation": (
         {"schedule": {**COSINE, "decay_steps": "${trainer.steps}"}},
         ["schedule.decay_steps", "trainer.steps"]),

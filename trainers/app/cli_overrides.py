@@ -6,7 +6,10 @@ a ``ValueError`` and a 25-line traceback (exit 1). `check_group_overrides` reads
 line first, so such an override is one line naming the group, the value and the group's
 options, with exit status 2, as every other bad value (`trainers.train`'s docstring). An
 override of a key that was removed (`trainers.config.run.REMOVED_KEYS`), which Hydra would
-refuse as "not in struct", is one line too, saying that it was removed and why.
+refuse as "not in struct", is one line too, saying that it was removed and why. So is a key
+(or a group's option) too long to be a file name: Hydra looks each key up as a config group (a
+folder) or option (a ``.yaml`` file), and the file system's "File name too long" was a
+traceback (`long_name_error`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from xshard.config.nodes import one_line
 from xshard.errors import ConfigError
 
 #: The config module of ``python -m trainers.train`` and ``trainers.doctor``.
@@ -51,7 +55,7 @@ def group_override_error(
         if override.is_delete() or "." in key:
             continue  # a deletion takes null; a key with a dot is never a group
         values = _values(override)
-        bad = next((v for v in values if not isinstance(v, str | list | dict)), _NONE)
+        bad = next((v for v in values if not _may_name_an_option(v)), _NONE)
         if bad is not _NONE:
             suspects.append((key, bad))
     if not suspects:
@@ -63,7 +67,7 @@ def group_override_error(
                 continue  # a plain key (seed=5)
             options = sorted(loader.get_group_options(key))
             return ConfigError(
-                f"{key}={_as_typed(bad)}: expected the name of an option of the {key!r} "
+                f"{key}={one_line(_as_typed(bad))}: expected the name of an option of the {key!r} "
                 f"group, one of {options}."
             )
     return None
@@ -71,8 +75,8 @@ def group_override_error(
 
 def check_group_overrides(argv: Sequence[str] | None = None) -> None:
     """Exits with status 2 and one line on stderr if an override gives a config group a value
-    that is not an option name (`group_override_error`) or sets a removed key
-    (`removed_key_error`); returns otherwise.
+    that is not an option name (`group_override_error`), sets a removed key
+    (`removed_key_error`) or a key too long to be one (`long_name_error`); returns otherwise.
 
     Args:
       argv: the command line's arguments; None: ``sys.argv[1:]``.
@@ -80,7 +84,7 @@ def check_group_overrides(argv: Sequence[str] | None = None) -> None:
     from trainers.errors import EXIT_CONFIG_ERROR
 
     args = sys.argv[1:] if argv is None else argv
-    error = removed_key_error(args) or group_override_error(args)
+    error = long_name_error(args) or removed_key_error(args) or group_override_error(args)
     if error is not None:
         print(f"xshard: error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG_ERROR)
@@ -108,6 +112,34 @@ def removed_key_error(overrides: Sequence[str]) -> ConfigError | None:
     return None
 
 
+def long_name_error(overrides: Sequence[str]) -> ConfigError | None:
+    """The error for the first override whose key has a part (between ``/``) longer than a
+    config file's name can be, if any: no config key or group is (Hydra looks the key up as a
+    group folder and an option file, ``<key>.yaml``).
+
+    Args:
+      overrides: the command line's arguments (flags are skipped).
+
+    Returns:
+      A `ConfigError` naming the key (elided), its length and the longest allowed, or None.
+    """
+    from trainers.config.resolvers import NAME_MAX
+
+    longest = NAME_MAX - len(".yaml")
+    for arg in overrides:
+        if arg.startswith("-"):
+            continue
+        key, _, value = arg.lstrip("+~").partition("=")
+        size = max(len(part.encode()) for part in key.split("/"))
+        if size > longest:
+            return ConfigError(
+                f"{one_line(key)}={one_line(value)}: a key of {size} bytes; no config key or group "
+                f"is longer than {longest} bytes (Hydra looks each one up as a file, and a file "
+                f"name has at most {NAME_MAX}). Check the override's key."
+            )
+    return None
+
+
 _NONE = object()
 
 
@@ -121,6 +153,16 @@ def _values(override: Any) -> list[Any]:
         return list(override.sweep_iterator())
     except HydraException:  # interval() and glob(): no values of their own; Hydra judges them
         return []
+
+
+def _may_name_an_option(value: Any) -> bool:
+    """Whether `value` could name an option of a group: a string short enough to be a file's
+    name (an option is ``<name>.yaml``), or a list or mapping, which Hydra judges itself."""
+    from trainers.config.resolvers import NAME_MAX
+
+    if isinstance(value, str):
+        return len(value.encode()) <= NAME_MAX - len(".yaml")
+    return isinstance(value, list | dict)
 
 
 def _as_typed(value: Any) -> str:

@@ -15,7 +15,7 @@ from trainers.config.loggers import (
     WandbLogger,
     check_installed,
 )
-from trainers.config.run import check_int, finite_positive
+from trainers.config.run import check_int, check_steps, finite_positive
 from xshard.config.nodes import LOCATION, read_node
 from xshard.errors import ConfigError
 
@@ -98,12 +98,12 @@ class CheckpointOptions:
                 raise ConfigError(
                     f"checkpoint.{key}={getattr(self, key)!r}: expected true or false."
                 )
-        check_int(self.every_steps, "checkpoint.every_steps", 0, "0 (only at the end) or more")
+        check_steps(self.every_steps, "checkpoint.every_steps", 0, "0 (only at the end) or more")
         if self.enabled:
             if self.keep is not None:
                 check_int(self.keep, "checkpoint.keep", 1, "null (keep all) or >= 1")
             if self.keep_period is not None:
-                check_int(self.keep_period, "checkpoint.keep_period", 1, "null or >= 1")
+                check_steps(self.keep_period, "checkpoint.keep_period", 1, "null or >= 1")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,15 +10,19 @@ so that TensorBoard's run names read as the overrides.
   so it writes to the folder already there (the latest, if several; never a symbolic link),
   whatever its own overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
 - a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
-  job's overrides by default), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
-  its overrides;
+  job's overrides by default, through ``${xshard.job_subdir:...}``), so
+  ``tensorboard --logdir <sweep dir>/tb`` shows every job by its overrides;
 - outside a Hydra app (the compose API): ``<output dir>/tb/run``;
 - before the run has an output dir (``--cfg job --resolve`` prints the config without running
   it, and ``hydra.runtime.output_dir`` is null then): the folder under ``hydra.run.dir`` that a
   run would write to.
 
-Run names keep only letters, digits and ``=,._+-@:`` (`clean_name`): ``optimizer.b=[1, 2]``
-becomes ``optimizer.b=1_2``, so a folder name never holds spaces, braces or quotes.
+Run names keep only letters, digits and ``=,._+-@:[]`` (`clean_name`): ``optimizer.b={1: 2}``
+becomes ``optimizer.b=1:2``, so a folder name never holds spaces, braces, quotes or a ``/``
+(no ``..`` either: the name is one component). A name longer than `MAX_NAME` bytes is cut and
+ends with a hash of the whole name (`safe_name`), so a 300-character override still makes a
+folder (a file system takes `NAME_MAX` bytes per name) and two long names stay apart.
+``${xshard.job_subdir:<name>}`` (the default ``hydra.sweep.subdir``) is `safe_name`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ def tb_dir(output_dir: str) -> str:
         return str(Path(output_dir) / "tb" / "run")
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:
-        return str(Path(hc.sweep.dir) / "tb" / _safe(hc.sweep.subdir))
+        return str(Path(hc.sweep.dir) / "tb" / safe_name(hc.sweep.subdir))
     root = Path(output_dir if output_dir is not None else hc.run.dir) / "tb"
     # Folders only, not links: a link in a copied run dir is no run's folder (and the run
     # refuses one that leads out of its dir: trainers/rundir/links.py).
@@ -49,7 +53,7 @@ def tb_dir(output_dir: str) -> str:
     )
     if existing:  # a rerun in the same dir: the run's own folder
         return str(max(existing, key=lambda p: p.lstat().st_mtime))
-    return str(root / _safe(run_name(hc)))
+    return str(root / safe_name(run_name(hc)))
 
 
 def run_name(hc: Any) -> str:
@@ -66,8 +70,11 @@ def run_name(hc: Any) -> str:
     return ",".join(sorted(items)) or hc.job.name or "run"
 
 
-#: Longest folder name most filesystems take is 255 bytes; long names keep a hash suffix.
-_MAX_NAME = 200
+#: The longest name of one file or folder most file systems take (bytes; Linux's NAME_MAX).
+NAME_MAX = 255
+#: The longest run folder name `safe_name` makes (bytes): room left under `NAME_MAX` for what
+#: is added to it (a ``.log`` or ``.yaml`` suffix).
+MAX_NAME = 200
 
 
 #: Characters a run folder's name keeps; spaces, quotes and braces are dropped, any other
@@ -78,21 +85,25 @@ _DROPPED = re.compile(r"[\s'\"{}]")
 
 def clean_name(name: str) -> str:
     """`name` as one clean path component (module docstring): ``k=v,k2=v2`` as typed, less
-    spaces, quotes and braces; separators and other characters become underscores."""
-    return _KEPT.sub("_", _DROPPED.sub("", str(name))) or "run"
+    spaces, quotes and braces; separators and other characters become underscores; ``run``
+    for a name of dots only."""
+    name = _KEPT.sub("_", _DROPPED.sub("", str(name)))
+    return name if name.strip(".") else "run"  # never empty, "." or ".."
 
 
-def _safe(name: str) -> str:
-    """One clean path component (`clean_name`); a name too long for a folder is cut and ends
-    with a hash of the whole name."""
+def safe_name(name: str) -> str:
+    """One clean path component (`clean_name`); a name longer than `MAX_NAME` bytes is cut and
+    ends with ``-`` and a hash of the whole name (stable: the same name, the same folder)."""
     name = clean_name(name)
-    if len(name.encode()) <= _MAX_NAME:
+    if len(name.encode()) <= MAX_NAME:
         return name
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-    return name.encode()[: _MAX_NAME - 12].decode(errors="ignore") + "~" + digest
+    return name.encode()[: MAX_NAME - 11].decode(errors="ignore") + "-" + digest
 
 
 def register_resolvers() -> None:
     """Registers the resolvers above (idempotent)."""
     if not OmegaConf.has_resolver("xshard.tb_dir"):
         OmegaConf.register_new_resolver("xshard.tb_dir", tb_dir)
+    if not OmegaConf.has_resolver("xshard.job_subdir"):
+        OmegaConf.register_new_resolver("xshard.job_subdir", safe_name)

@@ -14,6 +14,7 @@ from typing import Any
 from trainers.config.early_stopping import EarlyStoppingOptions
 from trainers.config.precision import NO_REMAT, check_remat
 from xshard.config.nodes import LOCATION, shown
+from xshard.config.ranges import MAX_STEPS, MAX_STEPS_SHOWN
 from xshard.errors import ConfigError
 
 #: How per-shard gradients are computed: in `jax.shard_map` or by the compiler (GSPMD).
@@ -52,6 +53,16 @@ def check_int(value: Any, key: str, minimum: int, allowed: str, maximum: int | N
     ):
         raise ConfigError(f"{key}={shown(value)}: expected an integer, {allowed}.")
     return value
+
+
+def check_steps(value: Any, key: str, minimum: int, allowed: str) -> int:
+    """Returns `value` if it is an integer in [minimum, `MAX_STEPS`]: a step, a number of
+    steps or a period in steps (the state's step counter is int32).
+
+    Raises:
+      ConfigError: naming `key`, the value and `allowed` with the bound.
+    """
+    return check_int(value, key, minimum, f"{allowed}, at most {MAX_STEPS_SHOWN}", MAX_STEPS)
 
 
 #: Signals `trainer.stop_signals` may name: they stop training cleanly (checkpoint, exit 75).
@@ -178,7 +189,7 @@ class TrainerOptions:
     )
 
     def __post_init__(self) -> None:
-        check_int(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
+        check_steps(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
         check_int(self.batch_size, "trainer.batch_size", 1, "the global batch size, >= 1")
         check_int(self.microbatches, "trainer.microbatches", 1, ">= 1 (1: no accumulation)")
         if self.grad_impl not in GRAD_IMPLS:
@@ -186,11 +197,11 @@ class TrainerOptions:
                 f"trainer.grad_impl={shown(self.grad_impl)} is not allowed; choose one of "
                 f"{list(GRAD_IMPLS)}."
             )
-        check_int(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
+        check_steps(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
         if self.stats_every is None:
             object.__setattr__(self, "stats_every", self.log_every)
         for key in ("stats_every", "layer_stats_every", "histogram_every"):
-            check_int(getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 disables")
+            check_steps(getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 disables")
         check_int(
             self.max_consecutive_nonfinite,
             "trainer.max_consecutive_nonfinite",
@@ -206,19 +217,11 @@ class TrainerOptions:
                 "a number, the objective a failed multirun job returns, or null",
             )
         if self.profile_steps is not None:
-            steps = self.profile_steps
-            if (
-                not isinstance(steps, list | tuple)
-                or len(steps) != 2
-                or any(isinstance(s, bool) or not isinstance(s, int) for s in steps)
-                or not 1 <= steps[0] <= steps[1]
-            ):
-                raise ConfigError(
-                    f"trainer.profile_steps={shown(steps)}: expected [first, last], integers "
-                    "with 1 <= first <= last (the steps to trace), or null."
-                )
+            check_profile_steps(self.profile_steps, self.steps)
         check_stop_signals(self.stop_signals)
-        check_int(self.eval_every, "trainer.eval_every", 0, "a period in steps, 0: at the end only")
+        check_steps(
+            self.eval_every, "trainer.eval_every", 0, "a period in steps, 0: at the end only"
+        )
         check_int(
             self.eval_batches, "trainer.eval_batches", 0, "batches per evaluation, 0 disables"
         )
@@ -293,6 +296,25 @@ class DistributedOptions:
                 f"distributed.coordinator_address={shown(address)}: expected host:port of "
                 "process 0 (e.g. 10.0.0.1:1234), or null to detect it."
             )
+
+
+def check_profile_steps(value: Any, steps: int, key: str = "trainer.profile_steps") -> None:
+    """Checks ``trainer.profile_steps``: ``[first, last]``, steps of the run (``1 <= first <=
+    last <= trainer.steps``).
+
+    Raises:
+      ConfigError: naming `key`, the value and what is allowed.
+    """
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or any(isinstance(s, bool) or not isinstance(s, int) for s in value)
+        or not 1 <= value[0] <= value[1] <= steps
+    ):
+        raise ConfigError(
+            f"{key}={shown(value)}: expected [first, last], integers with 1 <= first <= last "
+            f"<= trainer.steps={steps} (the steps to trace), or null."
+        )
 
 
 def finite_number(value: Any, key: str, what: str) -> float:

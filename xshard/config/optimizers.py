@@ -9,54 +9,18 @@ outer optimizer). This module imports neither JAX nor optax.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import MISSING
 
-from xshard.config.nodes import shown
-from xshard.errors import ConfigError
+from xshard.config.ranges import FloatDtype, Range, Rule, check_args
 
 # --------------------------------------------------------------------------------------------
 # optimizer/: keyword arguments of the optax factory named by `_target_`. `learning_rate` is
 # the base (peak) rate that the schedule group shapes. Weight-decay masks are names resolved by
 # xshard.build_optimizer (e.g. "no_bias_no_norm"), or null to decay every parameter.
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Range:
-    """What an optimizer argument may be: a finite number (not a bool) from `low` (inclusive
-    unless `low_open`) up to `high` (exclusive; None: no bound); null too if `nullable`."""
-
-    what: str
-    low: float = 0.0
-    high: float | None = None
-    low_open: bool = False
-    nullable: bool = False
-    integer: bool = False
-
-    def check(self, value: Any, key: str) -> None:
-        """Raises `ConfigError` naming `key` and `value` if `value` is not allowed."""
-        if value is None and self.nullable:
-            return
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int if self.integer else int | float)
-            or not math.isfinite(value)
-            or value < self.low
-            or (self.low_open and value == self.low)
-            or (self.high is not None and value >= self.high)
-        ):
-            kind = "an integer" if self.integer else "a number"
-            if self.high is None:
-                allowed = f"{kind} {'>' if self.low_open else '>='} {self.low:g}"
-            else:
-                name = key.rsplit(".", 1)[-1]
-                allowed = f"{kind} with {self.low:g} <= {name} < {self.high:g}"
-            null = ", or null for none" if self.nullable else ""
-            raise ConfigError(f"{key}={shown(value)}: expected {self.what}, {allowed}{null}.")
 
 
 _DECAY = "an exponential decay rate"
@@ -66,7 +30,8 @@ _STABILISER = "a constant added for numerical stability"
 #: optimizer that has it (adam's, lamb's and lion's `b1`; every `eps`), so each rule is written
 #: once here; `check_optimizer_args` applies it to whichever optimizer the node builds (an
 #: option of the group, or a ``_target_`` of one's own), and the schemas below to themselves.
-OPTIMIZER_RULES: dict[str, Range] = {
+OPTIMIZER_RULES: dict[str, Rule] = {
+    "learning_rate": Range("the base (peak) learning rate", low_open=True),
     "b1": Range(f"{_DECAY} (first moment)", high=1.0),
     "b2": Range(f"{_DECAY} (second moment)", high=1.0),
     "momentum": Range(f"{_DECAY} (momentum)", high=1.0, nullable=True),
@@ -82,6 +47,9 @@ OPTIMIZER_RULES: dict[str, Range] = {
     "trust_coefficient": Range("the trust-ratio scale", low_open=True),
     "clipping_threshold": Range("the update-clipping threshold", 1.0, nullable=True),
     "min_dim_size_to_factor": Range("the smallest dimension size to factor", integer=True),
+    "mu_dtype": FloatDtype("the dtype of the first moment"),
+    "accumulator_dtype": FloatDtype("the dtype of the momentum accumulator"),
+    "dtype_momentum": FloatDtype("the dtype of the momentum", nullable=False),
 }
 
 
@@ -91,10 +59,7 @@ def check_optimizer_args(args: Any) -> None:
     Raises:
       ConfigError: naming ``optimizer.<arg>``, the value and what is allowed.
     """
-    for name, value in args.items():
-        rule = OPTIMIZER_RULES.get(name)
-        if rule is not None:
-            rule.check(value, f"optimizer.{name}")
+    check_args(OPTIMIZER_RULES, args, "optimizer")
 
 
 @dataclass

@@ -12,6 +12,7 @@ defaults list and states only what differs from it, e.g. ``conf/optimizer/adamw.
 so a typo in a key or a value of the wrong type (``reduction.skip_nonfinite=maybe``) fails at
 composition, before any JAX code runs. Values out of range fail when the node is read: the
 optimizer's arguments by the rules of `xshard.config.optimizers` (``optimizer.b1=2``), the
+schedule's by those of `xshard.config.schedules` (``schedule.end_factor=nan``), the
 reduction's in `ReductionConf`. The schemas live in their own ConfigStore group
 (``xshard_schemas/...``) so they never show up as options of the user-facing groups, e.g. in
 an ``optimizer=glob(*)`` sweep.
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
 
 from xshard.config.axes import AxisReductionConf, check_axes
 from xshard.config.nodes import shown
@@ -43,62 +43,18 @@ from xshard.config.optimizers import (
     RMSPropConf,
     SGDConf,
 )
+from xshard.config.schedules import (
+    ConstantScheduleConf,
+    CosineScheduleConf,
+    ExponentialScheduleConf,
+    WarmupCosineScheduleConf,
+    WarmupLinearScheduleConf,
+)
 from xshard.errors import ConfigError
 from xshard.reduction_args import axis_names, clip_norm, comm_dtype
 from xshard.reduction_mode import Reduction
 
 SCHEMA_GROUP = "xshard_schemas"
-
-# --------------------------------------------------------------------------------------------
-# schedule/: factories in xshard.schedules. Each takes the optimizer's learning_rate as the
-# peak; `*_factor` values are fractions of it, so changing the rate rescales the whole curve.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ScheduleConf:
-    """Fields every schedule option has."""
-
-    _target_: str = MISSING
-
-
-@dataclass
-class ConstantScheduleConf(ScheduleConf):
-    _target_: str = "xshard.schedules.constant"
-
-
-@dataclass
-class CosineScheduleConf(ScheduleConf):
-    _target_: str = "xshard.schedules.cosine"
-    decay_steps: int = MISSING
-    end_factor: float = 0.0
-    exponent: float = 1.0
-
-
-@dataclass
-class WarmupLinearScheduleConf(ScheduleConf):
-    _target_: str = "xshard.schedules.warmup_linear"
-    warmup_steps: int = MISSING
-    decay_steps: int = MISSING
-    init_factor: float = 0.0
-    end_factor: float = 0.0
-
-
-@dataclass
-class WarmupCosineScheduleConf(WarmupLinearScheduleConf):
-    _target_: str = "xshard.schedules.warmup_cosine"
-    exponent: float = 1.0
-
-
-@dataclass
-class ExponentialScheduleConf(ScheduleConf):
-    _target_: str = "xshard.schedules.exponential"
-    transition_steps: int = MISSING
-    decay_rate: float = MISSING
-    warmup_steps: int = 0
-    staircase: bool = False
-    end_factor: float | None = None
-
 
 # --------------------------------------------------------------------------------------------
 # reduction/: the keyword arguments of xshard.cross_shard (`mode` is its `reduction`).

@@ -2,35 +2,31 @@
 
 The cases come from adversarial audits: each of these used to crash with a traceback
 (exit 1), allocate terabytes, be accepted although meaningless (optimizer.b1=2,
-task.noise_std=-1, mesh.axes=[]), or name neither key nor value. In-process through Hydra's
-compose API for the message, and every optimizer rule on every schema in one process; through
-the real CLI for the exit status and the one line; and the doctor, which must refuse what the
-run refuses.
+task.noise_std=-1, mesh.axes=[], schedule.end_factor=nan, optimizer.mu_dtype=int8,
+trainer.steps=2**31), or name neither key nor value. In-process through Hydra's compose API
+for the message (every optimizer and schedule rule on every schema: tests/config/
+test_argument_rules.py); through the real CLI for the exit status and the one line; and the
+doctor, which must refuse what the run refuses.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
 import subprocess
 import sys
 
 import pytest
-from omegaconf import OmegaConf
 
-import xshard
 from tests.cli import run_train
 from trainers.app.cli_overrides import group_override_error, removed_key_error
 from trainers.config import TrainerOptions
 from trainers.train import train
 from xshard.config import read_node
-from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
-from xshard.config.schemas import SCHEMAS
 from xshard.errors import ConfigError
 from xshard.mesh_spec import mesh_spec
 
 LONG = "x" * 5000
+#: A periodic axis: DiLoCo over the slices of 8 CPU devices.
+DILOCO = ["reduction=diloco", "mesh=cpu2x4_slices"]
 
 
 @pytest.mark.parametrize(
@@ -88,6 +84,70 @@ LONG = "x" * 5000
         (["task.teacher_seed=-1"], "task.teacher_seed=-1: expected an integer, 0 <= task.teach"),
         (["mesh.axes=[]"], "mesh.axes=[]: expected a non-empty list of axis names"),
         (["mesh.data_axes=[]"], "mesh.data_axes=[]: expected a non-empty list of axis names"),
+        # Schedules: factors finite and in range, step counts bounded by the int32 counter.
+        (["schedule=cosine", "schedule.end_factor=nan"], "schedule.end_factor=nan: expected the"),
+        (["schedule=warmup_linear", "schedule.end_factor=inf"], "schedule.end_factor=inf: exp"),
+        (["schedule.init_factor=-5"], "schedule.init_factor=-5.0: expected the first rate"),
+        (["schedule.init_factor=2"], "schedule.init_factor=2.0: expected the first rate of the"),
+        (["schedule=cosine", "schedule.exponent=0"], "schedule.exponent=0.0: expected the exp"),
+        (["schedule.exponent=-1"], "schedule.exponent=-1.0: expected the exponent of the cosine"),
+        (["schedule=exponential", "schedule.decay_rate=0"], "schedule.decay_rate=0.0: expected"),
+        (["schedule=exponential", "schedule.transition_steps=0"], "schedule.transition_steps=0"),
+        (
+            ["schedule.warmup_steps=3000000000"],
+            "schedule.warmup_steps=3000000000: expected steps of linear warmup (0: none), an "
+            "integer with 0 <= warmup_steps <= 2147483647",
+        ),
+        (["schedule.decay_steps=2147483648"], "schedule.decay_steps=2147483648: expected the"),
+        # Optimizer: dtypes are floating, the learning rate finite (the outer one too).
+        (
+            ["optimizer=adam", "optimizer.mu_dtype=int8"],
+            "optimizer.mu_dtype='int8': expected the dtype of the first moment, one of "
+            "['bfloat16', 'float16', 'float32', 'float64'], or null",
+        ),
+        (["optimizer=adam", "optimizer.mu_dtype=foo"], "optimizer.mu_dtype='foo': expected the"),
+        (["optimizer=lion", "optimizer.mu_dtype=int32"], "optimizer.mu_dtype='int32': expected"),
+        (["optimizer=sgd", "optimizer.accumulator_dtype=int8"], "optimizer.accumulator_dtype='"),
+        (["optimizer=adafactor", "optimizer.dtype_momentum=int8"], "optimizer.dtype_momentum='"),
+        (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan: expected the base (peak)"),
+        (["optimizer.learning_rate=inf"], "optimizer.learning_rate=inf: expected the base (peak)"),
+        (
+            [*DILOCO, "reduction.axes.slice.outer_optimizer.learning_rate=nan"],
+            "reduction.axes.slice.outer_optimizer.learning_rate=nan: expected the base (peak) "
+            "learning rate, a finite number > 0.",
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.outer_optimizer.learning_rate=-5"],
+            "reduction.axes.slice.outer_optimizer.learning_rate=-5: expected the base (peak)",
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.outer_optimizer.momentum=inf"],
+            "reduction.axes.slice.outer_optimizer.momentum=inf: expected an exponential decay",
+        ),
+        (["reduction.clip_per_shard=inf"], "reduction.clip_per_shard=inf: expected a global"),
+        # Steps, periods and step counts past the int32 step counter.
+        (
+            [*DILOCO, "reduction.axes.slice.every_steps=3000000000"],
+            "reduction.axes.slice.every_steps=3000000000: expected the steps between syncs (1: "
+            "every step), an integer with 1 <= every_steps <= 2147483647 (2**31 - 1, an int32)",
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.warmup_steps=3000000000"],
+            "reduction.axes.slice.warmup_steps=3000000000: expected the synchronous steps",
+        ),
+        (
+            ["trainer.steps=2147483648"],
+            "trainer.steps=2147483648: expected an integer, the number of updates, >= 1, at most "
+            "2147483647 (2**31 - 1, an int32).",
+        ),
+        (["trainer.log_every=3000000000"], "trainer.log_every=3000000000: expected an integer"),
+        (["trainer.eval_every=3000000000"], "trainer.eval_every=3000000000: expected an integer"),
+        (["checkpoint.every_steps=3000000000"], "checkpoint.every_steps=3000000000: expected"),
+        (
+            ["trainer.steps=10", "trainer.profile_steps=[9,11]"],
+            "trainer.profile_steps=[9, 11]: expected [first, last], integers with 1 <= first <= "
+            "last <= trainer.steps=10 (the steps to trace), or null.",
+        ),
     ],
 )
 def test_bad_value_is_a_config_error_naming_key_and_value(compose_config, overrides, message):
@@ -118,81 +178,6 @@ def test_typed_node_reads_valid_values(compose_config):
     opts = read_node(TrainerOptions, cfg.trainer, "trainer")
     assert opts.microbatches == 2 and opts.resume_from is None
     assert opts.stats_every == opts.log_every  # the interpolation is resolved
-
-
-# --------------------------------------------------------------------------------------------
-# Optimizer arguments: every rule of OPTIMIZER_RULES on every schema that has the argument, in
-# one process (the schemas check themselves; build_optimizer applies the same rules to a node).
-# --------------------------------------------------------------------------------------------
-
-OPTIMIZER_SCHEMAS = SCHEMAS["optimizer"]
-RULED = [
-    (name, schema, arg)
-    for name, schema in OPTIMIZER_SCHEMAS.items()
-    for arg in (f.name for f in dataclasses.fields(schema))
-    if arg in OPTIMIZER_RULES
-]
-
-
-def _bad_values(arg: str) -> list[object]:
-    rule = OPTIMIZER_RULES[arg]
-    bad: list[object] = [rule.low - 1, math.nan, math.inf, "x", True]
-    if rule.low_open:
-        bad.append(rule.low)
-    if rule.high is not None:
-        bad += [rule.high, rule.high + 1]
-    if rule.integer:
-        bad.append(rule.low + 0.5)
-    if not rule.nullable:
-        bad.append(None)
-    return bad
-
-
-def _good_values(arg: str) -> list[object]:
-    rule = OPTIMIZER_RULES[arg]
-    good: list[object] = [] if rule.low_open else [int(rule.low) if rule.integer else rule.low]
-    if rule.high is not None:
-        good.append(rule.high - 0.01)
-    return good + ([None] if rule.nullable else [])
-
-
-def test_every_optimizer_schema_has_a_rule_for_its_numbers():
-    """A new numeric argument in a schema needs its rule (or an entry here saying why not)."""
-    unruled = {"learning_rate"}  # the factory checks it, with the schedule that shapes it
-    for name, schema in OPTIMIZER_SCHEMAS.items():
-        for f in dataclasses.fields(schema):
-            if f.name not in unruled and f.type in ("float", "float | None", "int"):
-                assert f.name in OPTIMIZER_RULES, f"optimizer/{name}.{f.name} has no rule"
-
-
-@pytest.mark.parametrize("name, schema, arg", RULED, ids=[f"{n}.{a}" for n, _, a in RULED])
-def test_optimizer_schema_refuses_out_of_range_arguments(name, schema, arg):
-    schema(learning_rate=1e-3)  # the defaults obey the rules
-    for value in _good_values(arg):
-        schema(learning_rate=1e-3, **{arg: value})
-    for value in _bad_values(arg):
-        with pytest.raises(ConfigError) as err:
-            schema(learning_rate=1e-3, **{arg: value})
-        message = str(err.value)
-        assert message.startswith(f"optimizer.{arg}={value!r}: expected "), message
-        assert OPTIMIZER_RULES[arg].what in message
-
-
-@pytest.mark.parametrize(
-    "node, message",
-    [
-        ({"_target_": "optax.adamax", "b1": 1.5}, "optimizer.b1=1.5: expected"),
-        ({"_target_": "optax.adabelief", "eps": -1e-8}, "optimizer.eps=-1e-08: expected"),
-        ({"_target_": "optax.adamw", "weight_decay": -0.1}, "optimizer.weight_decay=-0.1: exp"),
-        ({"_target_": "optax.sgd", "momentum": -0.5}, "optimizer.momentum=-0.5: expected"),
-    ],
-)
-def test_build_optimizer_applies_the_rules_to_any_target(node, message):
-    """Also optimizers without a schema of their own: a rule is the argument's, by name."""
-    cfg = {"optimizer": {"learning_rate": 1e-3, **node}, "reduction": {"mode": "mean"}}
-    with pytest.raises(ConfigError, match="^" + re.escape(message)):
-        xshard.build_optimizer(OmegaConf.create(cfg))
-    check_optimizer_args({"b1": 0.0, "eps": 0.0, "momentum": None})  # boundaries are allowed
 
 
 def test_empty_mesh_axes_are_refused_and_null_is_the_default():
@@ -268,6 +253,23 @@ def test_a_removed_key_is_refused_naming_it_and_saying_it_was_removed(value, com
         (["task.teacher_seed=-1"], "task.teacher_seed=-1: expected an integer, 0 <="),
         (["trainer.profile_steps=[a,b]"], "trainer.profile_steps=['a', 'b']: expected an int"),
         (["trainer.step_executables=one"], "trainer.step_executables=one: this key was removed"),
+        (["schedule=cosine", "schedule.end_factor=nan"], "schedule.end_factor=nan: expected the"),
+        (["optimizer=adam", "optimizer.mu_dtype=foo"], "optimizer.mu_dtype='foo': expected the"),
+        (
+            [*DILOCO, "reduction.axes.slice.outer_optimizer.learning_rate=-5"],
+            "reduction.axes.slice.outer_optimizer.learning_rate=-5: expected the base (peak)",
+        ),
+        (["trainer.steps=2147483648"], "trainer.steps=2147483648: expected an integer, the"),
+        (["trainer.profile_steps=[1,3]"], "trainer.profile_steps=[1, 3]: expected [first, last]"),
+        (
+            [f"+a{'b' * 10000}=1"],
+            "(10001 characters)=1: a key of 10001 bytes; no config key or group is longer than "
+            "250 bytes",
+        ),
+        (
+            [f"optimizer={'x' * 300}"],
+            "(300 characters): expected the name of an option of the 'optimizer' group, one of",
+        ),
     ],
 )
 def test_cli_bad_value_exits_2_with_one_line(tmp_path, overrides, message):

@@ -116,7 +116,7 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
 
 
 def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_path):
-    from trainers.config.resolvers import _safe, run_name, tb_dir
+    from trainers.config.resolvers import run_name, safe_name, tb_dir
 
     name = run_name(HydraConfig.get())
     assert name == (
@@ -126,5 +126,5 @@ def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_
     assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / name)
     (tmp_path / "tb" / "first").mkdir(parents=True)  # a rerun continues the run's folder
     assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / "first")
-    long = _safe("x=" + "a/" * 300)
-    assert len(long.encode()) <= 200 and "/" not in long and long != _safe("x=" + "b/" * 300)
+    long = safe_name("x=" + "a/" * 300)
+    assert len(long.encode()) <= 200 and "/" not in long and long != safe_name("x=" + "b/" * 300)

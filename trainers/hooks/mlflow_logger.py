@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from trainers.config.loggers import MlflowLogger
 from trainers.hooks.run_logger import RunInfo
-from trainers.rundir.outputs import Outputs
+from trainers.rundir.outputs import Folder, Outputs
 
 #: MLflow takes at most this many params and metrics in one call.
 BATCH = 100
@@ -38,7 +38,7 @@ class MlflowRunLogger:
         uri = self.options.tracking_uri
         if uri is None or urlparse(uri).scheme != "file":
             return Outputs()
-        return Outputs(folders=((urlparse(uri).path, "logger.mlflow.tracking_uri"),))
+        return Outputs(folders=(Folder(urlparse(uri).path, "logger.mlflow.tracking_uri"),))
 
     def start(self, run: RunInfo) -> None:
         from mlflow import MlflowClient

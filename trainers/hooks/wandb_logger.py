@@ -17,7 +17,7 @@ from typing import Any
 from trainers.config.loggers import WandbLogger
 from trainers.hooks.run_logger import RunInfo
 from trainers.rundir.links import write_file
-from trainers.rundir.outputs import Outputs
+from trainers.rundir.outputs import Folder, Outputs
 
 CONFIG_FILE = "xshard_config.yaml"
 
@@ -33,8 +33,12 @@ class WandbRunLogger:
         self.run: Any = None
 
     def outputs(self) -> Outputs:
-        """W&B's folder, ``<logger.wandb.dir>/wandb/``: W&B writes everything there."""
-        return Outputs(folders=((os.path.join(self.options.dir, "wandb"), "logger.wandb.dir"),))
+        """W&B's folder, ``<logger.wandb.dir>/wandb/``, and its entries: W&B writes a new run
+        folder there (a fresh id) and replaces its ``latest-run`` and ``debug*.log`` links.
+        Deeper entries are earlier runs', never written again; W&B links their
+        ``logs/debug-core.log`` to its own cache, outside the run dir."""
+        folder = os.path.join(self.options.dir, "wandb")
+        return Outputs(folders=(Folder(folder, "logger.wandb.dir", depth=1),))
 
     def start(self, run: RunInfo) -> None:
         import wandb

@@ -206,9 +206,9 @@ def check_run_dir(
         if any(_inside(os.path.abspath(appended), r) for r in roots):
             check_appended(appended)  # never a link at all, of either kind
     check(written.replaced)
-    for folder, key in written.folders:
-        check([folder], key)
-        check(_entries(os.path.abspath(folder), 64), key)
+    for folder in written.folders:
+        check([folder.path], folder.key)
+        check(_entries(os.path.abspath(folder.path), folder.depth), folder.key)
     if hydra_subdir is not None:
         dump = os.path.join(run_dir, str(hydra_subdir))
         check([dump, *(os.path.join(dump, f) for f in HYDRA_FILES)], "hydra.output_subdir")

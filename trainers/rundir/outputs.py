@@ -25,6 +25,25 @@ from typing import NamedTuple
 
 from trainers.errors import LinkOutOfRunDirError
 
+#: How deep the start-up check looks into a folder by default: everything in it.
+ALL_LEVELS = 64
+
+
+class Folder(NamedTuple):
+    """A folder others write files in.
+
+    Attributes:
+      path: the folder.
+      key: the config key it comes from, for the error message.
+      depth: how many levels of its entries are written to, and so checked (1: its own
+        entries). Less than `ALL_LEVELS` where the writer only ever adds new folders below
+        that level and links of its own lead out of them (W&B's ``logs/debug-core.log``).
+    """
+
+    path: str
+    key: str
+    depth: int = ALL_LEVELS
+
 
 class Outputs(NamedTuple):
     """The paths a part of the run writes, by how it writes them (module docstring).
@@ -32,13 +51,12 @@ class Outputs(NamedTuple):
     Attributes:
       appended: files appended to (a rerun adds to them).
       replaced: files written anew each run.
-      folders: ``(folder, config key)``: folders others write files in; the key names where
-        the folder comes from, for the error message.
+      folders: folders others write files in.
     """
 
     appended: tuple[str, ...] = ()
     replaced: tuple[str, ...] = ()
-    folders: tuple[tuple[str, str], ...] = ()
+    folders: tuple[Folder, ...] = ()
 
 
 def merged(outputs: Iterable[Outputs]) -> Outputs:

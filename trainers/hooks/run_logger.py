@@ -12,6 +12,7 @@ summary (`summary_scalars`: the HParams metrics TensorBoard writes) and whether 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import math
 from collections.abc import Mapping
@@ -26,6 +27,10 @@ from trainers.hooks.summary import RunSummary
 from trainers.rundir.outputs import Outputs
 
 logger = logging.getLogger(__name__)
+
+#: The errors of a disk that is full or failing: a logger that meets one at start-up follows
+#: ``logger.on_error`` as it would during the run; any other error there means it cannot start.
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +90,11 @@ def summary_scalars(summary: RunSummary, step: int) -> dict[str, float]:
 class LoggerHook(Hook):
     """Hands a run's scalars to a `RunLogger`.
 
-    A write that fails (an `OSError`: a full disk) is handled as TensorBoard's hook handles
-    one (`trainers.hooks.tensorboard`): with ``logger.on_error=stop`` the run stops cleanly
-    after the current step, saves its checkpoint and `on_end` raises `LoggerError`; with
-    ``continue`` one warning, and the run trains on without this logger.
+    A write that fails (an `OSError`: a full disk; at start-up, one of `DISK_ERRNOS`) is
+    handled as TensorBoard's hook handles one (`trainers.hooks.tensorboard`): with
+    ``logger.on_error=stop`` the run stops cleanly after the current step, saves its
+    checkpoint and `on_end` raises `LoggerError`; with ``continue`` one warning, and the run
+    trains on without this logger.
 
     Args:
       logger: the logger, not started yet (`start` is called here).
@@ -117,11 +123,16 @@ class LoggerHook(Hook):
         self.on_error = on_error
         self.failure: str | None = None
         self.last_step: int | None = None
+        self._full = False
         try:
             logger.start(run)
         except LinkOutOfRunDirError:
             raise
         except OSError as e:
+            if e.errno not in DISK_ERRNOS:  # no access, a network error: cannot start
+                raise LoggerError(
+                    f"logger={logger.name} could not start the run: {type(e).__name__}: {e}"
+                ) from e
             self._failed(e)
             if on_error == "stop":
                 raise LoggerError(self._error_message("before training")) from e
@@ -136,6 +147,7 @@ class LoggerHook(Hook):
         if self.failure is not None:
             return
         self.failure = error.strerror or f"{type(error).__name__}: {error}"
+        self._full = error.errno in DISK_ERRNOS
         if self.on_error == "continue":
             logger.warning(
                 "logger=%s cannot write to %s (%s): training continues without it "
@@ -154,11 +166,12 @@ class LoggerHook(Hook):
             )
 
     def _error_message(self, when: str) -> str:
+        fix = "Free space there" if self._full else "Fix that"
         return (
             f"logger={self.logger.name} cannot write to {self.logger.destination}: "
-            f"{self.failure}. The run stopped cleanly {when} (logger.on_error=stop). Free "
-            "space there and rerun the same command to resume, or set "
-            "logger.on_error=continue to train without it."
+            f"{self.failure}. The run stopped cleanly {when} (logger.on_error=stop). {fix} "
+            "and rerun the same command to resume, or set logger.on_error=continue to train "
+            "without it."
         )
 
     def _log(self, step: int, scalars: dict[str, float]) -> None:

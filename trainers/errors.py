@@ -47,8 +47,8 @@ EXIT_STATUSES = (
         EXIT_CONFIG_ERROR,
         "bad config or input (ConfigError; a config group given no option name, such as "
         "schedule=null, and a copied config file setting what it may not, too), an unusable or "
-        "unwritable checkpoint (CheckpointError: disk full too), TensorBoard events unwritable "
-        "(LoggerError)",
+        "unwritable checkpoint (CheckpointError: disk full too; a step folder whose name is not "
+        "its step), TensorBoard events or a logger's files unwritable (LoggerError)",
     ),
     ExitStatus(
         EXIT_NONFINITE,
@@ -94,7 +94,8 @@ class NonFiniteError(RuntimeError):
 
 
 class LoggerError(Exception):
-    """TensorBoard events could not be written and ``logger.on_error=stop``."""
+    """TensorBoard events or a logger's files could not be written and ``logger.on_error=stop``
+    (or a logger could not start)."""
 
 
 class Preempted(Exception):
@@ -118,4 +119,5 @@ class UntrustedConfigError(ConfigError):
 
 
 class LinkOutOfRunDirError(ConfigError):
-    """A path the run writes resolves, through a symbolic link, outside the run dir."""
+    """A path the run writes resolves, through a symbolic link, outside the run dir; or a file
+    it appends to is a link (symbolic, or hard: another name that may lie outside)."""

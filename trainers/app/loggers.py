@@ -57,9 +57,23 @@ def logger_hooks(
         hparams=dict(hparams(cfg)[0]),
     )
     return [
-        LoggerHook(logger, run, logged_scalars(options, parts, num_devices), summary)
+        LoggerHook(
+            logger,
+            run,
+            logged_scalars(options, parts, num_devices),
+            summary,
+            on_error=options.logger.on_error,
+        )
         for logger in loggers
     ]
+
+
+def logger_outputs(options: RunOptions) -> Any:
+    """What the selected W&B, MLflow and CSV loggers write (`trainers.rundir.outputs.Outputs`),
+    for the start-up check of the run dir (`trainers.rundir.links.check_run_dirs`)."""
+    from trainers.rundir.outputs import merged
+
+    return merged(logger.outputs() for logger in _run_loggers(options))
 
 
 def _run_loggers(options: RunOptions) -> list[Any]:

@@ -133,6 +133,7 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
     A run dir copied or moved from elsewhere is untrusted: before the run creates, locks or
     writes anything, a path it writes that a link leads out of it is refused (exit 2).
     """
+    from trainers.app.loggers import logger_outputs
     from trainers.checkpoint.owner import claim_checkpoint_dir
     from trainers.checkpoint.resume import find_resume_source
     from trainers.cluster.run_dirs import check_same_checkpoints, check_shared_dir
@@ -143,7 +144,13 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
         logging.getLogger("absl").setLevel(logging.WARNING)
     cluster, dirs, ckpt = where.cluster, where.dirs, options.checkpoint
     with cluster.agreed("checking the run dir for links"):
-        check_run_dirs(dirs.output_dir, dirs.checkpoint_dir, dirs.tb_dir, lead=cluster.lead)
+        check_run_dirs(
+            dirs.output_dir,
+            dirs.checkpoint_dir,
+            dirs.tb_dir,
+            lead=cluster.lead,
+            outputs=logger_outputs(options),
+        )
     with cluster.agreed("checking the output dirs"):
         if cluster.lead:  # the only process that writes TensorBoard events
             check_writable_dir(dirs.tb_dir, "paths.tb_dir")

@@ -180,6 +180,7 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
             f"Checkpoint {path}: its metadata cannot be read ({_first_line(e)})."
         ) from e
     _check_metadata(metadata, path)
+    _check_step(path, metadata.get("step"), "its metadata")
     check_compatible(metadata, state_signature(abstract), config, where=str(path))
     try:
         saved = checkpointer.restore(
@@ -199,8 +200,31 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
             f"Checkpoint {path} is corrupted: the data of {_listing(bad)} does not match the "
             "checksums saved with it."
         )
-    logger.info("Restored step %d from %s.", int(jax.device_get(state.step)), path)
+    restored = int(jax.device_get(state.step))
+    _check_step(path, restored, "its state")
+    logger.info("Restored step %d from %s.", restored, path)
     return state
+
+
+def _check_step(path: Path, step: Any, where: str) -> None:
+    """Refuses a step folder whose name is not the step it holds.
+
+    A folder copied or renamed in a copied run dir (``checkpoints/99999999999`` holding step
+    10) would be taken for the latest checkpoint: the run would resume from its step and its
+    checkpoint manager would then prune the steps the run saves, as older than the forged one.
+    A `CheckpointError`, not a corrupted checkpoint: no fallback moves it, nothing is written.
+    A metadata without a step (`where` "its metadata") is checked on the restored state.
+    """
+    if step is None and where == "its metadata":
+        return
+    if isinstance(step, int) and not isinstance(step, bool) and str(step) == path.name:
+        return
+    raise CheckpointError(
+        f"Checkpoint folder {path} holds step {step!r:.40} ({where} says so), not step "
+        f"{path.name}: a step folder's name must be its step (a copied or renamed folder would "
+        "be resumed from as the latest one, and the newer steps pruned). Nothing was restored, "
+        f"pruned or written. Move the folder away, or rename it to the step it holds."
+    )
 
 
 def _check_metadata(metadata: Any, path: Path) -> None:

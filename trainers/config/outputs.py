@@ -112,8 +112,8 @@ class LoggerOptions:
 
     Attributes:
       flush_secs: how often the TensorBoard writer flushes to disk (seconds, > 0).
-      on_error: when events cannot be written (disk full): "stop" the run cleanly (checkpoint
-        saved, exit 2) or "continue" training without events (one warning).
+      on_error: when events or a logger's files cannot be written (disk full): "stop" the run
+        cleanly (checkpoint saved, exit 2) or "continue" training without them (one warning).
       noise_ema_steps: time constant, in training steps, of ``grad/noise_scale_ema``'s moving
         averages (`trainers.hooks.noise_ema`; > 0).
       peak_flops_per_device: the accelerator's peak FLOP/s per device, for ``perf/mfu``;

@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 from trainers.config.loggers import MlflowLogger
 from trainers.hooks.run_logger import RunInfo
+from trainers.rundir.outputs import Folder, Outputs
 
 #: MLflow takes at most this many params and metrics in one call.
 BATCH = 100
@@ -27,8 +29,16 @@ class MlflowRunLogger:
 
     def __init__(self, options: MlflowLogger):
         self.options = options
+        self.destination = f"logger.mlflow.tracking_uri={options.tracking_uri!r}"
         self.client: Any = None
         self.run_id: str | None = None
+
+    def outputs(self) -> Outputs:
+        """A local file store's folder (``file:/path/mlruns``); nothing for a server."""
+        uri = self.options.tracking_uri
+        if uri is None or urlparse(uri).scheme != "file":
+            return Outputs()
+        return Outputs(folders=(Folder(urlparse(uri).path, "logger.mlflow.tracking_uri"),))
 
     def start(self, run: RunInfo) -> None:
         from mlflow import MlflowClient

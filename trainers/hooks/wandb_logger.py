@@ -9,12 +9,15 @@ writes to ``<logger.wandb.dir>/wandb/`` only; ``wandb sync`` uploads it later.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainers.config.loggers import WandbLogger
 from trainers.hooks.run_logger import RunInfo
+from trainers.rundir.links import write_file
+from trainers.rundir.outputs import Folder, Outputs
 
 CONFIG_FILE = "xshard_config.yaml"
 
@@ -26,7 +29,16 @@ class WandbRunLogger:
 
     def __init__(self, options: WandbLogger):
         self.options = options
+        self.destination = f"logger.wandb.dir={options.dir!r}"
         self.run: Any = None
+
+    def outputs(self) -> Outputs:
+        """W&B's folder, ``<logger.wandb.dir>/wandb/``, and its entries: W&B writes a new run
+        folder there (a fresh id) and replaces its ``latest-run`` and ``debug*.log`` links.
+        Deeper entries are earlier runs', never written again; W&B links their
+        ``logs/debug-core.log`` to its own cache, outside the run dir."""
+        folder = os.path.join(self.options.dir, "wandb")
+        return Outputs(folders=(Folder(folder, "logger.wandb.dir", depth=1),))
 
     def start(self, run: RunInfo) -> None:
         import wandb
@@ -43,7 +55,7 @@ class WandbRunLogger:
             config=run.hparams,
             reinit="create_new",  # each job of a multirun in one process is its own run
         )
-        (Path(self.run.dir) / CONFIG_FILE).write_text(run.config_yaml)
+        write_file(Path(self.run.dir) / CONFIG_FILE, run.config_yaml)
         self.run.save(str(Path(self.run.dir) / CONFIG_FILE), base_path=self.run.dir)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

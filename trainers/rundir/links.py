@@ -4,21 +4,25 @@ A run dir copied or moved from elsewhere is not trusted (copying one is a docume
 docs/reliability.md): a link planted in it, ``checkpoints/xshard.lock -> ~/.bashrc`` or
 ``tb/<run name> -> /elsewhere``, would redirect the run's writes outside it. So:
 
-- the files the run writes itself are never written through a link: the log file
-  (`trainers.rundir.log_file.RunLogFile` opens it with ``O_NOFOLLOW``), the checkpoint dir's lock
-  file (`trainers.checkpoint.owner`, ``O_NOFOLLOW``), ``result.json``, the owner record, the
-  config dump of a multi-process run and the sweep table (`write_file`: a new file next to it,
-  renamed over it, so a link in its place is replaced and its target left alone);
+- the files the run writes itself are never written through a link: the files it appends
+  to, the log file (`trainers.rundir.log_file.RunLogFile`) and the CSV logger's
+  ``metrics.csv`` (`trainers.rundir.outputs.open_appended`: ``O_NOFOLLOW``, and no file with
+  another name, a hard link), the checkpoint dir's lock file (`trainers.checkpoint.owner`,
+  ``O_NOFOLLOW``), ``result.json``, the owner record, the config dump of a multi-process run,
+  the sweep table and the loggers' config and hparams files (`write_file`: a new file next to
+  it, renamed over it, so a link in its place is replaced and its target left alone);
 - directories cannot be opened that way, and others write in them (Hydra its config dump,
-  Orbax the step folders, TensorBoard the event files). Before anything is written there, the
-  run refuses to start (exit 2, one line naming the link, `LinkOutOfRunDirError`) if one of
-  those directories, or a path the run writes in them, resolves outside the run dir:
+  Orbax the step folders, TensorBoard the event files, W&B its ``wandb/``). Before anything is
+  written there, the run refuses to start (exit 2, one line naming the link,
+  `LinkOutOfRunDirError`) if one of those directories, or a path the run writes in them,
+  resolves outside the run dir, or a file it appends to is a link of either kind:
   `RunDirLinksCheck`, a Hydra callback, before Hydra writes its config dump and opens the log
-  file; `check_run_dirs` in the run, before it creates, locks or writes anything else.
+  file; `check_run_dirs` in the run, before it creates, locks or writes anything else (the
+  loggers declare what they write: `trainers.rundir.outputs.Outputs`).
 
 Paths set outside the run dir on purpose (``paths.checkpoint_dir=/data/ckpt``) are the user's
 choice and are not checked; a link that stays inside the run dir is harmless and allowed,
-except at the log file, which is never written through a link.
+except at a file the run appends to, which is never written through a link.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from trainers.errors import LinkOutOfRunDirError
+from trainers.rundir.outputs import Outputs, check_appended
 
 #: The files of Hydra's config dump (``<output dir>/<hydra.output_subdir>/``).
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
@@ -162,13 +167,16 @@ def check_run_dir(
     checkpoint_dir: str | os.PathLike | None = None,
     tb_dir: str | os.PathLike | None = None,
     sweep_dir: str | os.PathLike | None = None,
+    outputs: Outputs | None = None,
 ) -> None:
     """Refuses the run if a path it writes in its run dir resolves outside it (module doc).
 
     Checked, where they lie in `run_dir` (or `sweep_dir`) as configured: the log files, the
     config dump (``<hydra_subdir>/`` and its files), ``result.json``, the checkpoint dir with
     its entries and ``<checkpoint_dir>.corrupt/`` with its entries, the TensorBoard dir with
-    everything in it. A log file may not be a link at all: it is never written through one.
+    everything in it, and the `outputs` of the loggers. A file the run appends to (a log file,
+    ``metrics.csv``) may not be a link at all, symbolic or hard: it is never appended to
+    through one (`trainers.rundir.outputs.check_appended`).
 
     Args:
       run_dir: the run's output dir (``paths.output_dir``).
@@ -177,6 +185,7 @@ def check_run_dir(
       checkpoint_dir: ``paths.checkpoint_dir`` (None: not checked).
       tb_dir: ``paths.tb_dir`` (None: not checked).
       sweep_dir: a multirun's sweep dir: a job's TensorBoard dir lies there.
+      outputs: what else the run writes (the loggers' files and folders).
 
     Raises:
       LinkOutOfRunDirError: naming the first such link, its target and the run dir.
@@ -191,13 +200,15 @@ def check_run_dir(
                 holder = max((r for r in roots if _inside(os.path.abspath(path), r)), key=len)
                 _refuse(*found, str(path), holder, key)
 
-    for log in log_files:
-        check([log])
-        if os.path.islink(log) and _inside(os.path.abspath(log), run_dir):
-            raise LinkOutOfRunDirError(
-                f"The log file {log} is a symbolic link (to {os.readlink(log)}): the run never "
-                "writes its log through a link, so it refuses to start. Remove the link."
-            )
+    written = outputs if outputs is not None else Outputs()
+    for appended in [*log_files, *written.appended]:
+        check([appended])
+        if any(_inside(os.path.abspath(appended), r) for r in roots):
+            check_appended(appended)  # never a link at all, of either kind
+    check(written.replaced)
+    for folder in written.folders:
+        check([folder.path], folder.key)
+        check(_entries(os.path.abspath(folder.path), folder.depth), folder.key)
     if hydra_subdir is not None:
         dump = os.path.join(run_dir, str(hydra_subdir))
         check([dump, *(os.path.join(dump, f) for f in HYDRA_FILES)], "hydra.output_subdir")
@@ -298,10 +309,18 @@ class RunDirLinksCheck(Callback):
             sys.exit(EXIT_CONFIG_ERROR)
 
 
-def check_run_dirs(output_dir: str, checkpoint_dir: str, tb_dir: str, *, lead: bool) -> None:
+def check_run_dirs(
+    output_dir: str,
+    checkpoint_dir: str,
+    tb_dir: str,
+    *,
+    lead: bool,
+    outputs: Outputs | None = None,
+) -> None:
     """`check_run_dir` in the run (`trainers.train`), before it creates, locks or writes
     anything: the job's log files and config dump, ``result.json``; on process 0 (the only
-    one that writes them) the checkpoint dir and the TensorBoard dir too.
+    one that writes them) the checkpoint dir, the TensorBoard dir and the loggers' `outputs`
+    too.
 
     Raises:
       LinkOutOfRunDirError: naming the link (one line, exit 2).
@@ -325,4 +344,5 @@ def check_run_dirs(output_dir: str, checkpoint_dir: str, tb_dir: str, *, lead: b
         checkpoint_dir=checkpoint_dir if lead else None,
         tb_dir=tb_dir if lead else None,
         sweep_dir=sweep_dir,
+        outputs=outputs if lead else None,
     )

@@ -6,17 +6,19 @@ file. An error the CLI also prints on stderr (``xshard: error: ...``, the one li
 read) would then show twice on the terminal; `log_to_files` records it in the log file only.
 
 xshard's job logging (``conf/hydra/job_logging/xshard.yaml``, selected by ``xshard_train``)
-writes the log file with `RunLogFile`: it never follows a symbolic link (a run dir copied from
+writes the log file with `RunLogFile`: it never writes through a link (a run dir copied from
 elsewhere is not trusted, `trainers.rundir.links`), and a write that fails (a full disk) is
 reported once, in one line on stderr, instead of a traceback per record.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sys
+
+from trainers.errors import LinkOutOfRunDirError
+from trainers.rundir.outputs import open_appended
 
 
 def log_to_files(logger: logging.Logger, level: int, message: str) -> None:
@@ -41,8 +43,10 @@ def log_to_files(logger: logging.Logger, level: int, message: str) -> None:
 class RunLogFile(logging.FileHandler):
     """The run's log file (``train.log``): a `logging.FileHandler` that
 
-    - opens the file when the first record comes, with ``O_NOFOLLOW``: at a symbolic link it
-      writes nothing (the run's start-up check then refuses the run, naming the link);
+    - opens the file when the first record comes, never through a link
+      (`trainers.rundir.outputs.open_appended`): at a symbolic link, or at a file with another
+      name (a hard link), it writes nothing (the run's start-up check refuses the run, naming
+      the link);
     - on the first failed write (no space left, an I/O error) prints one line on stderr,
       closes the file and writes nothing more to it: the run goes on, logging to the console.
 
@@ -64,10 +68,7 @@ class RunLogFile(logging.FileHandler):
         self.problem: str | None = None
 
     def _open(self):  # a text stream, as FileHandler._open
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW
-        if "w" in self.mode:
-            flags |= os.O_TRUNC
-        fd = os.open(self.baseFilename, flags, 0o644)
+        fd = open_appended(self.baseFilename, truncate="w" in self.mode)
         try:
             return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
         except BaseException:
@@ -82,6 +83,9 @@ class RunLogFile(logging.FileHandler):
                 return
             try:
                 self.stream = self._open()
+            except LinkOutOfRunDirError:  # the start-up check names it and refuses the run
+                self._stop(None)
+                return
             except OSError as e:
                 self._stop(e)
                 return
@@ -94,11 +98,14 @@ class RunLogFile(logging.FileHandler):
         else:  # a bad message or format string: logging's own report
             super().handleError(record)
 
-    def _stop(self, error: OSError) -> None:
-        """Stops writing the file; says why in one line unless it is a link (refused later)."""
-        link = error.errno == errno.ELOOP
+    def _stop(self, error: OSError | None) -> None:
+        """Stops writing the file; says why in one line unless it is a link (None: refused
+        by the start-up check)."""
+        link = error is None
         self.problem = (
-            "a symbolic link (not followed)" if link else (error.strerror or type(error).__name__)
+            "a link (not written through)"
+            if error is None
+            else (error.strerror or type(error).__name__)
         )
         stream, self.stream = self.stream, None
         if stream is not None:

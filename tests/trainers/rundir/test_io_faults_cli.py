@@ -243,6 +243,69 @@ def test_a_run_dir_that_fills_up_ends_in_a_few_lines_and_says_what_of_result_jso
         assert complete_steps(run / "checkpoints")[-1] == 8
 
 
+def filling_hook(tmp_path: Path, mnt: Path, at_step: int) -> tuple[list[str], dict[str, str]]:
+    """Overrides and environment of a run whose `FILLING_HOOK` fills `mnt` after `at_step`."""
+    (tmp_path / "xs_fill_disk.py").write_text(FILLING_HOOK)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))}
+    overrides = [
+        "+allowed_targets=[xs_fill_disk.]",
+        f"trainer.hooks=[{{_target_:xs_fill_disk.FillDisk,path:{mnt / 'fill'},at_step:{at_step}}}]",
+    ]
+    return overrides, env
+
+
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_csv_file_on_a_disk_that_fills_up_is_handled_like_tensorboard(tmp_path, on_error):
+    """The CSV logger's flush on a full disk: one line and exit 2 after a clean stop (with its
+    checkpoint), or one warning and the run trains to the end; the rows before stay valid."""
+    run, mnt = tmp_path / "run", tmp_path / "mnt"
+    filling, env = filling_hook(tmp_path, mnt, 3)
+    csv_path = mnt / "metrics.csv"
+    overrides = [
+        "trainer.steps=200",
+        "checkpoint.every_steps=0",
+        "logger=[tensorboard,csv]",
+        f"logger.csv.path={csv_path}",
+        f"logger.on_error={on_error}",
+    ]
+    with tmpfs(mnt, 256 * 1024):
+        result = cli(run, *overrides, *filling, env=env)
+        rows = csv_path.read_text().splitlines()
+    assert rows[0] == "step,name,value"
+    steps = [int(r.split(",")[0]) for r in rows[1:] if r.count(",") == 2 and r[0].isdigit()]
+    assert {1, 2, 3} <= set(steps)  # written before the disk filled up
+    if on_error == "stop":
+        line = assert_one_line_error(result, EXIT_CONFIG_ERROR, "error")
+        when = re.search(r"The run stopped cleanly at step (\d+)", line)
+        assert f"logger=csv cannot write to logger.csv.path='{csv_path}'" in line, line
+        assert "No space left on device" in line and "logger.on_error=continue" in line
+        assert when is not None and 3 < int(when[1]) < 200, line
+        assert complete_steps(run / "checkpoints") == [int(when[1])]  # saved where it stopped
+        assert load_state(run / "checkpoints" / when[1])["['step']"] == int(when[1])
+    else:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stdout + result.stderr
+        assert result.stdout.count("training continues without it") == 1
+        assert complete_steps(run / "checkpoints") == [200]
+
+
+def test_csv_config_files_on_a_full_disk_stop_before_training_and_leave_no_temp_file(tmp_path):
+    run, mnt = tmp_path / "run", tmp_path / "mnt"
+    with tmpfs(mnt, 64 * 1024):
+        csv_path = mnt / "metrics.csv"
+        csv_path.write_text("step,name,value\n")  # appended to: room left in its page
+        fill(mnt)
+        result = cli(
+            run, "trainer.steps=4", "logger=[tensorboard,csv]", f"logger.csv.path={csv_path}"
+        )
+        line = assert_one_line_error(result, EXIT_CONFIG_ERROR, "error")
+        assert f"logger=csv cannot write to logger.csv.path='{csv_path}'" in line
+        assert "No space left on device. The run stopped cleanly before training" in line
+        assert sorted(p.name for p in mnt.iterdir()) == ["fill", "metrics.csv"]
+        assert csv_path.read_text() == "step,name,value\n"
+    assert complete_steps(run / "checkpoints") == []
+
+
 def test_a_full_run_dir_is_refused_in_one_line_before_hydra_writes_there(tmp_path):
     mnt = tmp_path / "mnt"
     with tmpfs(mnt, 64 * 1024):

@@ -21,10 +21,14 @@ import pytest
 from tests import REPO
 from tests.reliability_helpers import load_state, snapshot, steps_snapshot, truncate_data
 from trainers.app.sweep import write_result
+from trainers.checkpoint.io import complete_steps
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
 from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
+from trainers.hooks.csv_logger import CsvRunLogger
+from trainers.hooks.run_logger import RunInfo
 from trainers.rundir.links import check_run_dir, outside_link, write_file
 from trainers.rundir.log_file import RunLogFile
+from trainers.rundir.outputs import Outputs, open_appended
 from xshard.config import one_line
 from xshard.errors import ConfigError
 
@@ -168,6 +172,68 @@ def test_files_are_written_over_a_link_never_through_it(tmp_path):
     assert target.read_bytes() == SECRET and (run / "note").read_text() == "new"
 
 
+def test_a_file_the_run_appends_to_is_never_a_hard_link(tmp_path, capfd):
+    victim = tmp_path / "victim"
+    victim.write_bytes(SECRET)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").hardlink_to(victim)
+    with pytest.raises(LinkOutOfRunDirError, match=r"train\.log is a hard link: the file has 2"):
+        check_run_dir(run, log_files=[run / "train.log"])
+    with pytest.raises(LinkOutOfRunDirError, match="is a hard link"):
+        open_appended(run / "train.log")  # O_NOFOLLOW does not see it; the link count does
+    with pytest.raises(LinkOutOfRunDirError, match="is a hard link"):
+        open_appended(run / "train.log", truncate=True)  # checked before it truncates
+
+    handler = RunLogFile(run / "train.log")  # at a hard link it writes nothing, silently
+    logger = logging.getLogger("test_run_dir_links.hard")
+    logger.addHandler(handler)
+    try:
+        logger.warning("one")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    assert victim.read_bytes() == SECRET and handler.problem is not None
+    assert capfd.readouterr().err == ""
+
+    (run / "metrics.csv").hardlink_to(victim)
+    with pytest.raises(LinkOutOfRunDirError, match=r"metrics\.csv is a hard link"):
+        check_run_dir(run, outputs=Outputs(appended=(str(run / "metrics.csv"),)))
+    assert victim.read_bytes() == SECRET
+
+
+def test_the_csv_loggers_files_are_written_over_links_never_through_them(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(SECRET)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.config.yaml").symlink_to(victim)
+    (run / "metrics.hparams.json").hardlink_to(victim)
+    csv_logger = CsvRunLogger(str(run / "metrics.csv"))
+    assert csv_logger.outputs() == Outputs(
+        appended=(str(run / "metrics.csv"),),
+        replaced=(str(run / "metrics.config.yaml"), str(run / "metrics.hparams.json")),
+    )
+    csv_logger.start(RunInfo("r", {}, "seed: 1\n", {"seed": 1.0}))
+    csv_logger.log_scalars(1, {"train/loss": 0.5})
+    csv_logger.finish({"hparams/last_step": 1.0}, True)
+    assert victim.read_bytes() == SECRET
+    assert (run / "metrics.config.yaml").read_text() == "seed: 1\n"
+    assert not (run / "metrics.config.yaml").is_symlink()
+    assert (run / "metrics.hparams.json").stat().st_nlink == 1
+    assert (run / "metrics.csv").read_text().splitlines() == [
+        "step,name,value",
+        "1,train/loss,0.5",
+        "1,hparams/last_step,1.0",
+    ]
+
+    (run / "metrics.csv").unlink()
+    (run / "metrics.csv").symlink_to(victim)
+    with pytest.raises(LinkOutOfRunDirError, match=r"metrics\.csv is a symbolic link"):
+        CsvRunLogger(str(run / "metrics.csv")).start(RunInfo("r", {}, "", {}))
+    assert victim.read_bytes() == SECRET
+
+
 def test_a_linked_lock_file_is_refused_and_its_target_left_alone(tmp_path):
     target = tmp_path / "target"
     target.write_bytes(SECRET)
@@ -219,6 +285,8 @@ def tb_folder(run: Path) -> str:
     return folder
 
 
+CSV = ["logger=[tensorboard,csv]"]
+WANDB = ["logger=[tensorboard,wandb]", "logger.wandb.mode=offline"]
 #: (id, the link in the copy, "file" or "folder" as its target, the rerun's extra overrides)
 ATTACKS = [
     ("lock_file", f"checkpoints/{LOCK_FILE}", "file", []),
@@ -230,6 +298,12 @@ ATTACKS = [
     ("config_dump_file", ".hydra/config.yaml", "file", []),
     ("result", "result.json", "file", []),
     ("result_tmp", "result.json.tmp", "file", []),
+    # Every file and folder a logger writes (trainers.rundir.outputs).
+    ("csv", "metrics.csv", "file", CSV),
+    ("csv_config", "metrics.config.yaml", "file", CSV),
+    ("csv_hparams", "metrics.hparams.json", "file", CSV),
+    ("wandb", "wandb", "folder", WANDB),
+    ("wandb_latest_run", "wandb/latest-run", "folder", WANDB),
 ]
 
 
@@ -257,6 +331,59 @@ def test_a_planted_link_is_refused_and_nothing_is_written_outside(
     assert link.is_symlink()
     assert steps_snapshot(original / "checkpoints") == ours
     assert load_state(original / "checkpoints" / "4")["['step']"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "relative, extra", [("train.log", []), ("metrics.csv", CSV)], ids=["log_file", "csv"]
+)
+def test_a_hard_link_the_run_would_append_to_is_refused(original, tmp_path, relative, extra):
+    ours = steps_snapshot(original / "checkpoints")
+    file, _ = outside_targets(tmp_path)
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy, symlinks=True)
+    log_before = (copy / "train.log").read_bytes()
+    link = copy / relative
+    link.unlink(missing_ok=True)
+    link.hardlink_to(file)
+
+    result = cli(copy, *RERUN, *extra)
+    output = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == EXIT_CONFIG_ERROR, output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"xshard: error: {link} is a hard link: the file has 2 names, and the others may lie "
+        "outside the run dir. A run dir copied or moved from elsewhere may hold such a file, so "
+        "the run refuses to start and appends nothing to it. Remove that name, or replace it "
+        "by a copy of the file."
+    ], output
+    assert file.read_bytes() == SECRET and file.stat().st_nlink == 2
+    if relative != "train.log":  # the log written before is kept; the rerun appends to it
+        assert (copy / "train.log").read_bytes().startswith(log_before)
+    assert complete_steps(copy / "checkpoints") == [2, 4]  # nothing trained, nothing saved
+    assert load_state(copy / "checkpoints" / "4")["['step']"] == 4
+    assert steps_snapshot(original / "checkpoints") == ours
+
+
+@pytest.mark.slow
+def test_a_copied_run_dir_of_every_file_logger_reruns_in_the_copy(tmp_path):
+    """The normal use: W&B's own links in ``wandb/`` are relative, so they stay inside a copy;
+    the rerun resumes, appends to ``metrics.csv`` and writes nothing in the original."""
+    loggers = ["logger=[tensorboard,csv,wandb]", "logger.wandb.mode=offline"]
+    first = tmp_path / "first"
+    result = cli(first, *FIRST, *loggers)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert any(p.is_symlink() for p in (first / "wandb").iterdir())  # W&B's latest-run
+    before = snapshot(first)
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy, symlinks=True)
+
+    rerun = cli(copy, *RERUN, *loggers)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Restored step 4 from" in rerun.stdout
+    steps = [line.split(",")[0] for line in (copy / "metrics.csv").read_text().splitlines()]
+    assert steps[0] == "step" and {"1", "4", "5", "6"} <= set(steps[1:])
+    assert snapshot(first) == before
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ of the optimizer's init, laid out by the run's own shardings, ZeRO stages includ
 
 * the params,
 * the optimizer state,
-* a step's gradients and batch (its activations come on top: not estimated before the step
-  compiles, so the estimate is a lower bound of what a step needs),
+* a step's gradients and its batch (its activations come on top: not estimated before the
+  step compiles, so the estimate is a lower bound of what a step needs),
 
 and compares them with the memory there is: for CPU devices, which share the host's memory,
 the sum over this process's devices against ``MemAvailable`` (/proc/meminfo), the room left
@@ -44,13 +44,14 @@ class MemoryEstimate(NamedTuple):
 
     params: int
     opt_state: int
-    step: int  # the gradients (the params' size) and the device's share of the batch
+    grads: int  # a step's gradients (the params, as the step holds them)
+    batch: int  # the device's share of a step's batch
     largest: tuple[str, tuple[int, ...], int]  # the largest parameter: path, shape, bytes
 
     @property
     def total(self) -> int:
         """Everything that must be held at once."""
-        return self.params + self.opt_state + self.step
+        return self.params + self.opt_state + self.grads + self.batch
 
 
 class MemoryAvailable(NamedTuple):
@@ -98,7 +99,8 @@ def estimate_memory(trainer: Any, batch: Mapping[str, Any], rows: int) -> Memory
     return MemoryEstimate(
         params=sum(b for _, _, b in sized),
         opt_state=sum(bytes_per_device(x, s) for x, s in opt),
-        step=grads + per_example * rows,
+        grads=grads,
+        batch=per_example * rows,
         largest=max(sized, key=lambda leaf: leaf[2], default=("(none)", (), 0)),
     )
 
@@ -129,14 +131,20 @@ def available_memory(devices: Sequence[Any]) -> MemoryAvailable | None:
 
 
 def check_state_memory(
-    trainer: Any, batch: Mapping[str, Any], rows: int, task_node: Any, devices: Sequence[Any]
+    trainer: Any,
+    batch: Mapping[str, Any],
+    batch_size: int,
+    shards: int,
+    task_node: Any,
+    devices: Sequence[Any],
 ) -> MemoryEstimate:
     """Refuses a run whose state and step cannot fit in the memory of this process's devices.
 
     Args:
       trainer: the run's `trainers.Trainer`.
       batch: a batch or its shapes (`estimate_memory`).
-      rows: examples per device in one step.
+      batch_size: ``trainer.batch_size``, the global batch.
+      shards: the data shards it is split over.
       task_node: the ``task`` config node, to name the size that makes the largest parameter.
       devices: this process's devices.
 
@@ -144,21 +152,30 @@ def check_state_memory(
       The estimate (for a run that fits).
 
     Raises:
-      ConfigError: one line naming the config key of the largest parameter's size, the bytes
-        of params, optimizer state and step, and the memory there is.
+      ConfigError: one line naming the biggest contributor's config key and value (the
+        size of the largest parameter, or ``trainer.batch_size``), the bytes of params,
+        optimizer state and step, and the memory there is.
     """
-    estimate = estimate_memory(trainer, batch, rows)
+    estimate = estimate_memory(trainer, batch, batch_size // shards)
     have = available_memory(devices)
     if have is None or estimate.total * have.devices <= have.free:
         return estimate
     name, shape, size = estimate.largest
-    on = f" per device, {human_bytes(estimate.total * have.devices)} on {have.devices} CPU devices"
+    n, show = have.devices, human_bytes
+    where = f" per device, {show(estimate.total * n)} on {n} CPU devices" if n > 1 else ""
+    parts = (
+        f"the params need {show(estimate.params)} (the largest: {name} {list(shape)} "
+        f"{show(size)}), the optimizer state {show(estimate.opt_state)}, a step at least "
+        f"{show(estimate.grads + estimate.batch)} (gradients and batch){where}; {have.what}."
+    )
+    if estimate.batch > estimate.params:  # the batch is the largest part
+        raise ConfigError(
+            f"trainer.batch_size={batch_size} needs {show(estimate.batch * n)} for one step's "
+            f"batch: {parts} Choose a smaller trainer.batch_size."
+        )
     raise ConfigError(
-        f"{size_key(task_node, shape)}: the params need {human_bytes(estimate.params)} (the "
-        f"largest: {name} {list(shape)} {human_bytes(size)}), the optimizer state "
-        f"{human_bytes(estimate.opt_state)}, a step at least {human_bytes(estimate.step)} (its "
-        f"gradients and batch){on if have.devices > 1 else ' per device'}; {have.what}. Choose "
-        "smaller sizes, or shard the state (sharding.zero_stage, a model axis) over more devices."
+        f"{size_key(task_node, shape)}: {parts} Choose smaller sizes, or shard the state "
+        "(sharding.zero_stage, a model axis) over more devices."
     )
 
 

@@ -210,7 +210,7 @@ def start(
     def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
         with cluster.agreed("checking the memory for the training state"):
             check_state_memory(
-                trainer, batch, opts.batch_size // shards, cfg.task, where.mesh.local_devices
+                trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
             )
 
     declared = example_shapes(task)  # then checked before any data is made

@@ -46,6 +46,7 @@ from xshard.mesh_spec import (
     mesh_spec,
     resolve_axis_sizes,
 )
+from xshard.simulated_devices import simulated_device_bound
 
 __all__ = [
     "MeshConfigError",
@@ -112,9 +113,10 @@ def configure_devices(cfg_mesh: Any, num_processes: int = 1) -> int | None:
 
     Raises:
       MeshConfigError: if the config is invalid, ``num_devices`` does not split evenly over
-        the processes, or JAX is already initialised with another device count or platform
-        (e.g. Hydra's basic multirun launcher running several jobs in one process); the
-        message points to ``hydra/launcher=submitit_local``.
+        the processes or is more than the platform can simulate per process
+        (`xshard.simulated_devices`), or JAX is already initialised with another device
+        count or platform (e.g. Hydra's basic multirun launcher running several jobs in one
+        process); the message points to ``hydra/launcher=submitit_local``.
     """
     spec = mesh_spec(cfg_mesh)
     if not spec.simulate_on_cpu:
@@ -133,12 +135,26 @@ def configure_devices(cfg_mesh: Any, num_processes: int = 1) -> int | None:
         if devices[0].platform == "cpu" and len(devices) == n:
             return n
         raise MeshConfigError(_already_initialized_message(spec, devices, n))
+    _check_simulated_count(total, n, num_processes)
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:  # backends initialised concurrently or the check above missed it
         raise MeshConfigError(_already_initialized_message(spec, jax.local_devices(), n)) from e
     return n
+
+
+def _check_simulated_count(total: int, n: int, num_processes: int) -> None:
+    """Refuses more simulated CPU devices per process than the platform can give, before
+    JAX initialises (`xshard.simulated_devices` says why and measures the bound)."""
+    bound = simulated_device_bound()
+    if n > bound.limit:
+        per = f" ({n} per process of {num_processes})" if num_processes > 1 else ""
+        most = bound.limit * num_processes
+        raise MeshConfigError(
+            f"{KEY}.num_devices={total}: simulated CPU devices{per} must be 1 to {most} here: "
+            f"{bound.reason}. Choose a smaller {KEY}.num_devices."
+        )
 
 
 def _already_initialized_message(spec: MeshSpec, devices: Sequence[Any], n: int) -> str:

@@ -183,7 +183,9 @@ def mesh_spec(cfg_mesh: Any) -> MeshSpec:
         raise MeshConfigError(
             f"{KEY}.num_devices={num_devices!r}: expected a positive integer or null"
         )
-    simulate = bool(cfg.get("simulate_on_cpu") or False)
+    simulate = _given(cfg, "simulate_on_cpu", False)
+    if not isinstance(simulate, bool):
+        raise MeshConfigError(f"{KEY}.simulate_on_cpu={simulate!r}: expected true or false")
     if simulate and num_devices is None:
         raise MeshConfigError(
             f"{KEY}.simulate_on_cpu=true needs {KEY}.num_devices (how many CPU devices to "

@@ -51,7 +51,7 @@ class OutputDirCheck(Callback):
             sys.exit(EXIT_CONFIG_ERROR)
 
 
-def host_memory_bytes() -> int:
+def host_memoryhuman_bytes() -> int:
     """Physical memory of this host, in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -89,16 +89,17 @@ def check_batch_fits(
         return
     per_example = sum(np.asarray(x).nbytes for x in probe.values()) / (probe_batch // process_count)
     need = per_example * global_batch / process_count
-    have = host_memory_bytes()
+    have = host_memoryhuman_bytes()
     if need > have / 2:
         raise ConfigError(
-            f"{key}={global_batch} needs {_bytes(need)} of host memory for one batch "
-            f"({_bytes(per_example)} per example, {process_count} process(es)), more than half "
-            f"of this host's {_bytes(have)}. Choose a smaller {key}."
+            f"{key}={global_batch} needs {human_bytes(need)} of host memory for one batch "
+            f"({human_bytes(per_example)} per example, {process_count} process(es)), more than "
+            f"half of this host's {human_bytes(have)}. Choose a smaller {key}."
         )
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """`n` bytes as people read them: "745.0 GiB"."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

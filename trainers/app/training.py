@@ -189,6 +189,7 @@ def start(
     """
     import jax
 
+    from trainers.app.memory_preflight import check_state_memory, example_shapes
     from trainers.app.preflight import check_batch_fits
     from trainers.checkpoint.data_state import is_checkpointable, restore_data_state
     from trainers.checkpoint.hook import run_config
@@ -211,10 +212,21 @@ def start(
             process_count=jax.process_count(),
         )
 
+    shards = data_parallel_size(where.mesh, where.data_axes)
+
+    def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
+        with cluster.agreed("checking the memory for the training state"):
+            check_state_memory(
+                trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
+            )
+
+    declared = example_shapes(task)  # then checked before any data is made
+    if declared is not None:
+        check_memory({k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in declared.items()})
     check_batch_fits(
         lambda size: task.batches(size, seed=seed, process_count=jax.process_count()),
         opts.batch_size,
-        probe_batch=data_parallel_size(where.mesh, where.data_axes),
+        probe_batch=shards,
         process_count=jax.process_count(),
     )
     first = next(iter(batches(0)), None)
@@ -223,6 +235,8 @@ def start(
             f"task={cfg.task.get('name', 'task')} yields no batch of "
             f"trainer.batch_size={opts.batch_size} (finite data too small?)."
         )
+    if declared is None:
+        check_memory(first)
     state = trainer.init(*trainer.init_variables(first))
     if cluster.lead:
         log.info("%s", state_report(trainer.layout, state))

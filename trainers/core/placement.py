@@ -8,7 +8,7 @@ attributes it reads.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,15 @@ from xshard.optimizer import CrossShardTransformation
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
+
+
+class StateShapes(NamedTuple):
+    """A `TrainState`'s params and optimizer state as shape structs, with their shardings."""
+
+    params: Any
+    param_shardings: Any
+    opt_state: Any
+    opt_shardings: Any
 
 
 class Placement:
@@ -62,7 +71,23 @@ class Placement:
         """The task's params (placed with their shardings, in the precision's param dtype) and
         model state (replicated), initialised from the seed (`trainers.core.model_state`:
         ``{}`` for a plain task)."""
-        example = jax.tree.map(lambda x: x[:1], first_batch)
+        init, rng, example = self._variables_init(first_batch)
+        shapes = jax.eval_shape(init, rng, example)
+        shardings = (self.param_shardings(shapes[0]), self._replicated)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(init, out_shardings=shardings)(rng, example)
+
+    def _variables_init(self, batch: Any) -> tuple[Any, jax.Array, Any]:
+        """``(init, rng, example)``: `init_variables`' function of ``(rng, example)``, its key
+        and one row of `batch` (arrays, or shape structs with the batch dimension)."""
+        example = jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct((1, *x.shape[1:]), x.dtype)
+                if isinstance(x, jax.ShapeDtypeStruct)
+                else x[:1]
+            ),
+            batch,
+        )
         rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
         task_init, master = init_fn(self.task), self.precision.master
 
@@ -70,10 +95,18 @@ class Placement:
             params, model_state = task_init(rng, example)
             return master(params), model_state
 
-        shapes = jax.eval_shape(init, rng, example)
-        shardings = (self.param_shardings(shapes[0]), self._replicated)
-        with jax.set_mesh(self.mesh):
-            return jax.jit(init, out_shardings=shardings)(rng, example)
+        return init, rng, example
+
+    def state_shapes(self, batch: Any) -> StateShapes:
+        """The params and optimizer state that `init_variables` and `init` would make for
+        `batch` (arrays, or shape structs with the batch dimension), as shape structs with
+        their shardings: traced with ``jax.eval_shape``, nothing allocated or compiled."""
+        init, rng, example = self._variables_init(batch)
+        params = jax.eval_shape(init, rng, example)[0]
+        with jax.set_mesh(self.mesh):  # the axis rules size their state from the mesh
+            opt_state = jax.eval_shape(self.tx.init, params)
+            opt_shardings = self.opt_state_shardings(params)
+        return StateShapes(params, self.param_shardings(params), opt_state, opt_shardings)
 
     def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
         """Initialises the task's params from the seed, placed with their shardings."""

@@ -184,7 +184,8 @@ def _shown(spec: P) -> str:
     return str(P(*entries))
 
 
-def _bytes_per_device(x: Any, sharding: NamedSharding) -> int:
+def bytes_per_device(x: Any, sharding: NamedSharding) -> int:
+    """Bytes of one device's shard of `x` (an array or a shape struct) laid out by `sharding`."""
     shard = sharding.shard_shape(tuple(np.shape(x)))
     return int(np.prod(shard, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
@@ -223,13 +224,13 @@ def sharding_report(
         state_spec = layout.spec(shape, b.spec) if layout.stage >= 1 else b.spec
         lines.append(f"  {name}: {shape} {x.dtype} {_shown(at_rest.spec)} {_shown(state_spec)}")
         if layout.stage >= 1 and n > 1 and zero_dim(shape, b.spec, n) is None:
-            cost = _bytes_per_device(x, b)
+            cost = bytes_per_device(x, b)
             replicated.append(f"{name} {shape} ({cost} bytes per device, and its state)")
     param_bytes = sum(
-        _bytes_per_device(x, s) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
+        bytes_per_device(x, s) for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings))
     )
     opt_bytes = sum(
-        _bytes_per_device(x, s)
+        bytes_per_device(x, s)
         for x, s in zip(jax.tree.leaves(opt_state), jax.tree.leaves(opt_shardings))
     )
     lines.append(f"Per device: params {param_bytes} bytes, optimizer state {opt_bytes} bytes.")

@@ -26,6 +26,10 @@ class Task(Protocol):
     #: unmatched parameters are replicated. Paths look like "blocks/0/attn/wq".
     sharding_rules: Sequence[tuple[str, PartitionSpec]]
 
+    # Optional: example_shapes() -> {name: jax.ShapeDtypeStruct}, the shapes of one example (no
+    # batch dimension): the run checks its memory from them before making any data
+    # (`trainers.app.memory_preflight`).
+
     # Optional: tokens per example (a sequence task's length), for ``perf/tokens_per_sec``.
     # Tasks without it log examples per second only (`tokens_per_example` reads it).
 

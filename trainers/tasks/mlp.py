@@ -18,6 +18,7 @@ shuffled epochs (`trainers.data.files`, docs/tasks.md "Data options").
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from numbers import Integral
 from typing import Any
@@ -143,9 +144,6 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
         self.num_examples = None if num_examples is None else int(num_examples)
         self.name = name
         self.remat = check_remat(remat, "task.remat")
-        self._teacher_layers = _teacher(
-            self.teacher_seed, self.in_dim, self.teacher_hidden, self.out_dim
-        )
         self.data = self._file_data(data)
         # Megatron-style over `model`: hidden layers column-parallel, output layer row-parallel.
         n = len(self.hidden)
@@ -155,6 +153,18 @@ class MLPTask(StepIndexedData, StepIndexedEvalData):
             (rf"layers/{n}/b", P()),
             (r"layers/\d+/b", P("model")),
         ]
+
+    @functools.cached_property
+    def _teacher_layers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The teacher, drawn when data is first made (after the run's memory check)."""
+        return _teacher(self.teacher_seed, self.in_dim, self.teacher_hidden, self.out_dim)
+
+    def example_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The shapes of one example (the run checks its memory from them, before any data)."""
+        return {
+            "x": jax.ShapeDtypeStruct((self.in_dim,), np.float32),
+            "y": jax.ShapeDtypeStruct((self.out_dim,), np.float32),
+        }
 
     # ---------------------------------------------------------------------------------------
     # Model.

@@ -31,7 +31,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from xshard.config.axes import AxisReductionConf, check_axes
-from xshard.config.nodes import shown
+from xshard.config.nodes import permissive, shown
 from xshard.config.optimizers import (
     AdafactorConf,
     AdagradConf,
@@ -165,7 +165,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "exponential": ExponentialScheduleConf,
     },
     "reduction": {"base": ReductionConf},
-    "mesh": {"base": MeshConf, "tpu": TPUMeshConf},
+    # Composition leaves the mesh's values to `xshard.mesh_spec` (exit 2 and one line naming
+    # the key for mesh.num_devices=1e6, as for the trainer's int keys): permissive copies.
+    "mesh": {"base": permissive(MeshConf), "tpu": permissive(TPUMeshConf)},
 }
 
 

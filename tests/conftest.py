@@ -82,6 +82,7 @@ COST_MARKERS = {
     "multiprocess": (
         "test_multihost.py",
         "test_multihost_cli.py",
+        "test_launch_mistakes_cli.py",
         "test_stop_agreement.py",
         "test_exact_eval_multihost_cli.py",
         "test_stream_multihost_cli.py",

@@ -100,3 +100,7 @@ def fill(path: Path) -> None:
     with contextlib.suppress(OSError), open(path / "fill", "wb", buffering=0) as f:
         while True:
             f.write(b"\0" * 4096)
+
+
+#: What a victim file outside the run dir holds: a test checks it is left byte for byte.
+SECRET = b"not the run's to write\n"

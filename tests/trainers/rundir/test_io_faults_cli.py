@@ -1,88 +1,28 @@
 """I/O faults end to end, the real CLI in subprocesses (all slow): a full disk for checkpoints,
 for TensorBoard and for the run dir itself (its log file and result.json; small tmpfs mounts:
-the tests run as root, else they skip), bad ``logger.*`` values, a stop signal during
-start-up. Each fault ends the run in bounded time with one line on stderr (a full run dir: at
-most two more, each saying what could not be written) and the documented exit status, and
-leaves earlier checkpoints valid."""
+the tests run as root, else they skip), bad ``logger.*`` values. Each fault ends the run in
+bounded time with one line on stderr (a full run dir: at most two more, each saying what could
+not be written) and the documented exit status, and leaves earlier checkpoints valid."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests import REPO
-from tests.reliability_helpers import fill, load_state, resize, tmpfs, wait_until
+from tests.bounded_cli import TIMEOUT, assert_one_line_error, cli
+from tests.reliability_helpers import fill, load_state, resize, tmpfs
 from trainers.app.sweep import write_result
 from trainers.checkpoint.io import complete_steps, unfinished_saves
-from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
+from trainers.errors import EXIT_CONFIG_ERROR
 from trainers.rundir.log_file import RunLogFile
 
 pytestmark = pytest.mark.slow
-
-COMMON = [
-    "task=mlp",
-    "trainer.batch_size=16",
-    "trainer.log_every=1",
-    "trainer.layer_stats_every=0",
-    "trainer.histogram_every=0",
-]
-TIMEOUT = 240  # every run is bounded: a hang fails the test instead of blocking CI
-
-
-@contextlib.contextmanager
-def sigint_handled() -> Iterator[None]:
-    """Children started inside get SIGINT at its default even if this process ignores it (a
-    background job of a shell without job control does): exec resets a handled signal, not
-    an ignored one."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def cli(run_dir: Path, *overrides: str, env: dict[str, str] | None = None):
-    """`python -m trainers.train` (as `tests.cli.run_train`), bounded by `TIMEOUT`."""
-    with sigint_handled():
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "trainers.train",
-                "trainer.progress=false",
-                *COMMON,
-                *overrides,
-                f"hydra.run.dir={run_dir}",
-            ],
-            cwd=REPO,
-            env={**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-            check=False,  # callers assert the exit status
-        )
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, code: int, label: str) -> str:
-    """Exit `code`, exactly one line on stderr (``xshard: <label>: ...``), no traceback."""
-    output = result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.returncode == code, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"xshard: {label}: "), output
-    assert "Traceback" not in result.stdout + result.stderr, output
-    return lines[0]
-
 
 # --------------------------------------------------------------------------------------------
 # Checkpoints on a full disk
@@ -354,80 +294,3 @@ def test_the_log_file_on_a_full_disk_says_so_once_and_stops(tmp_path, capfd):
                 "left on device); the run goes on, logging to the console only."
             )
         ]
-
-
-# --------------------------------------------------------------------------------------------
-# A stop signal during start-up
-# --------------------------------------------------------------------------------------------
-
-SIGNALLING_TASK = """\
-import signal
-
-from trainers.tasks.mlp import MLPTask
-from tests import REPO
-
-
-class SignalledMLP(MLPTask):
-    \"\"\"An MLP task whose construction (start-up, before any step) receives a SIGINT.\"\"\"
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        signal.raise_signal(signal.SIGINT)
-"""
-
-
-def test_sigint_during_start_up_stops_before_the_first_step_and_writes_nothing(tmp_path):
-    (tmp_path / "xs_signalled_task.py").write_text(SIGNALLING_TASK)
-    run = tmp_path / "run"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.getenv("PYTHONPATH")]))}
-    stopped = cli(
-        run,
-        "trainer.steps=20",
-        "task._target_=xs_signalled_task.SignalledMLP",
-        "+allowed_targets=[xs_signalled_task.]",
-        env=env,
-    )
-    line = assert_one_line_error(stopped, EXIT_PREEMPTED, "preempted")
-    assert "Stopped by SIGINT during start-up, before training any step" in line
-    assert "Rerun the same command to start afresh" in line
-    assert complete_steps(run / "checkpoints") == [] and not any((run / "tb").rglob("events.*"))
-
-    rerun = cli(run, "trainer.steps=20")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert "from step 0." in rerun.stdout and complete_steps(run / "checkpoints") == [20]
-
-
-def test_sigint_while_compiling_stops_the_run_and_a_rerun_finishes_it(tmp_path):
-    run, log = tmp_path / "run", tmp_path / "first.log"
-    args = [*COMMON, "trainer.progress=false", "trainer.steps=300", "checkpoint.every_steps=0"]
-    with open(log, "w") as out, sigint_handled():
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trainers.train", *args, f"hydra.run.dir={run}"],
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        # Logged right before `fit`, which compiles the step before the first update.
-        wait_until(
-            lambda: "Training mlp for 300 steps" in log.read_text() or proc.poll() is not None,
-            TIMEOUT,
-            "the start of training",
-        )
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=TIMEOUT) == EXIT_PREEMPTED, log.read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
-    done = complete_steps(run / "checkpoints")
-    if done:  # the signal came during compilation: the first step ends, is saved, the run stops
-        assert len(done) == 1 and done[0] < 300
-        assert f"Stopped by SIGINT at step {done[0]} of 300" in text
-    else:  # it came before `fit` started its first step
-        assert "Stopped by SIGINT during start-up" in text
-
-    rerun = cli(run, "trainer.steps=300", "checkpoint.every_steps=0")
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert complete_steps(run / "checkpoints")[-1] == 300

@@ -4,12 +4,11 @@ A run dir copied or moved from elsewhere is untrusted (trainers/rundir/links.py)
 test does what an attacker would: a real run, a copy of its dir, a link in the copy to a file
 or folder outside it that the test owns, a rerun in the copy with the real CLI. The rerun must
 exit 2 with one line naming the link, leave the target byte-for-byte unchanged (no new file
-in a target folder), and leave the original run's checkpoints valid. The fast tests check the
-pieces in-process: the check, the log file handler, the no-follow writes."""
+in a target folder), and leave the original run's checkpoints valid. The pieces are checked
+in-process in test_run_dir_writes.py."""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -19,18 +18,17 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tests.reliability_helpers import load_state, snapshot, steps_snapshot, truncate_data
-from trainers.app.sweep import write_result
+from tests.reliability_helpers import (
+    SECRET,
+    load_state,
+    snapshot,
+    steps_snapshot,
+    truncate_data,
+)
 from trainers.checkpoint.io import complete_steps
-from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
-from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
-from trainers.hooks.csv_logger import CsvRunLogger
-from trainers.hooks.run_logger import RunInfo
-from trainers.rundir.links import check_run_dir, outside_link, write_file
-from trainers.rundir.log_file import RunLogFile
-from trainers.rundir.outputs import Outputs, open_appended
+from trainers.checkpoint.owner import LOCK_FILE
+from trainers.errors import EXIT_CONFIG_ERROR
 from xshard.config import one_line
-from xshard.errors import ConfigError
 
 COMMON = [
     "task=mlp",
@@ -41,7 +39,6 @@ COMMON = [
 ]
 FIRST = [*COMMON, "trainer.steps=4"]  # the original run: checkpoints 2 and 4
 RERUN = [*COMMON, "trainer.steps=6"]  # the rerun in the copy: train on to step 6
-SECRET = b"not the run's to write\n"
 
 
 def cli(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.CompletedProcess:
@@ -80,170 +77,6 @@ def refused(result: subprocess.CompletedProcess, link: Path) -> str:
 def run_name(overrides: list[str]) -> str:
     """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`)."""
     return ",".join(sorted(overrides))
-
-
-# --------------------------------------------------------------------------------------------
-# In-process: the check, the log file, the writes
-# --------------------------------------------------------------------------------------------
-
-
-def test_links_out_of_the_run_dir_are_found_links_inside_it_are_not(tmp_path):
-    run, outside = tmp_path / "run", tmp_path / "outside"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "real_tb").mkdir()
-    outside.mkdir()
-    (run / "tb").symlink_to(run / "real_tb")  # inside: harmless
-    assert outside_link(run / "tb" / "x", [run]) is None
-    check_run_dir(run, tb_dir=run / "tb" / "x", checkpoint_dir=run / "checkpoints")
-
-    (run / "checkpoints.corrupt").symlink_to(outside)
-    assert outside_link(run / "checkpoints.corrupt" / "4", [run]) == (
-        str(run / "checkpoints.corrupt"),
-        str(outside),
-    )
-    with pytest.raises(LinkOutOfRunDirError, match="checkpoints.corrupt is a symbolic link to"):
-        check_run_dir(run, checkpoint_dir=run / "checkpoints")
-
-    # A dangling link leads out too; a path configured outside the run dir is not checked.
-    (run / "checkpoints.corrupt").unlink()
-    (run / "result.json").symlink_to(outside / "missing")
-    with pytest.raises(LinkOutOfRunDirError, match=r"result\.json is a symbolic link"):
-        check_run_dir(run)
-    (run / "result.json").unlink()
-    elsewhere = tmp_path / "ckpt"
-    (elsewhere / "0").parent.mkdir()
-    (elsewhere / "0").symlink_to(outside)
-    check_run_dir(run, checkpoint_dir=elsewhere)
-
-
-def test_the_log_file_is_never_written_through_a_link(tmp_path, capfd):
-    target = tmp_path / "target"
-    target.write_bytes(SECRET)
-    log = tmp_path / "run" / "train.log"
-    log.parent.mkdir()
-    log.symlink_to(target)
-    handler = RunLogFile(log)
-    logger = logging.getLogger("test_run_dir_links.link")
-    logger.addHandler(handler)
-    try:
-        logger.warning("one")
-        logger.warning("two")
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    assert target.read_bytes() == SECRET and handler.problem is not None
-    assert capfd.readouterr().err == ""  # the start-up check names the link, not the handler
-    with pytest.raises(LinkOutOfRunDirError, match="train.log is a symbolic link"):
-        check_run_dir(log.parent, log_files=[log])
-
-
-def test_a_plain_log_file_is_appended_to(tmp_path):
-    log = tmp_path / "train.log"
-    log.write_text("earlier\n")
-    handler = RunLogFile(log)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("test_run_dir_links.plain")
-    logger.addHandler(handler)
-    try:
-        logger.warning("later")
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    assert log.read_text() == "earlier\nlater\n" and handler.problem is None
-
-
-def test_files_are_written_over_a_link_never_through_it(tmp_path):
-    target = tmp_path / "target"
-    target.write_bytes(SECRET)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "result.json").symlink_to(target)
-    (run / "result.json.tmp").symlink_to(target)
-    write_result(run, {"status": "completed"})
-    assert target.read_bytes() == SECRET
-    assert (
-        not (run / "result.json").is_symlink()
-        and '"completed"' in (run / "result.json").read_text()
-    )
-    assert sorted(p.name for p in run.iterdir()) == ["result.json"]
-
-    (run / "note").symlink_to(target)
-    write_file(run / "note", "new")
-    assert target.read_bytes() == SECRET and (run / "note").read_text() == "new"
-
-
-def test_a_file_the_run_appends_to_is_never_a_hard_link(tmp_path, capfd):
-    victim = tmp_path / "victim"
-    victim.write_bytes(SECRET)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "train.log").hardlink_to(victim)
-    with pytest.raises(LinkOutOfRunDirError, match=r"train\.log is a hard link: the file has 2"):
-        check_run_dir(run, log_files=[run / "train.log"])
-    with pytest.raises(LinkOutOfRunDirError, match="is a hard link"):
-        open_appended(run / "train.log")  # O_NOFOLLOW does not see it; the link count does
-    with pytest.raises(LinkOutOfRunDirError, match="is a hard link"):
-        open_appended(run / "train.log", truncate=True)  # checked before it truncates
-
-    handler = RunLogFile(run / "train.log")  # at a hard link it writes nothing, silently
-    logger = logging.getLogger("test_run_dir_links.hard")
-    logger.addHandler(handler)
-    try:
-        logger.warning("one")
-    finally:
-        logger.removeHandler(handler)
-        handler.close()
-    assert victim.read_bytes() == SECRET and handler.problem is not None
-    assert capfd.readouterr().err == ""
-
-    (run / "metrics.csv").hardlink_to(victim)
-    with pytest.raises(LinkOutOfRunDirError, match=r"metrics\.csv is a hard link"):
-        check_run_dir(run, outputs=Outputs(appended=(str(run / "metrics.csv"),)))
-    assert victim.read_bytes() == SECRET
-
-
-def test_the_csv_loggers_files_are_written_over_links_never_through_them(tmp_path):
-    victim = tmp_path / "victim"
-    victim.write_bytes(SECRET)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metrics.config.yaml").symlink_to(victim)
-    (run / "metrics.hparams.json").hardlink_to(victim)
-    csv_logger = CsvRunLogger(str(run / "metrics.csv"))
-    assert csv_logger.outputs() == Outputs(
-        appended=(str(run / "metrics.csv"),),
-        replaced=(str(run / "metrics.config.yaml"), str(run / "metrics.hparams.json")),
-    )
-    csv_logger.start(RunInfo("r", {}, "seed: 1\n", {"seed": 1.0}))
-    csv_logger.log_scalars(1, {"train/loss": 0.5})
-    csv_logger.finish({"hparams/last_step": 1.0}, True)
-    assert victim.read_bytes() == SECRET
-    assert (run / "metrics.config.yaml").read_text() == "seed: 1\n"
-    assert not (run / "metrics.config.yaml").is_symlink()
-    assert (run / "metrics.hparams.json").stat().st_nlink == 1
-    assert (run / "metrics.csv").read_text().splitlines() == [
-        "step,name,value",
-        "1,train/loss,0.5",
-        "1,hparams/last_step,1.0",
-    ]
-
-    (run / "metrics.csv").unlink()
-    (run / "metrics.csv").symlink_to(victim)
-    with pytest.raises(LinkOutOfRunDirError, match=r"metrics\.csv is a symbolic link"):
-        CsvRunLogger(str(run / "metrics.csv")).start(RunInfo("r", {}, "", {}))
-    assert victim.read_bytes() == SECRET
-
-
-def test_a_linked_lock_file_is_refused_and_its_target_left_alone(tmp_path):
-    target = tmp_path / "target"
-    target.write_bytes(SECRET)
-    run = tmp_path / "run"
-    (run / "checkpoints").mkdir(parents=True)
-    (run / "checkpoints" / LOCK_FILE).symlink_to(target)
-    with pytest.raises(ConfigError, match="its lock file .* is a symbolic link"):
-        claim_checkpoint_dir(run / "checkpoints", run)
-    assert target.read_bytes() == SECRET
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [LOCK_FILE]
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ COST_MARKERS = {
         "test_stream_multihost_cli.py",
         "test_periodic_multihost_cli.py",
     ),
-    "wheel": ("test_packaging.py", "test_example_repo.py"),
+    "wheel": ("test_packaging.py", "test_example_repo.py", "test_scaffold_repo.py"),
 }
 
 

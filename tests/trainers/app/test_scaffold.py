@@ -1,5 +1,5 @@
 """`python -m trainers.new DIR`: what it writes, where, and what it refuses (exit 2, one line,
-nothing written). The written repo installed, trained and tested: tests/test_scaffold_repo.py."""
+nothing written). The written repo installed, trained and tested: test_scaffold_repo.py."""
 
 from __future__ import annotations
 

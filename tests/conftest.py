@@ -60,6 +60,7 @@ LONGEST_FIRST = (
     "test_zero_bench_smoke.py",
     "test_reductions_bench_smoke.py",
     "test_example_repo.py",
+    "test_scaffold_repo.py",
     "test_multihost_cli.py",
     "test_stream_multihost_cli.py",
     "test_flax_tasks.py",
@@ -88,7 +89,7 @@ COST_MARKERS = {
         "test_stream_multihost_cli.py",
         "test_periodic_multihost_cli.py",
     ),
-    "wheel": ("test_packaging.py", "test_example_repo.py"),
+    "wheel": ("test_packaging.py", "test_example_repo.py", "test_scaffold_repo.py"),
 }
 
 

@@ -99,6 +99,13 @@ def test_wheel_contents(wheel, source):
         f"modules left out of the wheel (pyproject [tool.setuptools] packages): {missing}"
     )
 
+    # python -m trainers.new writes its repo from these (pyproject [tool.setuptools.package-data]).
+    scaffold = source / "trainers" / "app" / "scaffold_files"
+    templates = sorted(p.relative_to(source).as_posix() for p in scaffold.rglob("*.tmpl"))
+    assert templates, "no scaffold templates"
+    missing = [t for t in templates if t not in names]
+    assert not missing, f"scaffold templates left out of the wheel: {missing}"
+
 
 @pytest.fixture(scope="module")
 def venv_python(wheel, tmp_path_factory) -> Path:

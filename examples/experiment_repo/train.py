@@ -1,8 +1,8 @@
 """Trains with xshard's trainer from this repo's own Hydra app.
 
-    python train.py                          # experiment=small
-    python train.py experiment=wide          # or any override: optimizer.learning_rate=1e-3
-    python train.py -m --config-name sweep   # the 2x2 grid of conf/sweep.yaml
+    python train.py                                  # experiment=small
+    python train.py optimizer.learning_rate=1e-3     # any override
+    python train.py -m --config-name sweep           # the grid of conf/sweep.yaml
 
 `trainers.run` keeps xshard's exit statuses (0 done, 2 bad config with one line, 3 non-finite,
 75 preempted after saving) and returns `trainer.objective` to optimizing sweepers;

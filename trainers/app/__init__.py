@@ -4,8 +4,9 @@
 latch); `entry.run` is the body of a Hydra main that trains (exit statuses, multirun
 semantics); `build` turns the config into the task, optimizer, hooks and `Trainer`; `help`
 renders ``--help``; `preflight` checks before training; `sweep` records multirun jobs;
-`cli_overrides` refuses command lines Hydra would answer with a traceback.
+`cli_overrides` refuses command lines Hydra would answer with a traceback; `scaffold` writes
+the experiment repo of ``python -m trainers.new`` (its files: ``scaffold_files/``).
 
 May import every other wing. Nothing imports it but the entry points (`trainers.train`,
-`trainers.doctor`) and `trainers.run` / `trainers.main`.
+`trainers.doctor`, `trainers.new`) and `trainers.run` / `trainers.main`.
 """

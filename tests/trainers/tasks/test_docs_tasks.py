@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -43,10 +44,8 @@ def test_the_documented_pure_jax_task_trains(tmp_path):
     assert mse[20] < mse[min(mse)]  # it learns
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("option", ["my_nnx", "my_linen"])
-def test_the_documented_flax_models_train(tmp_path, option):
-    pytest.importorskip("flax")
+def _flax_repo(tmp_path: Path, option: str) -> Path:
+    """my_repo as docs/tasks.md writes it: my_models.py, the task option, a primary config."""
     repo = tmp_path / "my_repo"
     (repo / "conf" / "task").mkdir(parents=True)
     (repo / "my_models.py").write_text(_block("python", "# my_repo/my_models.py"))
@@ -57,11 +56,42 @@ def test_the_documented_flax_models_train(tmp_path, option):
         "defaults:\n  - xshard_train\n  - override /task: "
         f"{option}\n  - _self_\n\nallowed_targets: [my_models.]\n"
     )
+    return repo
+
+
+@pytest.mark.parametrize("option", ["my_nnx", "my_linen"])
+def test_the_documented_flax_models_follow_precision_and_remat(tmp_path, option, monkeypatch):
+    """The documented model and node take the run's precision and trainer.remat as written."""
+    pytest.importorskip("flax")
+    from hydra import compose, initialize_config_dir
+
+    from trainers.app.build import build_task
+    from trainers.tasks.flax_nnx import _takes
+
+    repo = _flax_repo(tmp_path, option)
+    monkeypatch.syspath_prepend(str(repo))
+    with initialize_config_dir(str(repo / "conf"), version_base="1.3"):
+        cfg = compose("my_exp", overrides=["precision=bf16", "trainer.remat=full"])
+    task = build_task(cfg)
+    wanted = {"dtype": "bfloat16", "param_dtype": "float32", "remat": "full"}
+    if option == "my_nnx":  # what the factory is called with
+        assert task.model_options(_takes(task.model)) == wanted
+    else:  # the linen module's fields, set by the task
+        assert {key: getattr(task.model, key) for key in wanted} == wanted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["my_nnx", "my_linen"])
+def test_the_documented_flax_models_train(tmp_path, option):
+    pytest.importorskip("flax")
+    repo = _flax_repo(tmp_path, option)
     run = tmp_path / "run"
-    run_train(
+    run_train(  # the model in bfloat16, each layer rematerialised: the node's three lines
         f"--config-dir={repo / 'conf'}",
         "--config-name=my_exp",
         "mesh=cpu4x2",
+        "precision=bf16",
+        "trainer.remat=full",
         "trainer.steps=40",
         "trainer.batch_size=16",
         "trainer.log_every=1",

@@ -100,7 +100,8 @@ def restore_run(
         ruled = tuple(axis for axis, _ in parts.tx.spec.axes.rules)
         step_dir = directory / str(steps[-1] if step is None else step)
         target = with_saved_replica_shapes(state, step_dir, periodic + ruled)
-    state = restore_checkpoint(RestoreSource(directory, step), target, run_config(cfg))
+    source = RestoreSource(directory, step)
+    state = restore_checkpoint(source, target, run_config(cfg), action="Reading")
     return Restored(parts, state, int(jax.device_get(state.step)))
 
 

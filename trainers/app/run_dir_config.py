@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.rundir.user_paths import user_path
 from xshard.errors import ConfigError
 from xshard.targets import ALLOWED_TARGETS_KEY
 
@@ -29,12 +30,14 @@ CHECKPOINTS = "checkpoints"
 
 
 def checked_run_dir(run_dir: str | Path) -> Path:
-    """`run_dir` if it is a run dir: a directory with a saved config and checkpoints.
+    """`run_dir` as an absolute path, if it is a run dir: a directory with a saved config and
+    checkpoints. A relative `run_dir` is relative to the working directory now, ``~``
+    expanded (`trainers.rundir.user_paths.user_path`).
 
     Raises:
       ConfigError: naming what is missing.
     """
-    path = Path(run_dir).expanduser()
+    path = user_path(run_dir)
     if not path.is_dir():
         raise ConfigError(f"run dir {str(run_dir)!r}: no such directory.")
     for needed in (CONFIG_FILE, Path(CHECKPOINTS)):

@@ -109,14 +109,17 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     """Loads a run's checkpoint for inference, on one device, as host NumPy arrays.
 
         run = trainers.load("outputs/2025-01-01/12-00-00")      # the latest checkpoint
-        preds = run.task.apply(run.params, x)                    # a built-in task's model
+        preds = run.task.apply(run.params, x)                    # task=mlp's model
+        model = run.task.merge(run.params, run.model_state)      # a Flax NNX task's module
 
     Args:
-      run_dir: the run's dir (its ``hydra.run.dir``: ``.hydra/config.yaml``, ``checkpoints/``).
+      run_dir: the run's dir (its ``hydra.run.dir``: ``.hydra/config.yaml``, ``checkpoints/``),
+        relative to the working directory now, ``~`` expanded.
       step: the checkpoint's step; None: the latest complete one.
       overrides: ``key=value`` config overrides; ``+allowed_targets=[mypkg.]`` trusts your
         own package's ``_target_``s the saved config names (a saved config cannot widen the
-        allowlist itself).
+        allowlist itself; an installed package's ``xshard.allowed_targets`` entry point, or
+        ``XSHARD_ALLOWED_TARGETS``, does too).
 
     Returns:
       A `Loaded`.

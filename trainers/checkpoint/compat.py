@@ -30,6 +30,7 @@ QUIET_KEYS = (
     "logger.",
     "trainer.resume_from",
     "trainer.progress",
+    "trainer.hooks",  # what the run logs, like logger.* (trainers.load and evaluate drop them)
     "distributed.",  # the processes that run it: 2x4 devices resume on 1x8 and back
     ALLOWED_TARGETS_KEY,
     *LOCATION_KEYS,

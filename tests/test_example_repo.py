@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.cli import load_events, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
@@ -177,3 +178,55 @@ def test_example_resumes_after_sigterm_bitwise(venv_python, example, baseline): 
         {"end": "stopped", "step": stopped},
         {"end": "done", "step": STEPS},
     ]
+
+
+def venv_run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python ARGS` of the venv in `cwd`, without this environment's PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return subprocess.run(
+        [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_its_own_runs_load_and_evaluate_without_flags(venv_python, example, baseline):  # noqa: F811
+    """The installed package's entry point (pyproject.toml) trusts my_experiments.: its run
+    dir loads and evaluates as it is, given relative to another working directory."""
+    elsewhere = example.parent / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    relative = os.path.relpath(baseline, elsewhere)  # ../<example>/runs/baseline
+    evaluated = venv_run(venv_python, elsewhere, "-m", "trainers.evaluate", relative)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert f"step {STEPS}: eval/loss=" in evaluated.stdout
+    record = json.loads((baseline / f"eval_step{STEPS}.json").read_text())
+    final = scalars(baseline / "tb", "eval/loss")[STEPS]
+    assert record["metrics"]["eval/loss"] == pytest.approx(final, rel=1e-5)
+    assert "changed config" not in evaluated.stderr
+
+    script = (
+        "import trainers\n"
+        f"run = trainers.load({relative!r})\n"
+        "print('loaded', run.step, run.config.task.model._target_)\n"
+    )
+    loaded = venv_run(venv_python, elsewhere, "-c", script)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert f"loaded {STEPS} my_experiments.models.MLP" in loaded.stdout
+
+
+def test_a_copied_run_dir_naming_other_code_is_still_refused(venv_python, example, baseline):  # noqa: F811
+    """The entry point trusts my_experiments. only: a copied run dir that adds os. to its
+    allowlist and names os.system as its task is refused before anything of it runs."""
+    copy = example.parent / "copied_run"
+    shutil.copytree(baseline, copy, ignore=shutil.ignore_patterns("eval_step*.json"))
+    pwned = example.parent / "pwned"
+    config = yaml.safe_load((copy / ".hydra" / "config.yaml").read_text())
+    assert config["allowed_targets"] == ["my_experiments."]  # what the run recorded
+    config["allowed_targets"].append("os.")
+    config["task"] = {"_target_": "os.system", "command": f"touch {pwned}"}
+    (copy / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    load = f"import trainers; trainers.load({str(copy)!r})"
+    for args in (["-m", "trainers.evaluate", str(copy)], ["-c", load]):
+        result = venv_run(venv_python, example.parent, *args)
+        assert result.returncode != 0, result.stdout
+        assert "allows _target_s under 'os.'" in result.stderr, result.stderr[-2000:]
+        assert '[project.entry-points."xshard.allowed_targets"] os = "os"' in result.stderr
+    assert not pwned.exists() and not list(copy.glob("eval_step*.json"))

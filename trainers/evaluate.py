@@ -5,6 +5,7 @@ evaluate a saved checkpoint, and export its params.
     python -m trainers.evaluate runs/a step=200 trainer.eval_batches=100
     python -m trainers.evaluate runs/a --export params.npz               # and write the params
     python -m trainers.evaluate runs/a '+allowed_targets=[my_experiments.]'   # your own code
+                                     # (or its package's entry point: docs/tasks.md)
 
 Evaluates the checkpoint on the task's eval split (every example once), prints the metrics
 and writes them to ``<run dir>/eval_step<N>.json``; ``--export`` also writes the params to a

@@ -159,6 +159,15 @@ def installed_entries() -> set[str]:
     return found
 
 
+def entry_point_lines(entries: Iterable[str]) -> str:
+    """The ``pyproject.toml`` lines that make an installed package grant `entries`
+    (`installed_entries`), on one line: ``[project.entry-points."xshard.allowed_targets"]
+    my_experiments = "my_experiments"``."""
+    modules = sorted({entry.rstrip(".") for entry in entries})
+    points = " ".join(f'{module} = "{module}"' for module in modules)
+    return f'[project.entry-points."{ENTRY_POINT_GROUP}"] {points}'
+
+
 def export_command_line_entries() -> None:
     """Adds the command line's ``allowed_targets`` entries to ``XSHARD_ALLOWED_TARGETS``.
 

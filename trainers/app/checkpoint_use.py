@@ -100,7 +100,8 @@ def restore_run(
         ruled = tuple(axis for axis, _ in parts.tx.spec.axes.rules)
         step_dir = directory / str(steps[-1] if step is None else step)
         target = with_saved_replica_shapes(state, step_dir, periodic + ruled)
-    state = restore_checkpoint(RestoreSource(directory, step), target, run_config(cfg))
+    source = RestoreSource(directory, step)
+    state = restore_checkpoint(source, target, run_config(cfg), action="Reading")
     return Restored(parts, state, int(jax.device_get(state.step)))
 
 
@@ -108,14 +109,17 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     """Loads a run's checkpoint for inference, on one device, as host NumPy arrays.
 
         run = trainers.load("outputs/2025-01-01/12-00-00")      # the latest checkpoint
-        preds = run.task.apply(run.params, x)                    # a built-in task's model
+        preds = run.task.apply(run.params, x)                    # task=mlp's model
+        model = run.task.merge(run.params, run.model_state)      # a Flax NNX task's module
 
     Args:
-      run_dir: the run's dir (its ``hydra.run.dir``: ``.hydra/config.yaml``, ``checkpoints/``).
+      run_dir: the run's dir (its ``hydra.run.dir``: ``.hydra/config.yaml``, ``checkpoints/``),
+        relative to the working directory now, ``~`` expanded.
       step: the checkpoint's step; None: the latest complete one.
       overrides: ``key=value`` config overrides; ``+allowed_targets=[mypkg.]`` trusts your
         own package's ``_target_``s the saved config names (a saved config cannot widen the
-        allowlist itself).
+        allowlist itself; an installed package's ``xshard.allowed_targets`` entry point, or
+        ``XSHARD_ALLOWED_TARGETS``, does too).
 
     Returns:
       A `Loaded`.

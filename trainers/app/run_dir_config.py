@@ -19,6 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.errors import UntrustedConfigError
+from trainers.rundir.user_paths import user_path
 from xshard.errors import ConfigError
 from xshard.targets import ALLOWED_TARGETS_KEY
 
@@ -29,12 +31,14 @@ CHECKPOINTS = "checkpoints"
 
 
 def checked_run_dir(run_dir: str | Path) -> Path:
-    """`run_dir` if it is a run dir: a directory with a saved config and checkpoints.
+    """`run_dir` as an absolute path, if it is a run dir: a directory with a saved config and
+    checkpoints. A relative `run_dir` is relative to the working directory now, ``~``
+    expanded (`trainers.rundir.user_paths.user_path`).
 
     Raises:
       ConfigError: naming what is missing.
     """
-    path = Path(run_dir).expanduser()
+    path = user_path(run_dir)
     if not path.is_dir():
         raise ConfigError(f"run dir {str(run_dir)!r}: no such directory.")
     for needed in (CONFIG_FILE, Path(CHECKPOINTS)):
@@ -75,6 +79,7 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
         raise ConfigError(f"{path}: expected a mapping of config keys.")
     granted = frozenset(command_line_entries(overrides) | environment_entries())
     granted |= installed_entries()
+    _refuse_ungranted_entries(path, content.get(ALLOWED_TARGETS_KEY), granted)
     kept = {k: v for k, v in content.items() if k not in ("hydra", "paths")}
     for key, _ in list(leaves(kept)):  # where the run wrote is the run's own: not reused here
         if is_location(key):
@@ -96,6 +101,35 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
         "checkpoint_dir": str(run_dir / CHECKPOINTS),
     }
     return cfg
+
+
+def _refuse_ungranted_entries(path: Path, node: Any, granted: frozenset[str]) -> None:
+    """Refuses the saved ``allowed_targets`` entries no source of this process grants, saying
+    how to trust one's own package: its entry point, the command line or the environment.
+
+    The saved config records the entries the run had; only this process's sources can make
+    them count (a copied run dir must not widen the allowlist).
+
+    Raises:
+      UntrustedConfigError: naming the entries and the three ways to grant them.
+    """
+    from trainers.app.allowlist import ALLOWED_TARGETS_ENV, entry_point_lines, file_entries
+
+    if node is None:
+        return
+    entries = file_entries(node)
+    ungranted = [e for e in entries if e is not None and e not in granted]
+    if not ungranted or None in entries:  # an entry read elsewhere: `check_file` names it
+        return
+    listed = ",".join(ungranted)
+    raise UntrustedConfigError(
+        f"{path} allows _target_s under {listed!r} ({ALLOWED_TARGETS_KEY}), which nothing this "
+        "process trusts grants: a run dir's saved config cannot widen the allowlist by itself "
+        "(a copied one could name any code). If it is your own package, declare it in its "
+        f"pyproject.toml and reinstall it ('pip install -e .'): {entry_point_lines(ungranted)}; "
+        f"or pass '+{ALLOWED_TARGETS_KEY}=[{listed}]', or export "
+        f"{ALLOWED_TARGETS_ENV}={listed} (docs/reliability.md, Threat model)."
+    )
 
 
 def _drop(node: dict[Any, Any], path: list[str]) -> None:

@@ -4,13 +4,17 @@ A full disk must not surface as a traceback from Orbax's background thread, nor 
 only at the first save: `check_checkpoint_space` runs at start-up (the run fails early if
 one checkpoint does not fit), and `write_failure` recognises a failed write among the errors a
 save raises (an `OSError`, or tensorstore's ``ValueError`` carrying ``os_error_code``), so
-that `CheckpointHook` can report it in one line. `quiet_io_error_noise` keeps the same
+that `CheckpointHook` can report it in one line. `read_damage` tells a restore that met damaged
+data (a truncated, deleted or garbled file of the checkpoint) from one that failed for any other
+reason (a file it may not read, a bug), which is not corruption and must not be reported as
+such. `quiet_io_error_noise` keeps the same
 error's other reports (Orbax's and asyncio's logs, tensorstore's late callbacks) from
 printing tracebacks.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -31,6 +35,14 @@ BYTES_PER_ARRAY = 1024
 BYTES_PER_CHECKPOINT = 128 * 1024
 
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+#: TensorStore's status codes of a read that met damaged data: a file cut short (OUT_OF_RANGE),
+#: bytes that do not decode or fail their check (DATA_LOSS), a file of the checkpoint missing
+#: (NOT_FOUND, FAILED_PRECONDITION for a missing OCDBT process folder).
+DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
+_DAMAGE_STATUS = re.compile(r"\b(?:" + "|".join(DAMAGE_CODES) + r"): ")
+#: Orbax's own words for a checkpoint whose files disagree: an item folder missing, or an
+#: array tree that is not the one its metadata declares (a deleted or garbled ``_METADATA``).
+_DAMAGE_TEXT = ("was not found in the checkpoint", "pytree structure error")
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +106,8 @@ def check_checkpoint_space(directory: str | Path, state: Any) -> int:
 
 
 def write_failure(error: BaseException) -> str | None:
-    """Why a save failed, if it failed to write: the OS error's text, else None.
+    """Why a save failed, if it failed to write: the OS error's text, else None (a failed
+    read too: a restore that may not read a file).
 
     Looks through the exception's causes: Orbax re-raises the errors of its background
     threads, and tensorstore reports OS errors as ``ValueError("RESOURCE_EXHAUSTED: ...
@@ -106,17 +119,43 @@ def write_failure(error: BaseException) -> str | None:
     Returns:
       E.g. "No space left on device"; None for an error that is not a failed write.
     """
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in _causes(error):
         if isinstance(e, OSError):
             return e.strerror or f"{type(e).__name__}: {e}"
         match = _OS_ERROR_CODE.search(str(e))
         if match:
             return os.strerror(int(match.group(1)))
-        e = e.__cause__ or e.__context__
     return None
+
+
+def read_damage(error: BaseException) -> bool:
+    """Whether a failed restore met damaged data, looking through the exception's causes.
+
+    Damaged: a TensorStore status of `DAMAGE_CODES`, a JSON file that does not parse, a file
+    or item folder of the checkpoint missing, an array tree that disagrees with its metadata.
+    Not damaged (False): every other error, among them a file that may not be read
+    (``PERMISSION_DENIED``, `PermissionError`) and errors of the caller (Orbax's "Checkpoint
+    path should be absolute").
+    """
+    for e in _causes(error):
+        if isinstance(e, PermissionError) or "PERMISSION_DENIED" in str(e):
+            return False
+        if isinstance(e, (json.JSONDecodeError, FileNotFoundError)):
+            return True
+        text = str(e)
+        if _DAMAGE_STATUS.search(text) or any(t in text for t in _DAMAGE_TEXT):
+            return True
+    return False
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error` and its causes (``__cause__``, else ``__context__``), each once."""
+    seen: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and all(e is not s for s in seen):
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
 
 
 def free_bytes(directory: str | Path) -> int | None:

@@ -6,23 +6,27 @@ run owns its checkpoint dir. A ``trainer.resume_from`` source is only read, neve
 modified or pruned. `restore_checkpoint` then:
 
 1. reads the step's JSON metadata (unreadable, or valid JSON that is not this format's
-   metadata: corrupted) and checks it against the current run (`check_compatible`):
-   the state's tree structure, shapes and dtypes, and the task and optimizer ``_target_``,
-   must match, else `CheckpointError` naming what differs; other config changes are logged;
+   metadata: corrupted) and checks it against the current run
+   (`trainers.checkpoint.compat.check_compatible`): the state's tree structure, shapes and
+   dtypes, and the task and optimizer ``_target_``, must match, else `CheckpointError` naming
+   what differs; other config changes are logged;
 2. restores the arrays straight into the shardings of the current run's state, so that a
    checkpoint saved on one mesh restores onto another (`ocp.args.StandardRestore`);
 3. verifies the arrays against the checksums saved with them: Orbax detects truncated or
    missing files, but loads flipped bytes of raw array data without complaint.
 
-A corrupted checkpoint is an error, or with ``checkpoint.fallback_to_previous=true`` a warning
-and a restore of the step before (the corrupted folder is moved to ``checkpoints.corrupt/`` in
-the run's own dir, never deleted). Nothing is modified when an error is raised.
+A read that fails is corruption only when it met damaged data
+(`trainers.checkpoint.io.read_damage`: a truncated, missing or garbled file); a file the OS
+refuses to read is a `CheckpointError` saying so, and any other error is raised as it is,
+neither with the advice to fall back. A corrupted checkpoint is an error, or with
+``checkpoint.fallback_to_previous=true`` a warning and a restore of the step before (the
+corrupted folder is moved to ``checkpoints.corrupt/`` in the run's own dir, never deleted).
+Nothing is modified when an error is raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 from collections.abc import Mapping
@@ -32,25 +36,20 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from trainers.checkpoint.hook import FORMAT, METADATA_ITEM, STATE_ITEM, integrity, state_signature
-from trainers.checkpoint.io import complete_steps, quiet_io_error_noise
+from trainers.checkpoint.compat import check_compatible, check_metadata, listing
+from trainers.checkpoint.hook import METADATA_ITEM, STATE_ITEM, integrity, state_signature
+from trainers.checkpoint.io import (
+    complete_steps,
+    quiet_io_error_noise,
+    read_damage,
+    write_failure,
+)
 from trainers.core.model_state import from_saved, saved_tree
 from trainers.core.trainer import TrainState
 from trainers.errors import CheckpointError, CorruptCheckpointError
+from trainers.rundir.user_paths import launch_dir, user_path
 
 logger = logging.getLogger(__name__)
-
-#: Config keys that must be equal to resume: the state means something else otherwise.
-MUST_MATCH_KEYS = ("task._target_", "optimizer._target_")
-#: Config keys whose change on resume is expected and not worth a warning.
-QUIET_KEYS = (
-    "checkpoint.",
-    "logger.",
-    "trainer.resume_from",
-    "trainer.progress",
-    "distributed.",  # the processes that run it: 2x4 devices resume on 1x8 and back
-)
-_ABSENT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +73,8 @@ def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> R
     Args:
       checkpoint_dir: the run's checkpoint directory.
       resume_from: a checkpoints directory, one of its step folders, or a run's output
-        directory (holding ``checkpoints/``); or None.
+        directory (holding ``checkpoints/``); or None. Relative to the directory of the
+        user's command (`trainers.rundir.user_paths.launch_dir`), ``~`` expanded.
 
     Raises:
       CheckpointError: if `resume_from` holds no complete checkpoint.
@@ -90,7 +90,7 @@ def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> R
         return RestoreSource(Path(checkpoint_dir), own=True)
     if not resume_from:
         return None
-    path = Path(resume_from)
+    path = user_path(resume_from, launch_dir())  # where the user typed it, not the run dir
     if (path / "checkpoints").is_dir():
         path = path / "checkpoints"
     if path.name.isdigit() and (path / STATE_ITEM).is_dir():
@@ -99,7 +99,7 @@ def find_resume_source(checkpoint_dir: str | Path, resume_from: str | None) -> R
     elif complete_steps(path):
         return RestoreSource(path)
     raise CheckpointError(
-        f"trainer.resume_from={resume_from!r} holds no complete checkpoint: expected a "
+        f"trainer.resume_from={resume_from!r} ({path}) holds no complete checkpoint: expected a "
         "checkpoints directory (step folders such as 100/), one step folder, or a run's "
         "output directory."
     )
@@ -111,6 +111,7 @@ def restore_checkpoint(
     config: dict[str, Any],
     *,
     fallback_to_previous: bool = False,
+    action: str = "Resuming from",
 ) -> TrainState:
     """Restores a checkpoint into the shapes, dtypes and shardings of `target`.
 
@@ -122,6 +123,7 @@ def restore_checkpoint(
       fallback_to_previous: if the latest step is corrupted, warn and try the one before. In
         the run's own directory, a corrupted step is moved to ``<directory>.corrupt/``, so
         that the resumed run can save that step again; nothing is deleted.
+      action: what the restore is for, in the warning about a changed config.
 
     Returns:
       The restored state.
@@ -135,13 +137,14 @@ def restore_checkpoint(
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target
     )
-    steps = [source.step] if source.step is not None else complete_steps(source.directory)[::-1]
+    directory = user_path(source.directory)  # Orbax reads absolute paths only
+    steps = [source.step] if source.step is not None else complete_steps(directory)[::-1]
     moved: list[Path] = []
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         for i, step in enumerate(steps):
-            path = source.directory / str(step)
+            path = directory / str(step)
             try:
-                return _restore_step(checkpointer, path, abstract, config)
+                return _restore_step(checkpointer, path, abstract, config, action)
             except CorruptCheckpointError as e:
                 previous = steps[i + 1] if i + 1 < len(steps) else None
                 if fallback_to_previous and previous is not None:
@@ -166,22 +169,16 @@ def restore_checkpoint(
                     else "Nothing was modified."
                 )
                 raise CheckpointError(f"{e} {hint} {done}") from e
-    raise CheckpointError(f"No complete checkpoint in {source.directory}.")
+    raise CheckpointError(f"No complete checkpoint in {directory}.")
 
 
-def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, config: dict) -> Any:
+def _restore_step(
+    checkpointer: ocp.Checkpointer, path: Path, abstract: Any, config: dict, action: str
+) -> Any:
     """Metadata, compatibility check, arrays, checksums: one step folder, in that order."""
-    try:
-        metadata = checkpointer.restore(
-            path, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-        )[METADATA_ITEM]
-    except Exception as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint {path}: its metadata cannot be read ({_first_line(e)})."
-        ) from e
-    _check_metadata(metadata, path)
+    metadata = _read_metadata(checkpointer, path)
     _check_step(path, metadata.get("step"), "its metadata")
-    check_compatible(metadata, state_signature(abstract), config, where=str(path))
+    check_compatible(metadata, state_signature(abstract), config, where=str(path), action=action)
     try:
         saved = checkpointer.restore(
             path,
@@ -189,21 +186,52 @@ def _restore_step(checkpointer: ocp.Checkpointer, path: Path, abstract: Any, con
         )[STATE_ITEM]
         state = from_saved(saved, abstract)
     except Exception as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint {path} is corrupted or truncated: {_first_line(e)}."
-        ) from e
+        _raise_read_error(
+            e, path, f"Checkpoint {path} is corrupted or truncated: {_first_line(e)}."
+        )
+        raise
     _, checksums = integrity(state)
     saved = metadata.get("checksums", {})
     bad = [p for p, s in checksums.items() if saved.get(p) != s]
     if bad:
         raise CorruptCheckpointError(
-            f"Checkpoint {path} is corrupted: the data of {_listing(bad)} does not match the "
+            f"Checkpoint {path} is corrupted: the data of {listing(bad)} does not match the "
             "checksums saved with it."
         )
     restored = int(jax.device_get(state.step))
     _check_step(path, restored, "its state")
     logger.info("Restored step %d from %s.", restored, path)
     return state
+
+
+def _read_metadata(checkpointer: ocp.Checkpointer, path: Path) -> Mapping[str, Any]:
+    """A step's JSON metadata, checked to be xshard's (`_check_metadata`)."""
+    try:
+        metadata = checkpointer.restore(
+            path, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
+        )[METADATA_ITEM]
+    except Exception as e:
+        _raise_read_error(
+            e, path, f"Checkpoint {path}: its metadata cannot be read ({_first_line(e)})."
+        )
+        raise
+    check_metadata(metadata, path)
+    return metadata
+
+
+def _raise_read_error(error: Exception, path: Path, corrupted: str) -> None:
+    """Raises what a failed read of checkpoint `path` is: `CorruptCheckpointError` with the
+    message `corrupted` for damaged data (`trainers.checkpoint.io.read_damage`), a plain
+    `CheckpointError` for a file the OS refuses to read (the data may be fine: no fallback is
+    offered); returns for any other error, which the caller re-raises as it is."""
+    if read_damage(error):
+        raise CorruptCheckpointError(corrupted) from error
+    failure = write_failure(error)
+    if failure is not None:
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read: {failure} ({_first_line(error)}). It is not "
+            "corrupted as far as can be told: fix the access and run again. Nothing was modified."
+        ) from error
 
 
 def _check_step(path: Path, step: Any, where: str) -> None:
@@ -227,72 +255,6 @@ def _check_step(path: Path, step: Any, where: str) -> None:
     )
 
 
-def _check_metadata(metadata: Any, path: Path) -> None:
-    """Valid JSON that is not this format's metadata is as unusable as unreadable metadata."""
-    if not isinstance(metadata, Mapping):
-        kind = {list: "list", str: "string", bool: "boolean", type(None): "null"}
-        problem = f"a JSON {kind.get(type(metadata), 'number')}, not an object"
-    elif metadata.get("format") != FORMAT:
-        problem = f"format {metadata.get('format', 'absent')!r:.80}"
-    else:
-        bad = [
-            k
-            for k in ("signature", "checksums", "config")
-            if not isinstance(metadata.get(k), Mapping)
-        ]
-        if not bad and not all(
-            isinstance(leaf, list) and len(leaf) == 2 and isinstance(leaf[0], list)
-            for leaf in metadata["signature"].values()
-        ):
-            bad.append("signature entry")
-        if not bad:
-            return
-        problem = f"format {FORMAT!r} with a malformed {', '.join(bad)}"
-    raise CorruptCheckpointError(
-        f"Checkpoint {path}: its metadata is not xshard checkpoint metadata of format "
-        f"{FORMAT!r} (found {problem})."
-    )
-
-
-def check_compatible(
-    metadata: Mapping[str, Any], signature: dict[str, list], config: dict[str, Any], *, where: str
-) -> None:
-    """Checks a checkpoint's metadata against the current run.
-
-    Args:
-      metadata: the checkpoint's JSON metadata.
-      signature: `state_signature` of the current run's state.
-      config: the current run's `run_config`.
-      where: the checkpoint, for messages.
-
-    Raises:
-      CheckpointError: if the state's structure, shapes or dtypes differ, or a
-        `MUST_MATCH_KEYS` config value differs; the message lists both.
-    """
-    saved, now = _flatten(metadata.get("config", {})), _flatten(config)
-    changed = {k for k in saved.keys() | now.keys() if saved.get(k, _ABSENT) != now.get(k, _ABSENT)}
-    config_diff = [
-        f"{k}: {_json(saved.get(k, _ABSENT))} in the checkpoint, {_json(now.get(k, _ABSENT))} now"
-        for k in sorted(changed)
-        if not k.startswith(QUIET_KEYS)
-    ]
-    old = metadata.get("signature", {})
-    state_diff = [
-        f"{p}: {_leaf(old.get(p))} in the checkpoint, {_leaf(signature.get(p))} now"
-        for p in list(old) + [p for p in signature if p not in old]
-        if old.get(p) != signature.get(p)
-    ]
-    if state_diff or changed & set(MUST_MATCH_KEYS):
-        raise CheckpointError(
-            f"Checkpoint {where} does not match this run and was left untouched. "
-            f"Config differences: {_listing(config_diff) if config_diff else 'none'}. "
-            f"State differences: {_listing(state_diff) if state_diff else 'none'}. Resume with "
-            "the checkpoint's config, or start afresh in another hydra.run.dir."
-        )
-    if config_diff:
-        logger.warning("Resuming from %s with a changed config: %s.", where, "; ".join(config_diff))
-
-
 def _move_aside(path: Path) -> Path:
     """Moves a corrupted step folder to ``<checkpoints>.corrupt/<step>``; returns where."""
     dest_dir = path.parent.with_name(path.parent.name + ".corrupt")
@@ -309,28 +271,6 @@ def _move_aside(path: Path) -> Path:
     shutil.move(path, dest)
     logger.warning("Moved the corrupted checkpoint %s to %s.", path, dest)
     return dest
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping) and tree:
-        out: dict[str, Any] = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def _json(value: Any) -> str:
-    return "absent" if value is _ABSENT else json.dumps(value)
-
-
-def _leaf(entry: list | None) -> str:
-    return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
-
-
-def _listing(items: list[str], limit: int = 3) -> str:
-    more = f" (and {len(items) - limit} more)" if len(items) > limit else ""
-    return "; ".join(items[:limit]) + more
 
 
 def _first_line(e: BaseException) -> str:
@@ -350,18 +290,11 @@ def with_saved_replica_shapes(
     other leaf keeps its shape, so a checkpoint of another model still fails its restore.
 
     Raises:
-      CorruptCheckpointError: if the step's metadata cannot be read.
+      CorruptCheckpointError: if the step's metadata cannot be read or is not xshard's.
     """
-    try:
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
-            metadata = checkpointer.restore(
-                step_dir, args=ocp.args.Composite(**{METADATA_ITEM: ocp.args.JsonRestore()})
-            )[METADATA_ITEM]
-        signature = metadata["signature"]
-    except Exception as e:
-        raise CorruptCheckpointError(
-            f"Checkpoint {step_dir}: its metadata cannot be read ({_first_line(e)})."
-        ) from e
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        metadata = _read_metadata(checkpointer, step_dir)
+    signature = metadata["signature"]
 
     def shape(path: Any, x: Any) -> Any:
         spec = tuple(getattr(x.sharding, "spec", ()))

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainers.cluster.multihost import Cluster
 from trainers.rundir.links import write_file
 from trainers.rundir.log_file import RunLogFile
+from trainers.rundir.user_paths import launch_dir, user_path
 from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,9 @@ class RunDirs:
 
 
 def absolute_path(path: Any) -> str:
-    """`path` (a config value) as an absolute path, without resolving symlinks."""
-    return str(Path(str(path)).expanduser().absolute())
+    """`path` (a config value) as an absolute path, without resolving symlinks: relative to
+    the directory of the user's command (`trainers.rundir.user_paths.launch_dir`)."""
+    return str(user_path(str(path), launch_dir()))
 
 
 def share_run_dirs(cfg: DictConfig, cluster: Cluster) -> RunDirs:

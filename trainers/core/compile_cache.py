@@ -14,12 +14,13 @@ summary.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import jax
+
+from trainers.rundir.user_paths import launch_dir, user_path
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def enable_compilation_cache(path: str | None) -> Path | None:
     if path is None:
         _set_dir(None, compilation_cache)
         return None
-    directory = Path(os.path.expanduser(path)).absolute()
+    directory = user_path(path, launch_dir())  # where the user typed it, not the run dir
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:

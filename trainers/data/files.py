@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -26,6 +25,7 @@ import numpy as np
 from trainers.config.data import DataOptions
 from trainers.data import file_io
 from trainers.data.arrays import ArrayData, TokenWindows
+from trainers.rundir.user_paths import launch_dir, user_path
 from xshard.config.nodes import read_node, shown
 from xshard.errors import ConfigError
 
@@ -70,7 +70,8 @@ def _named(options: DataOptions) -> str:
 def _open(options: DataOptions) -> BinaryIO:
     """The file at ``task.data.path``, if it is a regular file (`file_io.open_regular`)."""
     assert options.path is not None  # `_options` returns only options with a path
-    return file_io.open_regular(Path(options.path).expanduser(), _named(options))
+    path = user_path(options.path, launch_dir())  # where the user typed it, not the run dir
+    return file_io.open_regular(path, _named(options))
 
 
 def _check_kind(array: np.ndarray, field: Field, what: str) -> None:

@@ -135,7 +135,7 @@ def test_export_from_the_cli(run, tmp_path):
     ("forged", "fragment"),
     [
         ({"task": {"_target_": "os.system", "command": "touch {pwned}"}}, "os.system"),
-        ({"allowed_targets": ["os."]}, "sets allowed_targets to 'os.'"),
+        ({"allowed_targets": ["os."]}, "allows _target_s under 'os.'"),
         ({"hydra": {"callbacks": {"x": {"_target_": "os.system"}}}}, "sets hydra.callbacks"),
     ],
 )
@@ -156,7 +156,28 @@ def test_a_forged_run_dir_is_refused_and_nothing_runs(run, tmp_path, forged, fra
     assert not pwned.exists() and not list(copy.glob("eval_step*.json"))
 
 
-def test_the_documented_load_and_export_example_runs(run, tmp_path):
+@pytest.fixture(scope="module")
+def nnx_run(tmp_path_factory) -> Path:
+    """A run of the built-in Flax NNX task (no ``apply``: the module is merged instead)."""
+    root = tmp_path_factory.mktemp("evaluate_nnx")
+    run_train(
+        "task=flax_nnx",
+        "mesh=cpu8",
+        "trainer.batch_size=16",
+        "trainer.steps=2",
+        f"hydra.run.dir={root / 'run'}",
+        cwd=root,
+    )
+    return root / "run"
+
+
+@pytest.mark.parametrize(
+    ("which", "target"),
+    [("run", "trainers.tasks.mlp.MLPTask"), ("nnx_run", "trainers.tasks.flax_nnx.NNXTask")],
+)
+def test_the_documented_load_and_export_example_runs(request, tmp_path, which, target):
+    run = request.getfixturevalue(which)
+    step = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     doc = (REPO / "docs" / "tasks.md").read_text()
     blocks = re.findall(r"```python\n(# load_and_export\.py.*?)```", doc, flags=re.S)
     assert len(blocks) == 1
@@ -169,7 +190,8 @@ def test_the_documented_load_and_export_example_runs(run, tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith(f"{STEPS} trainers.tasks.mlp.MLPTask")
+    assert proc.stdout.startswith(f"{step} {target}")
+    assert "nan" not in proc.stdout.lower()  # the model's outputs on two examples
     assert sorted(np.load(tmp_path / "params.npz").files) == sorted(
-        saved_params(run / "checkpoints" / str(STEPS))
+        saved_params(run / "checkpoints" / str(step))
     )

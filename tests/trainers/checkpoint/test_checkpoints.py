@@ -13,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
 from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.io import read_damage
 from trainers.checkpoint.resume import (
     RestoreSource,
     complete_steps,
@@ -115,6 +117,14 @@ def _malformed_metadata(step_dir: Path) -> None:
     path.write_text(json.dumps(metadata))
 
 
+def _delete_array_metadata(step_dir: Path) -> None:
+    (step_dir / "state" / "_METADATA").unlink()  # Orbax then reads another array tree
+
+
+def _delete_process_folder(step_dir: Path) -> None:
+    shutil.rmtree(step_dir / "state" / "ocdbt.process_0")  # TensorStore: FAILED_PRECONDITION
+
+
 def _swap_data(step_dir: Path) -> None:
     """Replaces the step's arrays by step 1's: valid files holding other values, which is how
     silently changed array bytes look to Orbax (it keeps no checksum of array data)."""
@@ -129,6 +139,8 @@ def _swap_data(step_dir: Path) -> None:
     [
         (truncate_data, "corrupted or truncated"),
         (_delete_manifest, "corrupted or truncated"),
+        (_delete_array_metadata, "corrupted or truncated"),
+        (_delete_process_folder, "corrupted or truncated"),
         (_garble_metadata, "metadata cannot be read"),
         (_other_format_metadata, "metadata is not .* \\(found format 'someone.else/2'\\)"),
         (_list_metadata, "metadata is not .* \\(found a JSON list, not an object\\)"),
@@ -138,6 +150,8 @@ def _swap_data(step_dir: Path) -> None:
     ids=[
         "truncated",
         "deleted-file",
+        "deleted-array-metadata",
+        "deleted-process-folder",
         "garbled-metadata",
         "other-format-metadata",
         "list-metadata",
@@ -165,6 +179,40 @@ def test_corrupted_checkpoint_is_an_error_or_falls_back_to_the_previous_step(
     )
     assert_bitwise_equal(host(restored), host(first))
     assert complete_steps(ckpt) == [1] and (tmp_path / "checkpoints.corrupt" / "2").is_dir()
+
+
+def test_an_error_that_is_not_damaged_data_is_not_called_corruption(tmp_path, monkeypatch):
+    """Orbax's own refusal of a relative path (what ``trainers.evaluate runs/a`` met), and a
+    file the OS refuses to read, are not corruption: no advice to fall back follows them."""
+    save(tmp_path / "ckpt", synthetic_state((8,), step=2))
+    monkeypatch.chdir(tmp_path)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        with pytest.raises(ValueError, match="should be absolute") as err:
+            checkpointer.restore(
+                Path("ckpt/2"), args=ocp.args.Composite(state=ocp.args.StandardRestore())
+            )
+    assert not read_damage(err.value)
+    assert not read_damage(PermissionError(13, "Permission denied", "ckpt/2/state/d/x"))
+    truncate_data(tmp_path / "ckpt" / "2")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        with pytest.raises(ValueError, match="OUT_OF_RANGE") as err:
+            checkpointer.restore(
+                tmp_path / "ckpt" / "2", args=ocp.args.Composite(state=ocp.args.StandardRestore())
+            )
+    assert read_damage(err.value)
+
+
+def test_a_relative_source_restores_from_the_working_directory(tmp_path, monkeypatch):
+    saved = synthetic_state((8,), step=3, seed=1)
+    save(tmp_path / "runs" / "a" / "checkpoints", saved)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    target = synthetic_state((8,), step=0, seed=2)
+    source = find_resume_source(tmp_path / "own", "../runs/a")
+    assert source == RestoreSource(tmp_path / "runs" / "a" / "checkpoints")
+    relative = RestoreSource(Path("../runs/a/checkpoints"))
+    for where in (source, relative):
+        assert_bitwise_equal(host(restore_checkpoint(where, target, CONFIG)), host(saved))
 
 
 def test_incompatible_checkpoint_names_what_differs(tmp_path):

@@ -23,6 +23,7 @@ from tests.reliability_helpers import load_state, snapshot, steps_snapshot, trun
 from trainers.app.sweep import write_result
 from trainers.checkpoint.io import complete_steps
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
+from trainers.config.run_names import short_name
 from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
 from trainers.hooks.csv_logger import CsvRunLogger
 from trainers.hooks.run_logger import RunInfo
@@ -78,8 +79,9 @@ def refused(result: subprocess.CompletedProcess, link: Path) -> str:
 
 
 def run_name(overrides: list[str]) -> str:
-    """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`)."""
-    return ",".join(sorted(overrides))
+    """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`,
+    ``logger.run_names=short``)."""
+    return short_name(sorted(overrides))
 
 
 # --------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def evaluation_hook(
     opts, trainer = options.trainer, parts.trainer  # agreed_stop: a signal stopped every process
     return EvalHook(
         started.evaluator,
-        every=opts.eval_every,
+        every=opts.eval_every or 0,  # null was read as 0 (`TrainerOptions`)
         num_steps=opts.steps,
         sinks=[],
         preempted=lambda: stop() or bool(trainer.agreed_stop and trainer.agreed_stop.signal),

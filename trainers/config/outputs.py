@@ -16,6 +16,7 @@ from trainers.config.loggers import (
     check_installed,
 )
 from trainers.config.run import check_int, check_steps, finite_positive
+from trainers.config.run_names import SHORT, check_style
 from xshard.config.nodes import LOCATION, read_node
 from xshard.errors import ConfigError
 
@@ -31,15 +32,15 @@ class PathsOptions:
       output_dir: the run's own dir (Hydra's ``hydra.run.dir``, or the job's dir in a
         multirun): log file, config dump, the checkpoint dir's owner record.
       tb_dir: TensorBoard events, in a folder named by the run's overrides so that
-        TensorBoard's run names read as them: ``<output dir>/tb/<overrides>`` for a run (view
-        with ``--logdir <output dir>/tb``), ``<sweep dir>/tb/<job subdir>`` for a multirun job
-        (``xshard.tb_dir`` in `trainers.config.resolvers`).
+        TensorBoard's run names read as them (``logger.run_names``): ``<output dir>/tb/<name>``
+        for a run (view with ``--logdir <output dir>/tb``), ``<sweep dir>/tb/<job subdir>``
+        for a multirun job (``xshard.tb_dir`` in `trainers.config.resolvers`).
       checkpoint_dir: Orbax checkpoints, one folder per step.
     """
 
     output_dir: str = dataclasses.field(default="${hydra:runtime.output_dir}", metadata=LOCATION)
     tb_dir: str = dataclasses.field(
-        default="${xshard.tb_dir:${paths.output_dir}}", metadata=LOCATION
+        default="${xshard.tb_dir:${paths.output_dir},${logger.run_names}}", metadata=LOCATION
     )
     checkpoint_dir: str = dataclasses.field(
         default="${paths.output_dir}/checkpoints", metadata=LOCATION
@@ -118,6 +119,10 @@ class LoggerOptions:
         averages (`trainers.hooks.noise_ema`; > 0).
       peak_flops_per_device: the accelerator's peak FLOP/s per device, for ``perf/mfu``;
         null logs the achieved ``perf/flops_per_sec`` only (`trainers.hooks.perf`).
+      run_names: how sweep job folders and TensorBoard runs are named
+        (`trainers.config.run_names`): "short" (the job number, each key's last component,
+        floats to 3 digits: ``3_every_steps=16,learning_rate=0.617``) or "overrides" (the
+        overrides as typed); the full overrides are in HParams and ``result.json`` either way.
       tensorboard, wandb, mlflow, csv: each logger's node, set by its option of the
         ``logger`` group (``logger=[tensorboard,wandb]``); null: that logger is off.
     """
@@ -126,6 +131,7 @@ class LoggerOptions:
     on_error: str = "stop"
     noise_ema_steps: float = 50
     peak_flops_per_device: float | None = None
+    run_names: str = SHORT
     tensorboard: TensorBoardLogger | None = None
     wandb: WandbLogger | None = None
     mlflow: MlflowLogger | None = None
@@ -145,6 +151,7 @@ class LoggerOptions:
         finite_positive(
             self.noise_ema_steps, "logger.noise_ema_steps", "the averaging time in steps"
         )
+        check_style(self.run_names)
         for name in self.selected:
             check_installed(name)
         if self.peak_flops_per_device is not None:

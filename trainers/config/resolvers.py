@@ -1,17 +1,19 @@
 """OmegaConf resolvers of xshard's configs (registered by the ``xshard_searchpath`` plugin).
 
-``${xshard.tb_dir:<output dir>}``, the default of ``paths.tb_dir``: a folder named by the run,
-so that TensorBoard's run names read as the overrides.
+``${xshard.tb_dir:<output dir>,<style>}``, the default of ``paths.tb_dir``: a folder named by
+the run, so that TensorBoard's run names read as the overrides. ``<style>`` is
+``logger.run_names`` (`trainers.config.run_names`: ``short``, the default, or ``overrides``).
 
-- a single run: ``<output dir>/tb/<overrides>`` (`run_name`: the overrides as in
-  ``hydra.job.override_dirname``, less ``hydra.*`` and ``paths.*`` keys; the job's name when
-  there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
+- a single run: ``<output dir>/tb/<name>`` (`run_name`: the overrides, less ``hydra.*`` and
+  ``paths.*`` keys and those Hydra leaves out of dir names, shortened or as typed; the job's
+  name when there are none); ``tensorboard --logdir <output dir>/tb`` shows it by that name.
   A rerun in the same output dir continues the same run (it resumes from its checkpoints),
   so it writes to the folder already there (the latest, if several; never a symbolic link),
   whatever its own overrides (``trainer.steps=200`` to train on): one TensorBoard run, one curve;
-- a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``, the
-  job's overrides by default, through ``${xshard.job_subdir:...}``), so
-  ``tensorboard --logdir <sweep dir>/tb`` shows every job by its overrides;
+- a job of a multirun (``-m``): ``<sweep dir>/tb/<job subdir>`` (``hydra.sweep.subdir``:
+  ``${xshard.job_name:<style>}`` by default, the job's number and its overrides shortened,
+  or its overrides as typed), so ``tensorboard --logdir <sweep dir>/tb`` shows every job by
+  its folder's name;
 - outside a Hydra app (the compose API): ``<output dir>/tb/run``;
 - before the run has an output dir (``--cfg job --resolve`` prints the config without running
   it, and ``hydra.runtime.output_dir`` is null then): the folder under ``hydra.run.dir`` that a
@@ -22,7 +24,7 @@ becomes ``optimizer.b=1:2``, so a folder name never holds spaces, braces, quotes
 (no ``..`` either: the name is one component). A name longer than `MAX_NAME` bytes is cut and
 ends with a hash of the whole name (`safe_name`), so a 300-character override still makes a
 folder (a file system takes `NAME_MAX` bytes per name) and two long names stay apart.
-``${xshard.job_subdir:<name>}`` (the default ``hydra.sweep.subdir``) is `safe_name`.
+``${xshard.job_subdir:<name>}`` is `safe_name` of a name of your own.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainers.config.run_names import OVERRIDES, SHORT, check_style, short_name
 
-def tb_dir(output_dir: str) -> str:
-    """The run's TensorBoard folder (module docstring)."""
+
+def tb_dir(output_dir: str, style: str = SHORT) -> str:
+    """The run's TensorBoard folder (module docstring); `style`: ``logger.run_names``."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -53,13 +57,12 @@ def tb_dir(output_dir: str) -> str:
     )
     if existing:  # a rerun in the same dir: the run's own folder
         return str(max(existing, key=lambda p: p.lstat().st_mtime))
-    return str(root / safe_name(run_name(hc)))
+    return str(root / safe_name(run_name(hc, check_style(style))))
 
 
-def run_name(hc: Any) -> str:
-    """The overrides, sorted and joined as Hydra joins them in ``override_dirname``, without
-    Hydra's own keys, ``paths.*`` (locations, not hyperparameters) and the keys Hydra leaves
-    out of directory names; the job's name when none is left."""
+def named_overrides(hc: Any) -> list[str]:
+    """The overrides a run's name shows, sorted: without Hydra's own keys, ``paths.*``
+    (locations, not hyperparameters) and the keys Hydra leaves out of directory names."""
     excluded = set(hc.job.config.override_dirname.exclude_keys)
     items = []
     for override in hc.overrides.task:
@@ -67,7 +70,29 @@ def run_name(hc: Any) -> str:
         if key in excluded or key.startswith(("hydra.", "hydra/", "paths.")):
             continue
         items.append(override)
-    return ",".join(sorted(items)) or hc.job.name or "run"
+    return sorted(items)
+
+
+def run_name(hc: Any, style: str = SHORT) -> str:
+    """A single run's name: its `named_overrides`, joined as Hydra joins them in
+    ``override_dirname`` (`style` ``overrides``) or shortened (``short``,
+    `trainers.config.run_names`); the job's name when none is left."""
+    items = named_overrides(hc)
+    if not items:
+        return hc.job.name or "run"
+    return ",".join(items) if style == OVERRIDES else short_name(items)
+
+
+def job_name(style: str = SHORT) -> str:
+    """A multirun job's folder (the default ``hydra.sweep.subdir``): its number and its
+    `named_overrides` shortened (`style` ``short``), or ``hydra.job.override_dirname``
+    (``overrides``); one clean path component (`safe_name`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hc = HydraConfig.get()
+    if check_style(style) == OVERRIDES:
+        return safe_name(hc.job.override_dirname)
+    return safe_name(short_name(named_overrides(hc), int(hc.job.num)))
 
 
 #: The longest name of one file or folder most file systems take (bytes; Linux's NAME_MAX).
@@ -105,5 +130,7 @@ def register_resolvers() -> None:
     """Registers the resolvers above (idempotent)."""
     if not OmegaConf.has_resolver("xshard.tb_dir"):
         OmegaConf.register_new_resolver("xshard.tb_dir", tb_dir)
+    if not OmegaConf.has_resolver("xshard.job_name"):
+        OmegaConf.register_new_resolver("xshard.job_name", job_name)
     if not OmegaConf.has_resolver("xshard.job_subdir"):
         OmegaConf.register_new_resolver("xshard.job_subdir", safe_name)

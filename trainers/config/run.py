@@ -65,6 +65,10 @@ def check_steps(value: Any, key: str, minimum: int, allowed: str) -> int:
     return check_int(value, key, minimum, f"{allowed}, at most {MAX_STEPS_SHOWN}", MAX_STEPS)
 
 
+#: Periods of the ``trainer`` node that null switches off, as 0 does (read as 0).
+OFF_WHEN_NULL = ("layer_stats_every", "histogram_every", "eval_every")
+
+
 #: Signals `trainer.stop_signals` may name: they stop training cleanly (checkpoint, exit 75).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
 
@@ -130,8 +134,8 @@ class TrainerOptions:
       stats_every: update/param norms and per-shard statistics every N steps (0: the last
         only; null: every `log_every`); the loss and the reduced gradient's norm come every
         step.
-      layer_stats_every: per-parameter norms every N steps (0: never).
-      histogram_every: gradient histograms every N steps (0: never).
+      layer_stats_every: per-parameter norms every N steps (0 or null: never).
+      histogram_every: gradient histograms every N steps (0 or null: never).
       max_consecutive_nonfinite: skipped non-finite steps in a row that are tolerated.
       resume_from: a checkpoints dir, step dir or run dir; used when this run's own
         checkpoints are empty (a rerun in the same dir resumes from those).
@@ -145,8 +149,8 @@ class TrainerOptions:
         ``allowed_targets: [mypkg.]``), run after the built-in ones.
       stop_signals: signals that stop training cleanly (checkpoint, exit 75); SIGUSR2 is the
         warning SLURM sends through submitit before the time limit.
-      eval_every: evaluate on the task's eval split every N steps and at the end (0: only at
-        the end). Tasks without an eval split are not evaluated.
+      eval_every: evaluate on the task's eval split every N steps and at the end (0 or null:
+        only at the end). Tasks without an eval split are not evaluated.
       eval_batches: batches per evaluation, the same ones every time (fewer if the split is
         smaller); 0 disables evaluation.
       eval_batch_size: the global batch of an evaluation; null: ``batch_size``.
@@ -167,8 +171,8 @@ class TrainerOptions:
     grad_impl: str = "manual"
     log_every: int = 10
     stats_every: int | None = None
-    layer_stats_every: int = 100
-    histogram_every: int = 100
+    layer_stats_every: int | None = 100
+    histogram_every: int | None = 100
     max_consecutive_nonfinite: int = 10
     resume_from: str | None = None
     progress: bool = True
@@ -178,7 +182,7 @@ class TrainerOptions:
     stop_signals: list[str] = dataclasses.field(
         default_factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR2"]
     )
-    eval_every: int = 0
+    eval_every: int | None = 0
     eval_batches: int = 10
     eval_batch_size: int | None = None
     objective: str = TRAIN_OBJECTIVE
@@ -200,8 +204,13 @@ class TrainerOptions:
         check_steps(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
         if self.stats_every is None:
             object.__setattr__(self, "stats_every", self.log_every)
+        for key in OFF_WHEN_NULL:  # null switches a period off, as 0 does
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, 0)
         for key in ("stats_every", "layer_stats_every", "histogram_every"):
-            check_steps(getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 disables")
+            check_steps(
+                getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 or null disables"
+            )
         check_int(
             self.max_consecutive_nonfinite,
             "trainer.max_consecutive_nonfinite",
@@ -220,7 +229,10 @@ class TrainerOptions:
             check_profile_steps(self.profile_steps, self.steps)
         check_stop_signals(self.stop_signals)
         check_steps(
-            self.eval_every, "trainer.eval_every", 0, "a period in steps, 0: at the end only"
+            self.eval_every,
+            "trainer.eval_every",
+            0,
+            "a period in steps, 0 or null: at the end only",
         )
         check_int(
             self.eval_batches, "trainer.eval_batches", 0, "batches per evaluation, 0 disables"

@@ -3,8 +3,9 @@
 A level's step function (`trainers.core.step`) becomes one jitted program that donates the
 state, packs the metrics and per-layer statistics into one vector (one transfer to the host),
 takes the highest stop vote of all devices (`trainers.core.stop_vote`) and, with a periodic
-axis, runs every replica alone. Each program is compiled when a step first needs it
-(`trainers.core.programs`) or ahead of time (`StepDispatch.compile_levels`), then dispatched by
+axis, runs every replica alone. The programs a run will meet are compiled together before its
+first step (`StepDispatch.compile_run`, which `Trainer.fit` calls; `compile_levels` for chosen
+levels), any other when a step first needs it (`trainers.core.programs`), then dispatched by
 `StepDispatch.step`; a periodic axis's programs run after it (`StepDispatch.sync`).
 
 `StepDispatch` is a base class of `trainers.core.trainer.Trainer`, whose ``__init__`` sets the
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding
 from trainers.core.metrics import COMPILE_TIME, StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.periodic import Periodic
 from trainers.core.placement import Placement
-from trainers.core.programs import ProgramKey, StepPrograms, Traced
+from trainers.core.programs import ProgramKey, StepPrograms, Traced, keys_in_run
 from trainers.core.step_levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step_types import TrainState, TrainStep
 from trainers.core.stop_vote import STOP_VOTE_KEY
@@ -39,7 +40,8 @@ class StepDispatch(Placement):
     Attributes (set by `Trainer.__init__`):
       periodic: the periodic axis (`trainers.core.periodic`), or None.
       agree_stop: whether the steps take the processes' stop votes.
-      programs: the compiled step programs, each compiled when a step first needs it.
+      programs: the compiled step programs (`compile_run`: those of a run, before its first
+        step).
       compile_seconds: the run's compile seconds so far; None before the first compilation.
     """
 
@@ -130,6 +132,27 @@ class StepDispatch(Placement):
             batch = self.global_batch(batch)
         missing = [ProgramKey(lv) for lv in sorted(set(levels))]
         missing = [key for key in missing if self.programs.get(key) is None]
+        if missing:
+            self._compile(missing, state, batch)
+
+    def compile_run(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        first: int,
+        num_steps: int,
+        periods: dict[str, int],
+    ) -> None:
+        """Compiles, concurrently, the step programs that steps `first` .. `num_steps` will run
+        (`keys_in_run` from the `periods` of `step_level`, the periodic axis's warm-up ones
+        for its warm-up steps), those not compiled yet: no statistics step compiles in the
+        middle of the run. The seconds join `compile_seconds`, reported with the next step."""
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            batch = self.global_batch(batch)
+        periodic = self.periodic
+        warmup_steps = periodic.rule.warmup_steps if periodic and self._warmup_fns else 0
+        keys = keys_in_run(first, num_steps, warmup_steps, periods)
+        missing = sorted(key for key in keys if self.programs.get(key) is None)
         if missing:
             self._compile(missing, state, batch)
 

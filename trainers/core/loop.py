@@ -52,6 +52,15 @@ class Stepper(Protocol):
 
     def with_compile_time(self, metrics: StepMetrics) -> StepMetrics: ...
 
+    def compile_run(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        first: int,
+        num_steps: int,
+        periods: dict[str, int],
+    ) -> None: ...
+
 
 @dataclasses.dataclass
 class FitLoop:
@@ -62,6 +71,8 @@ class FitLoop:
       hooks: receive each step's metrics one step late, diagnostics, states and the end.
       num_steps: the run's total number of updates.
       periods: ``stats_every``, ``layer_stats_every``, ``histogram_every`` (`step_level`).
+      compile_ahead: compile every step program the run will meet before its first step
+        (`Stepper.compile_run`), else each when a step first needs it.
       should_stop: this process's stop request, polled after every step.
       state: the current state.
       pending: the last dispatched step and its metrics, not yet given to the hooks.
@@ -73,6 +84,7 @@ class FitLoop:
     periods: dict[str, int]
     should_stop: Callable[[], Any]
     state: TrainState
+    compile_ahead: bool = True
     pending: tuple[int, StepMetrics] | None = None
 
     @property
@@ -87,6 +99,7 @@ class FitLoop:
           (final state, reason the loop ended).
         """
         step = int(jax.device_get(self.state.step))
+        first = step + 1
         self.trainer.agreed_stop = None
         reason = "done"
         try:
@@ -99,6 +112,8 @@ class FitLoop:
                     reason = "data_exhausted"
                     break
                 step += 1
+                if self.compile_ahead and step == first:
+                    self.trainer.compile_run(self.state, local, step, self.num_steps, self.periods)
                 if self.one_step(step, local):
                     reason = "stopped"
             if self.pending is not None:

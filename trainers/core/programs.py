@@ -1,6 +1,7 @@
 """A run's compiled step programs: one per kind of step (its level, and whether it is a
-periodic axis's warm-up step), compiled when a step first needs it, with what tracing
-recorded (the metric names, the per-layer statistics' layouts) to read their results."""
+periodic axis's warm-up step), those a run will meet compiled before its first step
+(`keys_in_run`), with what tracing recorded (the metric names, the per-layer statistics'
+layouts) to read their results."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.step import HISTOGRAMS, LAYERS, LEVELS, PLAIN
+from trainers.core.step_levels import levels_in_run
 from trainers.core.stop_vote import STOP_VOTE_KEY
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,17 @@ class ProgramKey(NamedTuple):
 
     level: int
     warmup: bool = False
+
+
+def keys_in_run(
+    first: int, num_steps: int, warmup_steps: int, periods: dict[str, int]
+) -> frozenset[ProgramKey]:
+    """The programs that steps `first` .. `num_steps` of a run run: the levels of its steps
+    (`levels_in_run` with `periods`), as warm-up programs for steps 1 .. `warmup_steps` (a
+    periodic axis's warm-up, 0: none)."""
+    warm = levels_in_run(first, num_steps, last=warmup_steps, **periods)
+    rest = levels_in_run(max(first, warmup_steps + 1), num_steps, **periods)
+    return frozenset(ProgramKey(lv, True) for lv in warm) | {ProgramKey(lv) for lv in rest}
 
 
 class StepPrograms:

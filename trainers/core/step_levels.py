@@ -69,16 +69,19 @@ def step_level(
     return PLAIN
 
 
-def levels_in_run(first: int, num_steps: int, **periods: int) -> frozenset[int]:
-    """The levels of steps `first` .. `num_steps` (`step_level`'s keyword `periods`).
+def levels_in_run(
+    first: int, num_steps: int, *, last: int | None = None, **periods: int
+) -> frozenset[int]:
+    """The levels of steps `first` .. `last` (default `num_steps`) of a run of `num_steps`
+    (`step_level`'s keyword `periods`).
 
     The schedule repeats with the least common multiple of the periods, so at most one period
-    and the last step are looked at.
+    and the run's last step are looked at.
     """
-    if first > num_steps:
+    last = num_steps if last is None else min(last, num_steps)
+    if first > last:
         return frozenset()
     active = [p for p in periods.values() if p > 0]
     period = math.lcm(*active) if active else 1
-    last = min(num_steps, first + period)
-    steps = [*range(first, last), num_steps]
+    steps = [*range(first, min(last + 1, first + period)), last]
     return frozenset(step_level(s, num_steps, **periods) for s in steps)

@@ -75,9 +75,11 @@ class Trainer(StepDispatch):
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step_levels`) has its own compiled program (docs/benchmarks.md measured the
-    alternatives slower), compiled when a step first needs it: the first step waits for one
-    program, not for all of them (time to the first step, measured in docs/benchmarks.md).
-    `compile_levels` compiles several ahead of time, concurrently.
+    alternatives slower). `fit` compiles those its run will meet before the first step,
+    concurrently (`compile_run`), so that no statistics step stops the run in its middle to
+    compile; ``fit(compile_ahead=False)`` compiles each when a step first needs it instead (a
+    faster first step, measured in docs/benchmarks.md). `compile_levels` compiles chosen
+    levels ahead of time.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
@@ -164,6 +166,7 @@ class Trainer(StepDispatch):
         histogram_every: int = 0,
         stats_every: int = 1,
         should_stop=lambda: False,
+        compile_ahead: bool = True,
     ) -> tuple[TrainState, str]:
         """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
 
@@ -185,6 +188,10 @@ class Trainer(StepDispatch):
             are this process's vote, cast into each step; a vote at step k ends the run after
             step k + 1 on every process (`agreed_stop` says whose vote it was), and nothing is
             checked before the first step (the caller agrees on that).
+          compile_ahead: compile every step program the run will meet (`compile_run`: the
+            levels of its steps from the periods above) before the first step, concurrently,
+            with their time reported at that step (`perf/compile_time_s`); False: each when a
+            step first needs it.
 
         Returns:
           (final state, reason the loop ended).
@@ -198,4 +205,5 @@ class Trainer(StepDispatch):
             "layer_stats_every": layer_stats_every,
             "histogram_every": histogram_every,
         }
-        return FitLoop(self, hooks, num_steps, periods, should_stop, state).run(batches)
+        loop = FitLoop(self, hooks, num_steps, periods, should_stop, state, compile_ahead)
+        return loop.run(batches)

@@ -1,8 +1,10 @@
-"""Hooks that watch the run: the progress bar and the non-finite guard's limits."""
+"""Hooks that watch the run: the progress bar (or, off a terminal, progress lines) and the
+non-finite guard's limits."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import sys
 import time
@@ -13,6 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from trainers.core.trainer import Hook, TrainState
 from trainers.errors import NonFiniteError
 from trainers.hooks.summary import format_loss
+
+log = logging.getLogger("trainers.train")
 
 
 class NonFiniteMonitor(Hook):
@@ -64,33 +68,62 @@ class NonFiniteMonitor(Hook):
 
 
 class ProgressHook(Hook):
-    """A tqdm progress bar on stderr: steps, loss, steps/s.
+    """A tqdm progress bar on stderr: steps, loss, steps/s; off a terminal, log lines instead.
 
     While the bar is shown, console log records are written through `tqdm.write`
     (`tqdm.contrib.logging.logging_redirect_tqdm`), above the bar instead of onto it. When the
     run ends the bar shows the last step's loss, as the run summary does (`format_loss`).
+
+    When stderr is not a terminal (CI logs, ``nohup``, a file) a bar's redraws would
+    interleave with the log lines, so there is no bar: a line ``Progress: step 30/300 (10%),
+    loss 2.712, 10.4 steps/s`` is logged at each tenth of the run and at least every
+    `LINE_SECONDS` seconds.
+
+    Args:
+      start_step: the step the run starts from.
+      num_steps: the run's last step.
+      enabled: show progress at all (``trainer.progress``).
+      terminal: whether stderr is a terminal; None: ask it (``isatty``).
     """
 
-    def __init__(self, *, start_step: int, num_steps: int, enabled: bool = True):
-        self._redirect = logging_redirect_tqdm() if enabled else contextlib.nullcontext()
+    #: The longest time between two progress lines off a terminal (seconds).
+    LINE_SECONDS = 60.0
+
+    def __init__(
+        self,
+        *,
+        start_step: int,
+        num_steps: int,
+        enabled: bool = True,
+        terminal: bool | None = None,
+    ):
+        terminal = sys.stderr.isatty() if terminal is None else terminal
+        bar = enabled and terminal
+        self._lines = enabled and not terminal
+        self._redirect = logging_redirect_tqdm() if bar else contextlib.nullcontext()
         self._redirect.__enter__()
         self._loss: float | None = None
         self._postfix: dict[str, str] = {}
+        self.num_steps = num_steps
         self.bar = tqdm(
             total=num_steps,
             initial=start_step,
             desc="train",
             unit="step",
             file=sys.stderr,
-            disable=not enabled,
+            disable=not bar,
             mininterval=0.5,
             dynamic_ncols=True,
         )
         self._last = (start_step, time.perf_counter())
+        self._last_line = self._last
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.update(step - self.bar.n)
         self._loss = metrics.get("train/loss", self._loss)
+        if self._lines:
+            self._log_line(step)
+            return
         last_step, last_time = self._last
         now = time.perf_counter()
         if now - last_time >= 1.0:
@@ -101,9 +134,28 @@ class ProgressHook(Hook):
             self.bar.set_postfix(self._postfix, refresh=False)
             self._last = (step, now)
 
+    def _log_line(self, step: int) -> None:
+        """A progress line at each tenth of the run, the last step, or `LINE_SECONDS` after
+        the previous line."""
+        last_step, last_time = self._last_line
+        now = time.perf_counter()
+        tenth = 10 * step // self.num_steps > 10 * last_step // self.num_steps
+        if not (tenth or step == self.num_steps or now - last_time >= self.LINE_SECONDS):
+            return
+        rate = (step - last_step) / (now - last_time) if now > last_time else 0.0
+        log.info(
+            "Progress: step %d/%d (%d%%), loss %s, %.1f steps/s",
+            step,
+            self.num_steps,
+            100 * step // self.num_steps,
+            format_loss(self._loss),
+            rate,
+        )
+        self._last_line = (step, now)
+
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         try:
-            if self._loss is not None:  # the last step's loss, as the run summary says
+            if self._loss is not None and not self._lines:  # as the run summary says
                 self.bar.set_postfix({**self._postfix, "loss": format_loss(self._loss)})
             self.bar.close()
         finally:

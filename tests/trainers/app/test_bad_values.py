@@ -180,6 +180,18 @@ def test_typed_node_reads_valid_values(compose_config):
     assert opts.stats_every == opts.log_every  # the interpolation is resolved
 
 
+def test_null_switches_a_period_off_as_0_does(compose_config):
+    """``trainer.layer_stats_every=null`` (and the other periods that 0 switches off) is
+    read as 0, as users write it; ``stats_every=null`` keeps its meaning (every log_every)."""
+    off = ("trainer.layer_stats_every=null", "trainer.histogram_every=null")
+    cfg = compose_config(*off, "trainer.eval_every=null", "trainer.stats_every=null")
+    opts = read_node(TrainerOptions, cfg.trainer, "trainer")
+    assert (opts.layer_stats_every, opts.histogram_every, opts.eval_every) == (0, 0, 0)
+    assert opts.stats_every == opts.log_every
+    with pytest.raises(ConfigError, match=r"^trainer.log_every=None: expected a value, not null"):
+        read_node(TrainerOptions, compose_config("trainer.log_every=null").trainer, "trainer")
+
+
 def test_empty_mesh_axes_are_refused_and_null_is_the_default():
     assert mesh_spec({"axes": None, "data_axes": None}) == mesh_spec({})
     for key in ("axes", "data_axes", "axis_types"):

@@ -37,10 +37,10 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_each_program_once(tmp
     )
     log = proc.stdout + proc.stderr
     # One executable per kind of step the run meets (plain, statistics, per-layer norms at
-    # 150, histograms at 300), each compiled when a step first needs it: the compile time so
-    # far is reported once with each of those steps.
+    # 150, histograms at 300), all compiled together before the first step: the compile time
+    # is reported once, with step 1, and no step in the middle of the run compiles.
     assert len(re.findall(r"Finished XLA compilation of jit\(train_step\)", log)) == 4
-    assert re.findall(r"Compiled the train step for level (\d) ", log) == ["0", "1", "2", "3"]
+    assert re.findall(r"Compiled the train step for levels ([\d, ]+) in", log) == ["0, 1, 2, 3"]
     assert f"tensorboard --logdir {run_dir / 'tb'}" in log
 
     events = load_events(run_dir / "tb")
@@ -50,9 +50,7 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_each_program_once(tmp
     assert sorted(loss) == list(range(25, 301, 25))
     assert loss[300] < loss[25]
     assert {"grad/noise_scale", "grad/noise_scale_ema", "perf/compile_time_s"} <= tags
-    compiled = events.Scalars("perf/compile_time_s")
-    assert [e.step for e in compiled] == [1, 25, 150, 300]
-    assert all(a.value < b.value for a, b in zip(compiled, compiled[1:], strict=False))
+    assert [e.step for e in events.Scalars("perf/compile_time_s")] == [1]
     assert any(t.startswith("layers/grad_norm/layers/0/w") for t in tags)
     assert any(t.startswith("grad_hist/") for t in events.Tags()["histograms"])
     assert "config/text_summary" in events.Tags()["tensors"]

@@ -4,11 +4,15 @@ submitit_local, Optuna), TensorBoard's own readers, the CLI's output."""
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
+import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import pytest
@@ -72,10 +76,14 @@ def test_basic_launcher_sweep_goes_on_after_a_diverging_job(tmp_path):
     )
     assert out.count("Job 0 diverged at step") == 1
 
-    # TensorBoard: runs named by the overrides; the swept key among the first columns; status.
+    # TensorBoard: runs named by job number and short overrides (logger.run_names=short); the
+    # swept key among the first columns; status.
     dash = hparams_dashboard(sweep / "tb", limit=5)
-    names = sorted(dash["runs"])
-    assert all(n.startswith("checkpoint=none,optimizer.learning_rate=") for n in names), names
+    rest = "optimizer=sgd,task=mlp,max_consecutive_nonfinite=2,steps=12"  # by their full keys
+    assert sorted(dash["runs"]) == [
+        f"0_checkpoint=none,learning_rate=1e+04,{rest}",
+        f"1_checkpoint=none,learning_rate=0.05,{rest}",
+    ]
     assert "optimizer.learning_rate" in dash["hparams"]
     assert {r["status"] for r in dash["runs"].values()} == {"STATUS_SUCCESS", "STATUS_FAILURE"}
     diverged = next(r for r in dash["runs"].values() if r["status"] == "STATUS_FAILURE")
@@ -151,17 +159,33 @@ def test_a_chosen_max_failure_rate_still_ends_the_study_with_its_table(tmp_path)
 
 
 def _cli(run_dir: Path, *overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    """The CLI with the progress bar on, stdout and stderr in one stream (as on a terminal)."""
-    return subprocess.run(
+    """The CLI with the progress bar on, stdout and stderr on one terminal (a pseudo-terminal:
+    off a terminal there is no bar, `trainers.hooks.monitor.ProgressHook`)."""
+    main, terminal = pty.openpty()
+    # A terminal 50 rows by 200 columns (a new pseudo-terminal has 0 columns: an empty bar).
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+    proc = subprocess.Popen(
         [sys.executable, "-m", "trainers.train", *overrides, f"hydra.run.dir={run_dir}"],
         cwd=cwd,
         env={**os.environ, "HYDRA_FULL_ERROR": "0", "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-        check=False,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
     )
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    returncode = proc.wait(timeout=600)
+    output = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return subprocess.CompletedProcess(proc.args, returncode, output, "")
 
 
 def _screen(output: str) -> list[str]:

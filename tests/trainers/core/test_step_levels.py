@@ -2,6 +2,7 @@
 
 import pytest
 
+from trainers.core.programs import ProgramKey, keys_in_run
 from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step_levels import levels_in_run, step_level
 
@@ -44,3 +45,22 @@ def test_levels_in_run_are_exactly_those_of_its_steps(first, num_steps, periods)
 
 def test_levels_in_a_finished_run_are_none():
     assert levels_in_run(11, 10, **PERIODS) == frozenset()
+
+
+@pytest.mark.parametrize("first,last,num_steps", [(1, 5, 300), (1, 150, 300), (90, 120, 300)])
+def test_levels_up_to_a_step_are_those_of_its_steps(first, last, num_steps):
+    every_step = {step_level(s, num_steps, **PERIODS) for s in range(first, last + 1)}
+    assert levels_in_run(first, num_steps, last=last, **PERIODS) == every_step
+
+
+@pytest.mark.parametrize(
+    "first,num_steps,warmup", [(1, 300, 0), (1, 300, 20), (1, 15, 20), (31, 300, 20)]
+)
+def test_the_programs_of_a_run_split_its_warmup_steps_from_the_others(first, num_steps, warmup):
+    """The programs `Trainer.fit` compiles before the first step: the level of each step,
+    with a periodic axis's warm-up program for steps 1 .. warmup."""
+    every_step = {
+        ProgramKey(step_level(s, num_steps, **PERIODS), s <= warmup)
+        for s in range(first, num_steps + 1)
+    }
+    assert keys_in_run(first, num_steps, warmup, PERIODS) == every_step

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import xshard
 from tests.cli import load_events
+from trainers.core.step_levels import LAYERS, PLAIN, STATS
 from trainers.core.trainer import Hook, Trainer
 from trainers.hooks.tensorboard import TensorBoardHook
 from trainers.tasks.mlp import MLPTask
@@ -253,3 +254,26 @@ def test_tensorboard_gets_every_tag_of_each_logging_step_in_one_event(mlp, tmp_p
             if e.step == step
         }
         assert len(times) == 1, (step, times)
+
+
+@pytest.mark.parametrize("compile_ahead", [True, False])
+def test_fit_compiles_the_programs_of_its_run_before_the_first_step(mlp, compile_ahead):
+    """Every program the run meets (plain, statistics at 4 and the last, per-layer at 3)
+    is compiled before step 1 and its time reported there; lazily, each step that first
+    needs a program compiles it."""
+    tx = xshard.cross_shard(optax.adam(3e-3), "mean", skip_nonfinite=True)
+    trainer = Trainer(mlp, tx, mesh_of((8,), ("data",)), global_batch_size=BATCH)
+    first = next(iter(mlp.batches(BATCH, seed=0)))
+    rec = Recorder()
+    trainer.fit(
+        trainer.init(trainer.init_params(first)),
+        mlp.batches(BATCH, seed=0),
+        num_steps=6,
+        hooks=[rec],
+        stats_every=4,
+        layer_stats_every=3,
+        compile_ahead=compile_ahead,
+    )
+    compiled_at = [s for s, m in sorted(rec.metrics.items()) if "perf/compile_time_s" in m]
+    assert compiled_at == ([1] if compile_ahead else [1, 3, 4])
+    assert sorted(trainer.executables()) == [PLAIN, STATS, LAYERS]

@@ -118,12 +118,15 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
 def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_path):
     from trainers.config.resolvers import run_name, safe_name, tb_dir
 
-    name = run_name(HydraConfig.get())
-    assert name == (
+    hc = HydraConfig.get()
+    assert run_name(hc, "overrides") == (
         "clip=null,optimizer.learning_rate=0.5,reduction=sum,task.hidden=[32,32],task=mlp,"
         "trainer.steps=7"
     )
+    name = run_name(hc)  # logger.run_names=short, the default
+    assert name == "clip=null,learning_rate=0.5,reduction=sum,hidden=[32,32],task=mlp,steps=7"
     assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / name)
+    assert tb_dir(str(tmp_path), "overrides") == str(tmp_path / "tb" / run_name(hc, "overrides"))
     (tmp_path / "tb" / "first").mkdir(parents=True)  # a rerun continues the run's folder
     assert tb_dir(str(tmp_path)) == str(tmp_path / "tb" / "first")
     long = safe_name("x=" + "a/" * 300)

@@ -27,6 +27,7 @@ from tests.reliability_helpers import (
 )
 from trainers.checkpoint.io import complete_steps
 from trainers.checkpoint.owner import LOCK_FILE
+from trainers.config.run_names import short_name
 from trainers.errors import EXIT_CONFIG_ERROR
 from xshard.config import one_line
 
@@ -75,8 +76,9 @@ def refused(result: subprocess.CompletedProcess, link: Path) -> str:
 
 
 def run_name(overrides: list[str]) -> str:
-    """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`)."""
-    return ",".join(sorted(overrides))
+    """The TensorBoard folder name of a run with `overrides` (`trainers.config.resolvers`,
+    ``logger.run_names=short``)."""
+    return short_name(sorted(overrides))
 
 
 # --------------------------------------------------------------------------------------------

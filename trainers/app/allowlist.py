@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Iterable
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainers.config.cli_args import argv_overrides
 from xshard.config.sections import section
 from xshard.errors import ConfigError
 from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
@@ -111,25 +111,6 @@ def command_line_entries(overrides: Iterable[str]) -> set[str]:
             if isinstance(value, str | list):
                 found |= _strings(value)
     return found
-
-
-def argv_overrides(argv: list[str] | None = None) -> list[str]:
-    """The overrides of this process's command line, parsed as Hydra's main parses them.
-
-    Args:
-      argv: the arguments (default ``sys.argv[1:]``).
-
-    Returns:
-      The positional overrides; none if `argv` is not a Hydra command line (a launcher's
-      worker process).
-    """
-    from hydra._internal.utils import get_args_parser
-
-    try:
-        args, _ = get_args_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit:  # not Hydra's arguments
-        return []
-    return [o for o in args.overrides if isinstance(o, str)]
 
 
 #: The environment variable whose comma-separated entries widen the allowlist.

@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from trainers.config.cli_args import swept_keys
 from trainers.config.run_names import OVERRIDES, SHORT, check_style, short_name
 
 
@@ -92,7 +93,18 @@ def job_name(style: str = SHORT) -> str:
     hc = HydraConfig.get()
     if check_style(style) == OVERRIDES:
         return safe_name(hc.job.override_dirname)
-    return safe_name(short_name(named_overrides(hc), int(hc.job.num)))
+    named = named_overrides(hc)
+    swept = sweep_keys(hc)
+    shown = [o for o in named if o.split("=", 1)[0].lstrip("+~") in swept] if swept else named
+    return safe_name(short_name(shown, int(hc.job.num)))
+
+
+def sweep_keys(hc: Any) -> frozenset[str]:
+    """The keys a multirun varies: its sweep overrides on the command line and the keys of
+    ``hydra.sweeper.params``; none where neither is known (a launcher's worker process sees
+    another command line), and then a job's name shows all its overrides."""
+    params = hc.sweeper.get("params") or {}
+    return swept_keys() | {str(k).lstrip("+~") for k in params}
 
 
 #: The longest name of one file or folder most file systems take (bytes; Linux's NAME_MAX).

@@ -3,7 +3,8 @@
 ``logger.run_names`` chooses how a run's folders are named (`RUN_NAME_STYLES`):
 
 - ``short`` (the default): each override as the last component of its key and its value,
-  a float rounded to 3 significant digits, and in a multirun the job's number first:
+  a float rounded to 3 significant digits, and in a multirun the job's number first and only
+  the keys the sweep varies (`trainers.config.resolvers.sweep_keys`):
   ``3_every_steps=16,learning_rate=0.617`` for
   ``reduction.axes.slice.every_steps=16,reduction.axes.slice.outer_optimizer.learning_rate=
   0.6166052607590903``. Two keys with the same last component keep as many components as

@@ -76,14 +76,10 @@ def test_basic_launcher_sweep_goes_on_after_a_diverging_job(tmp_path):
     )
     assert out.count("Job 0 diverged at step") == 1
 
-    # TensorBoard: runs named by job number and short overrides (logger.run_names=short); the
-    # swept key among the first columns; status.
+    # TensorBoard: runs named by job number and the swept key, short (logger.run_names=short);
+    # the swept key among the first columns; status.
     dash = hparams_dashboard(sweep / "tb", limit=5)
-    rest = "optimizer=sgd,task=mlp,max_consecutive_nonfinite=2,steps=12"  # by their full keys
-    assert sorted(dash["runs"]) == [
-        f"0_checkpoint=none,learning_rate=1e+04,{rest}",
-        f"1_checkpoint=none,learning_rate=0.05,{rest}",
-    ]
+    assert sorted(dash["runs"]) == ["0_learning_rate=1e+04", "1_learning_rate=0.05"]
     assert "optimizer.learning_rate" in dash["hparams"]
     assert {r["status"] for r in dash["runs"].values()} == {"STATUS_SUCCESS", "STATUS_FAILURE"}
     diverged = next(r for r in dash["runs"].values() if r["status"] == "STATUS_FAILURE")

@@ -7,8 +7,9 @@ of the optimizer's init, laid out by the run's own shardings, ZeRO stages includ
 
 * the params,
 * the optimizer state,
-* a step's gradients and its batch (its activations come on top: not estimated before the
-  step compiles, so the estimate is a lower bound of what a step needs),
+* a step's gradients and its batch (its activations come on top: they are known once the
+  step compiles, and `StepMemoryCheck` checks the compiled step's own memory analysis
+  before it first runs),
 
 and compares them with the memory there is: for CPU devices, which share the host's memory,
 the sum over this process's devices against ``MemAvailable`` (/proc/meminfo), the room left
@@ -26,13 +27,14 @@ from __future__ import annotations
 
 import math
 import resource
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from trainers.app.preflight import human_bytes
+from trainers.core.hook import Hook
 from trainers.core.zero import bytes_per_device
 from xshard.errors import ConfigError
 from xshard.simulated_devices import address_space_in_use
@@ -229,3 +231,71 @@ def _cgroup_free() -> int | None:
             return int(limit) - int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ a step's compiled program
+
+
+class StepMemory(NamedTuple):
+    """Bytes one device holds while a compiled step runs (XLA's memory analysis)."""
+
+    arguments: int  # the state and the batch going in
+    outputs: int  # the new state and the metrics (less what reuses donated inputs)
+    temporaries: int  # the step's activations and XLA's scratch buffers
+
+    @property
+    def total(self) -> int:
+        """Everything held at the step's peak."""
+        return self.arguments + self.outputs + self.temporaries
+
+
+def step_memory(programs: Mapping[int, Any]) -> StepMemory | None:
+    """The largest of the compiled step `programs`' per-device memory (by total); None where
+    the backend gives no memory analysis."""
+    found = []
+    for compiled in programs.values():
+        stats = compiled.memory_analysis()
+        if stats is None:
+            continue
+        outputs = max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+        found.append(StepMemory(stats.argument_size_in_bytes, outputs, stats.temp_size_in_bytes))
+    return max(found, key=lambda m: m.total, default=None)
+
+
+def check_step_memory(
+    programs: Mapping[int, Any], have: MemoryAvailable | None, batch_size: int
+) -> StepMemory | None:
+    """Refuses a run whose compiled step needs more memory than `have`: the state fitted
+    (`check_state_memory`), so what is too large is the step's activations.
+
+    Raises:
+      ConfigError: naming ``trainer.batch_size``, the step's bytes per device and in all, and
+        the memory there is.
+    """
+    need = step_memory(programs)
+    if need is None or have is None or need.total * have.devices <= have.free:
+        return need
+    show, n = human_bytes, have.devices
+    where = f", {show(need.total * n)} on {n} CPU devices" if n > 1 else ""
+    raise ConfigError(
+        f"trainer.batch_size={batch_size}: a compiled step needs {show(need.total)} per device "
+        f"(its activations and buffers {show(need.temporaries)}, state and batch in "
+        f"{show(need.arguments)}, out {show(need.outputs)}){where}; {have.what}. Choose a "
+        "smaller trainer.batch_size, trainer.microbatches > 1 or trainer.remat=full."
+    )
+
+
+class StepMemoryCheck(Hook):
+    """Runs `check_step_memory` on the programs `Trainer.fit` compiled before its first step,
+    on every process at once (`agreed`: a refusal on one process stops all)."""
+
+    def __init__(
+        self, devices: Sequence[Any], batch_size: int, agreed: Callable[[str], Any]
+    ) -> None:
+        self._devices = devices
+        self._batch_size = batch_size
+        self._agreed = agreed
+
+    def on_compiled(self, programs: Mapping[int, Any]) -> None:
+        with self._agreed("checking the memory of the compiled step"):
+            check_step_memory(programs, available_memory(self._devices), self._batch_size)

@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 
 from trainers.app.build import RunOptions, RunParts
 from trainers.app.loggers import logger_hooks, tensorboard_hook
+from trainers.app.memory_preflight import StepMemoryCheck
 from trainers.app.stages import Placement, Started
 from trainers.cluster.preemption import StopOnSignal
 from trainers.hooks.summary import RunSummary
@@ -44,7 +45,8 @@ def run_hooks(
         checkpoint_dir=dirs.checkpoint_dir if ckpt.enabled else None,
         objective=opts.objective,
     )
-    hooks: list[Any] = [summary, monitor]
+    memory = StepMemoryCheck(where.mesh.local_devices, opts.batch_size, where.cluster.agreed)
+    hooks: list[Any] = [memory, summary, monitor]
     evaluation = evaluation_hook(options, parts, started, stop)
     if evaluation is not None:
         hooks.append(evaluation)

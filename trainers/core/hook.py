@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainers.core.step import TrainState
@@ -19,6 +19,11 @@ class Hook:
     should let the run save its state first (a dead TensorBoard writer) returns True from
     `wants_stop`: the run then ends like on a stop signal, with reason "stopped".
     """
+
+    def on_compiled(self, programs: Mapping[int, Any]) -> None:
+        """The step programs the run compiled before its first step (``fit(compile_ahead=
+        True)``), by level (`jax.stages.Compiled`: their memory and cost analyses), before any
+        of them runs. Raise to refuse the run before it trains."""
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         """Metrics of step `step` (1-based count of updates), delivered one step late."""

@@ -61,6 +61,8 @@ class Stepper(Protocol):
         periods: dict[str, int],
     ) -> None: ...
 
+    def executables(self) -> dict[int, Any]: ...
+
 
 @dataclasses.dataclass
 class FitLoop:
@@ -114,6 +116,8 @@ class FitLoop:
                 step += 1
                 if self.compile_ahead and step == first:
                     self.trainer.compile_run(self.state, local, step, self.num_steps, self.periods)
+                    for hook in self.hooks:
+                        hook.on_compiled(self.trainer.executables())
                 if self.one_step(step, local):
                     reason = "stopped"
             if self.pending is not None:

@@ -141,3 +141,36 @@ def test_simulated_devices_are_bounded_by_the_address_space_limit():
     assert int(_bound_in_child(None)) == MAX_SIMULATED_CPU_DEVICES
     under_8g = int(_bound_in_child(8 << 30))
     assert 100 < under_8g < 550  # measured: XLA aborts at about 550 devices under 8 GiB
+
+
+# ------------------------------------------------------------------ a step's compiled program
+
+
+@pytest.mark.slow  # two tiny_gpt steps compiled on 8 devices
+def test_the_compiled_step_measures_its_activations_and_refuses_what_cannot_fit():
+    """`check_step_memory` reads XLA's memory analysis of the real compiled step: a step with
+    longer sequences needs more temporaries (attention scores grow as seq_len squared), and a
+    budget below the step's bytes is refused in one line naming trainer.batch_size."""
+    from trainers.app.memory_preflight import MemoryAvailable, check_step_memory, step_memory
+
+    mesh = mesh_of((8,), ("data",))
+    measured = []
+    for seq_len in (16, 64):
+        task = TinyGPTTask(d_model=32, n_layers=1, d_ff=64, seq_len=seq_len)
+        trainer = trainer_for(task, "adamw", 0, mesh)
+        batch = next(iter(task.batches(BATCH, seed=0)))
+        state = trainer.init(*trainer.init_variables(batch))
+        periods = {"stats_every": 1, "layer_stats_every": 0, "histogram_every": 0}
+        trainer.compile_run(state, batch, 1, 2, periods)
+        measured.append(step_memory(trainer.executables()))
+    short, long = measured
+    assert short is not None and long is not None
+    assert long.temporaries > 4 * short.temporaries  # seq_len 4x: scores 16x, the rest 4x
+    assert long.arguments < 2 * short.arguments  # the state barely changes (positions)
+
+    roomy = MemoryAvailable(long.total * 8 * 2, 8, "plenty")
+    assert check_step_memory(trainer.executables(), roomy, BATCH) == long
+    tight = MemoryAvailable(long.total * 8 - 1, 8, "this host has 1 byte too few")
+    with pytest.raises(Exception, match=rf"^trainer\.batch_size={BATCH}: a compiled step needs"):
+        check_step_memory(trainer.executables(), tight, BATCH)
+    assert check_step_memory(trainer.executables(), None, BATCH) == long  # unknown: not refused

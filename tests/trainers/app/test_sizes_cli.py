@@ -108,3 +108,21 @@ def test_sizes_given_as_floats_are_refused_as_ints_are(tmp_path, override, messa
 def test_the_default_run_passes_under_the_same_limit(tmp_path):
     result = train_capped(tmp_path, "trainer.steps=3")
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_activations_too_large_for_the_memory_are_refused_before_the_first_step(tmp_path):
+    """Params of kilobytes, but attention scores of gigabytes: the state passes the shape
+    check, and the compiled step's own memory analysis refuses the run before it runs."""
+    result = train_capped(
+        tmp_path,
+        "task=tiny_gpt",
+        "task.seq_len=4096",
+        "task.d_model=32",
+        "task.n_layers=1",
+        "trainer.batch_size=64",
+        "trainer.steps=2",
+        "checkpoint=none",
+    )
+    line = refused_cleanly(tmp_path, result, "trainer.batch_size=64: a compiled step needs")
+    assert "activations" in line
+

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help setup train test test-fast lint format bench bench-zero bench-reductions device-wheels clean
+.PHONY: help setup train test test-fast lint format bench bench-plots bench-zero bench-reductions device-wheels clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -49,6 +49,11 @@ bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precisio
 	$(PY) -m benchmarks.precision_memory
 	$(PY) -m benchmarks.compile_cache
 	$(PY) -m benchmarks.reductions
+	$(PY) -m benchmarks.plots
+
+# The figures beside the results (benchmarks/*.png), redrawn from the JSON files; measures nothing.
+bench-plots: $(STAMP)  ## redraw the benchmark figures from the results files
+	$(PY) -m benchmarks.plots
 
 # Per-axis reductions (local SGD, DiLoCo, int8) on mesh=cpu2x4_slices: bytes per axis from the
 # compiled programs, tiny_gpt quality over 3 seeds, step times (benchmarks/reductions_results.md).

@@ -97,6 +97,7 @@ def test_tests_mirror_the_wings():
     project_wide = {
         "test_architecture.py",
         "test_bench_axis_traffic.py",
+        "test_bench_plots.py",
         "test_benchmarks_smoke.py",
         "test_device_check.py",
         "test_example_repo.py",

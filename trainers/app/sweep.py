@@ -16,7 +16,9 @@ returns to the sweeper (`failed_job_value`):
 
 The sweeper never gets NaN or inf: a job whose final loss is not finite is a failed trial too.
 `SweepSummary` (a Hydra callback, registered in ``xshard_train.yaml``) prints a table of the
-jobs (overrides, status, objective) when the multirun ends and writes it to the sweep dir.
+jobs (overrides, status, objective) when the multirun ends and writes it to the sweep dir,
+with a figure of the objective against each swept key where matplotlib is installed
+(`trainers.app.sweep_plot`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, cast
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from trainers.app.sweep_plot import PLOTS_EXTRA, SWEEP_FIGURE_FILE, write_objective_figure
 from trainers.errors import TrialFailed
 from trainers.hooks.summary import COMPLETED, RunSummary
 from trainers.rundir.links import write_file
@@ -196,7 +199,9 @@ def failed_job_value(record: dict[str, Any], failed_objective: float | None) -> 
 
 
 class SweepSummary(Callback):
-    """Prints a table of the multirun's jobs at its end and writes it to the sweep dir.
+    """Prints a table of the multirun's jobs at its end and writes it to the sweep dir, with
+    the figure of `trainers.app.sweep_plot` next to it (skipped, with one log line per sweep,
+    where matplotlib is not installed).
 
     Reads each job's ``result.json`` under ``hydra.sweep.dir`` (jobs may have run in other
     processes: ``submitit``), keeping those written since this multirun started. A job killed
@@ -208,10 +213,12 @@ class SweepSummary(Callback):
     def __init__(self) -> None:
         self._started = time.time()
         self._in_this_process = False  # whether this process started the multirun
+        self._figure_skipped = False  # whether the missing matplotlib was logged
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._started = time.time()
         self._in_this_process = True
+        self._figure_skipped = False
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if self._in_this_process:
@@ -219,13 +226,16 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        table = self._write(config)
+        table, figure = self._write(config)
         print(table, flush=True)
         print(f"Sweep summary: {sweep_dir / SWEEP_SUMMARY_FILE}", flush=True)
+        if figure is not None:
+            print(f"Sweep figure: {figure}", flush=True)
         print(f"TensorBoard: tensorboard --logdir {sweep_dir / 'tb'}", flush=True)
 
-    def _write(self, config: DictConfig) -> str:
-        """Writes the table of the jobs so far to the sweep dir; returns it."""
+    def _write(self, config: DictConfig) -> tuple[str, Path | None]:
+        """Writes the table of the jobs so far to the sweep dir, and its figure; returns the
+        table and the figure's path (None: not written)."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
         records = collect_results(sweep_dir, since=self._started)
         direction = config.hydra.sweeper.get("direction", "minimize")
@@ -234,7 +244,30 @@ class SweepSummary(Callback):
             write_file(sweep_dir / SWEEP_SUMMARY_FILE, table + "\n")
         except OSError as e:
             log.warning("Could not write %s: %s", sweep_dir / SWEEP_SUMMARY_FILE, e)
-        return table
+        figure = self._write_figure(
+            sweep_dir / SWEEP_FIGURE_FILE, records, str(direction) == "maximize"
+        )
+        return table, figure
+
+    def _write_figure(
+        self, path: Path, records: list[dict[str, Any]], maximize: bool
+    ) -> Path | None:
+        """Writes the sweep's figure to `path` (None: not written, no job with a finite
+        objective yet); without matplotlib, says once per sweep that it is skipped. A figure
+        that cannot be drawn or written never ends the sweep."""
+        try:
+            return write_objective_figure(records, path, maximize=maximize)
+        except ImportError:
+            if not self._figure_skipped:
+                self._figure_skipped = True
+                log.info(
+                    "Sweep figure %s skipped: matplotlib is not installed (%s).",
+                    path.name,
+                    PLOTS_EXTRA,
+                )
+        except Exception as e:  # noqa: BLE001 - a figure is an extra; the table is written
+            log.warning("Could not write %s: %s", path, e)
+        return None
 
 
 def collect_results(sweep_dir: Path, since: float = 0.0) -> list[dict[str, Any]]:

@@ -125,4 +125,3 @@ def test_activations_too_large_for_the_memory_are_refused_before_the_first_step(
     )
     line = refused_cleanly(tmp_path, result, "trainer.batch_size=64: a compiled step needs")
     assert "activations" in line
-

@@ -306,7 +306,6 @@ def test_appended_key_rejected_by_the_factory(compose_cfg):
     [
         ("reduction.skip_nonfinite=maybe", "Value 'maybe' is not a valid bool"),
         ("optimizer.learning_rate=fast", "Value 'fast' of type 'str' could not be converted"),
-        ("schedule.warmup_steps=1.5", "could not be converted to Integer"),
         ("optimizer.nesterov=sometimes", "is not a valid bool"),
     ],
 )
@@ -314,6 +313,17 @@ def test_schema_type_errors_at_composition(compose_cfg, override, message):
     with pytest.raises(ConfigCompositionException) as e:
         compose_cfg(override)
     assert message in _messages(e.value)
+
+
+@pytest.mark.parametrize(
+    "value, shown", [("1.5", "1.5"), ("3e9", "3000000000.0"), ("abc", "'abc'")]
+)
+def test_schedule_values_are_checked_when_the_schedule_is_built(compose_cfg, value, shown):
+    """The schedule group is composed permissively (`CHECKED_WHEN_READ`): its rules refuse a
+    value of the wrong type in one line naming the key, as the trainer's nodes do."""
+    cfg = compose_cfg(f"schedule.warmup_steps={value}")
+    with pytest.raises(ConfigError, match=rf"^schedule\.warmup_steps={shown}: expected steps"):
+        xshard.build_optimizer(cfg)
 
 
 @pytest.mark.parametrize(

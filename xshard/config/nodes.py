@@ -136,13 +136,22 @@ def _required(schema: type, name: str) -> bool:
     return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
 
+_MISSING = object()
+
+
 def _bad_value(key: str, node: dict[str, Any], full_key: str, hint: str) -> str:
     """``<key>.<field>=<its value>: <hint>``, where `full_key` (OmegaConf's, relative to the
     node) may point inside the field: ``profile_steps[0]`` shows the whole list and says which
-    item is wrong."""
+    item is wrong; a key inside nested mappings is shown with its own value
+    (``reduction.axes.slice.every_steps=3e9``)."""
     field = re.split(r"[.\[]", full_key, maxsplit=1)[0]
     if field not in node:  # not expected: OmegaConf names a key of the node
         return f"{key}.{full_key}: {hint}"
+    leaf: Any = node
+    for part in full_key.split(".") if "[" not in full_key else []:  # inside nested mappings
+        leaf = leaf.get(part, _MISSING) if isinstance(leaf, dict) else _MISSING
+    if leaf is not _MISSING and leaf is not node:
+        return f"{key}.{full_key}={shown(leaf)}: {hint}"
     inside = f" at {key}.{full_key}" if full_key != field else ""
     return f"{key}.{field}={shown(node[field])}: {hint}{inside}"
 

@@ -9,13 +9,16 @@ defaults list and states only what differs from it, e.g. ``conf/optimizer/adamw.
       - _self_
     learning_rate: 1e-3
 
-so a typo in a key or a value of the wrong type (``reduction.skip_nonfinite=maybe``) fails at
-composition, before any JAX code runs. Values out of range fail when the node is read: the
-optimizer's arguments by the rules of `xshard.config.optimizers` (``optimizer.b1=2``), the
-schedule's by those of `xshard.config.schedules` (``schedule.end_factor=nan``), the
-reduction's in `ReductionConf`. The schemas live in their own ConfigStore group
-(``xshard_schemas/...``) so they never show up as options of the user-facing groups, e.g. in
-an ``optimizer=glob(*)`` sweep.
+so a typo in a key fails at composition, before any JAX code runs. The optimizer's and the
+reduction's schemas are registered as typed (a value of the wrong type fails at composition
+too, in Hydra's words: ``reduction.skip_nonfinite=maybe``); the schedule's and the mesh's as
+permissive copies (`CHECKED_WHEN_READ`), whose values are checked when the node is read, one
+line and exit 2 like the trainer's nodes (``schedule.warmup_steps=3e9``). Values out of range
+fail when the node is read: the optimizer's arguments by the rules of
+`xshard.config.optimizers` (``optimizer.b1=2``), the schedule's by those of
+`xshard.config.schedules` (``schedule.end_factor=nan``), the reduction's in `ReductionConf`.
+The schemas live in their own ConfigStore group (``xshard_schemas/...``) so they never show up
+as options of the user-facing groups, e.g. in an ``optimizer=glob(*)`` sweep.
 
 Every default here equals the default of the function the node feeds (the optax factory,
 `xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_spec.mesh_spec`), except where
@@ -165,10 +168,15 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "exponential": ExponentialScheduleConf,
     },
     "reduction": {"base": ReductionConf},
-    # Composition leaves the mesh's values to `xshard.mesh_spec` (exit 2 and one line naming
-    # the key for mesh.num_devices=1e6, as for the trainer's int keys): permissive copies.
-    "mesh": {"base": permissive(MeshConf), "tpu": permissive(TPUMeshConf)},
+    "mesh": {"base": MeshConf, "tpu": TPUMeshConf},
 }
+
+#: The groups whose values composition leaves to the checks that read the node (one line and
+#: exit 2 naming the key, as for the trainer's nodes: ``schedule.warmup_steps=3e9``,
+#: ``mesh.num_devices=1e6``): Hydra gets permissive copies of their schemas, checked by the
+#: schedule's rules (`xshard.config.schedules`) and `xshard.mesh_spec`. The reduction stays
+#: typed: a permissive copy would lose the keys and defaults of ``reduction.axes.<axis>``.
+CHECKED_WHEN_READ = ("schedule", "mesh")
 
 
 def register_schemas(cs: ConfigStore | None = None, schemas: dict[str, Any] | None = None) -> None:
@@ -181,4 +189,5 @@ def register_schemas(cs: ConfigStore | None = None, schemas: dict[str, Any] | No
     cs = cs or ConfigStore.instance()
     for group, options in (SCHEMAS if schemas is None else schemas).items():
         for name, node in options.items():
-            cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=node, provider="xshard")
+            stored = permissive(node) if group in CHECKED_WHEN_READ else node
+            cs.store(group=f"{SCHEMA_GROUP}/{group}", name=name, node=stored, provider="xshard")

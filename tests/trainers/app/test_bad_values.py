@@ -87,11 +87,11 @@ DILOCO = ["reduction=diloco", "mesh=cpu2x4_slices"]
         # Schedules: factors finite and in range, step counts bounded by the int32 counter.
         (["schedule=cosine", "schedule.end_factor=nan"], "schedule.end_factor=nan: expected the"),
         (["schedule=warmup_linear", "schedule.end_factor=inf"], "schedule.end_factor=inf: exp"),
-        (["schedule.init_factor=-5"], "schedule.init_factor=-5.0: expected the first rate"),
-        (["schedule.init_factor=2"], "schedule.init_factor=2.0: expected the first rate of the"),
-        (["schedule=cosine", "schedule.exponent=0"], "schedule.exponent=0.0: expected the exp"),
-        (["schedule.exponent=-1"], "schedule.exponent=-1.0: expected the exponent of the cosine"),
-        (["schedule=exponential", "schedule.decay_rate=0"], "schedule.decay_rate=0.0: expected"),
+        (["schedule.init_factor=-5"], "schedule.init_factor=-5: expected the first rate"),
+        (["schedule.init_factor=2"], "schedule.init_factor=2: expected the first rate of the"),
+        (["schedule=cosine", "schedule.exponent=0"], "schedule.exponent=0: expected the exp"),
+        (["schedule.exponent=-1"], "schedule.exponent=-1: expected the exponent of the cosine"),
+        (["schedule=exponential", "schedule.decay_rate=0"], "schedule.decay_rate=0: expected"),
         (["schedule=exponential", "schedule.transition_steps=0"], "schedule.transition_steps=0"),
         (
             ["schedule.warmup_steps=3000000000"],

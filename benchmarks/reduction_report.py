@@ -86,6 +86,21 @@ def timing_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def added_rows(meta: dict[str, Any]) -> list[str]:
+    """A line per ``--quality-only`` run merged into the results: its rows, date and commit."""
+    added = meta.get("quality_added", [])
+    if not added:
+        return []
+    return [
+        "",
+        *(
+            f"Rows {', '.join(a['variants'])}: added by `--quality-only` on {a['date_utc']}, "
+            f"commit {a['git_commit']}."
+            for a in added
+        ),
+    ]
+
+
 def render(results: dict[str, Any]) -> str:
     """The results as Markdown."""
     meta = results["meta"]
@@ -99,6 +114,7 @@ def render(results: dict[str, Any]) -> str:
         *bytes_table(results["bytes"]),
         "",
         *quality_table(results["quality"]),
+        *added_rows(meta),
         "",
         *timing_table(results["timing"]),
     ]

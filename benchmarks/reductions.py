@@ -54,6 +54,14 @@ QUALITY_VARIANTS: dict[str, tuple[str, ...]] = {
     "diloco_int8 H=8": ("reduction=diloco_int8",),
     "diloco_int4 H=8": ("reduction=diloco_int8", "reduction.axes.slice.comm_dtype=int4"),
     "local_sgd H=8": ("reduction=local_sgd",),  # the outer step without momentum: plain averaging
+    # MuLoCo (arXiv 2505.23725): Muon inside DiLoCo, and Muon's synchronous baseline.
+    "muon mean": ("optimizer=muon", "reduction=mean"),
+    "muon diloco_int8 H=8": ("optimizer=muon", "reduction=diloco_int8"),
+    "muon diloco_int4 H=8": (
+        "optimizer=muon",
+        "reduction=diloco_int8",
+        "reduction.axes.slice.comm_dtype=int4",
+    ),
 }
 #: The runs whose programs are timed (from BYTES_VARIANTS).
 TIMED = ("mean", "local_sgd H=8", "diloco_int8 H=8")
@@ -148,7 +156,13 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def measure_quality(settings: Settings) -> dict[str, Any]:
-    """Section 2: every quality variant trained for `settings.steps` on each seed."""
+    """Section 2: every quality variant trained for `settings.steps` on each seed, with its
+    gap to ``mean``."""
+    return with_gaps_to_mean(train_quality(settings))
+
+
+def train_quality(settings: Settings) -> dict[str, Any]:
+    """Every quality variant of `settings` trained for `settings.steps` on each seed."""
     from benchmarks.reduction_runs import train_and_evaluate
 
     out: dict[str, Any] = {"steps": settings.steps, "tail": settings.tail, "variants": {}}
@@ -164,11 +178,34 @@ def measure_quality(settings: Settings) -> dict[str, Any]:
             "train_loss": _spread([r.train_loss for r in runs]),
             "eval_loss": _spread([r.eval_loss for r in runs]),
         }
-    base = out["variants"]["mean"]
-    for v in out["variants"].values():
+    return out
+
+
+def with_gaps_to_mean(quality: dict[str, Any]) -> dict[str, Any]:
+    """Sets each variant's ``vs_mean``: its loss minus the ``mean`` variant's."""
+    base = quality["variants"]["mean"]
+    for v in quality["variants"].values():
         for key in ("train_loss", "eval_loss"):
             v[key]["vs_mean"] = round(v[key]["mean"] - base[key]["mean"], 4)
-    return out
+    return quality
+
+
+def merge_quality(out: Path, names: list[str]) -> dict[str, Any]:
+    """--quality-only: trains only the quality variants `names` (FULL's steps and seeds) and
+    merges them into the results already at `out`, noting when and where in its meta."""
+    unknown = sorted(set(names) - set(QUALITY_VARIANTS))
+    if unknown:
+        raise SystemExit(
+            f"--quality-only: unknown variants {unknown}; allowed: {list(QUALITY_VARIANTS)}"
+        )
+    results = json.loads(out.read_text())
+    fresh = train_quality(FULL._replace(quality_variants=tuple(names)))
+    results["quality"]["variants"].update(fresh["variants"])
+    with_gaps_to_mean(results["quality"])
+    env = environment()
+    added = {"variants": names, "date_utc": env["date_utc"], "git_commit": env["git_commit"]}
+    results["meta"].setdefault("quality_added", []).append(added)
+    return results
 
 
 def measure_timing(runs: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -220,10 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.reductions", description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, one seed")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
+    parser.add_argument(
+        "--quality-only",
+        nargs="+",
+        metavar="VARIANT",
+        help="train only these quality variants and merge them into --out's results",
+    )
     args = parser.parse_args(argv)
 
     from benchmarks.reduction_report import render
 
+    if args.quality_only:
+        results = merge_quality(args.out, args.quality_only)
+        args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+        args.out.with_suffix(".md").write_text(render(results))
+        print(render(results))
+        return 0
     settings = smoke_settings() if args.smoke else FULL
     runs = build_runs(settings)
     results = {

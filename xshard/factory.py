@@ -51,12 +51,15 @@ from xshard.masks import resolve_mask
 from xshard.mesh import check_axis_names
 from xshard.mesh_spec import data_axes as mesh_data_axes
 from xshard.optimizer import CrossShardTransformation, cross_shard
+from xshard.schedule_free import check_schedule_free
 from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
 
-#: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`).
+#: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`;
+#: optax.contrib.muon's rule of which parameters it orthogonalises is a mask too).
 MASK_ARGS = {
     "weight_decay_mask": ("weight_decay_mask", "mask"),
     "trust_ratio_mask": ("trust_ratio_mask",),
+    "muon_mask": ("muon_weight_dimension_numbers",),
 }
 
 # --------------------------------------------------------------------------------------------
@@ -153,12 +156,16 @@ def build_schedule(cfg: Any) -> optax.Schedule:
 
 
 def _inner_optimizer(
-    node: dict[str, Any], learning_rate: float | optax.Schedule, allowed: tuple[str, ...]
+    node: dict[str, Any],
+    learning_rate: float | optax.Schedule,
+    allowed: tuple[str, ...],
+    schedule_target: str = "",
 ) -> optax.GradientTransformationExtraArgs:
     kwargs = dict(node)
     target = _required_target(kwargs, "optimizer")
     fn = resolve_target(target, allowed, key="optimizer._target_")
     del kwargs["_target_"], kwargs["learning_rate"]
+    check_schedule_free(fn, kwargs, learning_rate, schedule_target)
     params = inspect.signature(fn).parameters
     if "learning_rate" not in params:
         raise ConfigError(
@@ -345,7 +352,9 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
         axes = check_axis_names(mesh, red.axis_name, key="reduction.axis_name")
         num_shards = math.prod(mesh.shape[a] for a in axes)
 
-    inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed)
+    schedule_node = section(cfg, "schedule", required=False)
+    schedule_target = "" if schedule_node is None else str(schedule_node.get("_target_"))
+    inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed, schedule_target)
     if clip is not None:
         inner = optax.chain(clip_by_global_norm(clip), inner)
     # The periodic axis takes no part in the step (the trainer's sync step reduces over it).

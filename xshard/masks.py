@@ -1,18 +1,21 @@
-"""Weight-decay masks, named in config (``optimizer.weight_decay_mask: no_bias_no_norm``).
+"""Masks, named in config (``optimizer.weight_decay_mask: no_bias_no_norm``).
 
 A mask is a function ``params -> pytree of bools`` (True: decay this parameter), the form
-optax's ``mask=`` / ``weight_decay_mask=`` arguments take.
+optax's ``mask=`` / ``weight_decay_mask=`` arguments take. ``optimizer.muon_mask`` names a rule
+of `xshard.muon_masks` instead (``params -> pytree of MuonDimensionNumbers or None``), resolved
+the same way (`MASK_KINDS`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 
 from xshard.errors import ConfigError
+from xshard.muon_masks import MUON_MASKS
 from xshard.stats import path_names
 from xshard.targets import DEFAULT_ALLOWED_TARGETS, resolve_target
 
@@ -44,23 +47,45 @@ def no_bias_no_norm(params: Any) -> Any:
 MASKS: dict[str, Mask] = {"no_bias_no_norm": no_bias_no_norm}
 
 
+class MaskKind(NamedTuple):
+    """What a mask key takes: its named functions, what null means, what a function returns."""
+
+    names: Mapping[str, Mask]
+    null: str
+    returns: str
+
+
+#: Each mask key of the ``optimizer`` node (`xshard.factory.MASK_ARGS`), by its last part.
+MASK_KINDS: dict[str, MaskKind] = {
+    "weight_decay_mask": MaskKind(MASKS, "decay every parameter", "pytree of bools"),
+    "trust_ratio_mask": MaskKind(MASKS, "a trust ratio for every parameter", "pytree of bools"),
+    "muon_mask": MaskKind(
+        MUON_MASKS,
+        "optax's default: Muon for every 2-D parameter",
+        "pytree of optax.contrib.MuonDimensionNumbers() (Muon) or None (Adam)",
+    ),
+}
+
+
 def resolve_mask(value: str, allowed: Sequence[str] = DEFAULT_ALLOWED_TARGETS, *, key: str) -> Mask:
-    """Returns the mask function for a config value: a name in `MASKS` or a dotted path.
+    """Returns the mask function for a config value: a name its key allows or a dotted path.
 
     Args:
-      value: ``"no_bias_no_norm"``, or the dotted path of a function ``params -> bools``
-        (subject to the ``allowed_targets`` allowlist, like every ``_target_``).
+      value: a name of the key's `MaskKind` (``"no_bias_no_norm"``; ``"hidden_matrices"``
+        for ``muon_mask``), or the dotted path of a function ``params -> pytree`` (subject to
+        the ``allowed_targets`` allowlist, like every ``_target_``).
       allowed: allowed target prefixes, for dotted paths.
-      key: the config key `value` came from, for error messages.
+      key: the config key `value` came from (``optimizer.weight_decay_mask``).
 
     Raises:
       ConfigError: naming `key`, the value and the allowed values.
     """
-    if isinstance(value, str) and value in MASKS:
-        return MASKS[value]
+    kind = MASK_KINDS.get(key.rsplit(".", 1)[-1], MASK_KINDS["weight_decay_mask"])
+    if isinstance(value, str) and value in kind.names:
+        return kind.names[value]
     if isinstance(value, str) and "." in value:
         return resolve_target(value, allowed, key=key)
     raise ConfigError(
-        f"{key}={value!r} is not a known mask. Allowed: {sorted(MASKS)}, null (decay every "
-        "parameter), or the dotted path of a function params -> pytree of bools."
+        f"{key}={value!r} is not a known mask. Allowed: {sorted(kind.names)}, null "
+        f"({kind.null}), or the dotted path of a function params -> {kind.returns}."
     )

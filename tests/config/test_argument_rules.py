@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 import xshard
 import xshard.schedules
 from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
-from xshard.config.ranges import FLOAT_DTYPES, MAX_STEPS, FloatDtype, Rule
+from xshard.config.ranges import FLOAT_DTYPES, MAX_STEPS, FloatDtype, OneOf, Rule
 from xshard.config.schedules import SCHEDULE_RULES
 from xshard.config.schemas import SCHEMAS
 from xshard.errors import ConfigError
@@ -44,6 +44,8 @@ def _build(group: str, schema: type, **args: object) -> object:
 
 
 def _bad_values(rule: Rule) -> list[object]:
+    if isinstance(rule, OneOf):
+        return ["foo", rule.values[0].upper(), 1, True, None]
     if isinstance(rule, FloatDtype):
         return ["int8", "int32", "bool", "foo", 1, True, *([] if rule.nullable else [None])]
     bad: list[object] = [rule.low - 1, math.nan, math.inf, -math.inf, "x", True]
@@ -59,6 +61,8 @@ def _bad_values(rule: Rule) -> list[object]:
 
 
 def _good_values(rule: Rule) -> list[object]:
+    if isinstance(rule, OneOf):
+        return list(rule.values)
     if isinstance(rule, FloatDtype):
         return [*FLOAT_DTYPES, *([None] if rule.nullable else [])]
     good: list[object] = [] if rule.low_open else [int(rule.low) if rule.integer else rule.low]

@@ -26,7 +26,9 @@ class Loaded(NamedTuple):
     """A checkpoint, loaded for inference.
 
     Attributes:
-      params: the trained params, host NumPy arrays in the task's own tree structure.
+      params: the trained params, host NumPy arrays in the task's own tree structure: the
+        params to evaluate (`trainers.core.periodic.outer_params`: a periodic run's outer
+        params, a schedule-free optimizer's evaluation params).
       model_state: the model state (BatchNorm statistics, ...; ``{}`` for a plain task).
       config: the run's config (`trainers.app.run_dir_config.read_run_config`).
       step: the checkpoint's step.
@@ -143,7 +145,7 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     data_axes = mesh_data_axes(cfg.mesh) if cfg.get("mesh") is not None else ("data",)
     restored = restore_run(cfg, path, step, mesh, data_axes, saved_replicas=True)
     state = jax.device_get(restored.state)
-    params = outer_params(state)  # a periodic axis's replicas: the params they last agreed on
+    params = outer_params(state)  # the replicas' last agreed params; schedule-free: eval params
     return Loaded(params, state.model_state, cfg, restored.step, restored.parts.task)
 
 

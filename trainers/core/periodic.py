@@ -49,6 +49,7 @@ from xshard.errors import ConfigError
 from xshard.hierarchical import residual_spec
 from xshard.optimizer import CrossShardTransformation, over_axes
 from xshard.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
+from xshard.schedule_free import eval_params
 
 #: The TensorBoard tags of a sync step, by `xshard.periodic.SyncStats` field.
 SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
@@ -280,10 +281,11 @@ def _replace_at(items: tuple, i: int, value: Any) -> tuple:
 
 
 def outer_params(state: TrainState) -> Any:
-    """The params to evaluate: the outer params of a periodic run (the last synced), else the
-    params."""
+    """The params to evaluate, load and export (the one place they are taken from a state):
+    the outer params of a periodic run (the last synced), else the params; for a
+    schedule-free optimizer its evaluation params (`xshard.schedule_free.eval_params`)."""
     if state.outer is None:
-        return state.params
+        return eval_params(state.opt_state, state.params)
     leaves, treedef = jax.tree.flatten(_squeeze_struct(state.params))
     flat: list[Any] = [None] * len(leaves)
     order = [i for frag in _groups_of(state.outer) for i in frag]

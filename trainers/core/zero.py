@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from optax.transforms import MaskedNode
 
 from trainers.config.sharding import check_zero_stage
 from trainers.tasks.sharding import param_specs
@@ -145,12 +146,15 @@ class ZeroLayout:
         A per-parameter leaf shaped like its parameter takes the parameter's model-axis spec;
         one of another shape (adafactor's factored moments) none. Both then get the data axes
         by `zero_dim` (stage >= 1). Everything else (counts, hyperparameters, the cross-shard
-        statistics) is replicated.
+        statistics) is replicated. A masked-out leaf of a partitioned state (the Adam half of
+        optax.contrib.muon) stays an `optax.MaskedNode`.
         """
         shapes = jax.eval_shape(tx.init, params)
         replicated = NamedSharding(self.mesh, P())
 
         def per_param(leaf, param: _Param):
+            if isinstance(leaf, MaskedNode):
+                return leaf
             shape = tuple(np.shape(leaf))
             model = param.sharding.spec if shape == param.shape else P()
             spec = self.spec(shape, model) if self.stage >= 1 else model
@@ -158,7 +162,12 @@ class ZeroLayout:
 
         tagged = jax.tree.map(lambda p, s: _Param(s, tuple(np.shape(p))), params, param_shardings)
         return optax.tree_utils.tree_map_params(
-            tx, per_param, shapes, tagged, transform_non_params=lambda _: replicated
+            tx,
+            per_param,
+            shapes,
+            tagged,
+            transform_non_params=lambda _: replicated,
+            is_leaf=lambda x: isinstance(x, MaskedNode),
         )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from xshard.config.ranges import FloatDtype, Range, Rule, check_args
+from xshard.config.ranges import FloatDtype, OneOf, Range, Rule, check_args
 
 # --------------------------------------------------------------------------------------------
 # optimizer/: keyword arguments of the optax factory named by `_target_`. `learning_rate` is
@@ -50,6 +50,21 @@ OPTIMIZER_RULES: dict[str, Rule] = {
     "mu_dtype": FloatDtype("the dtype of the first moment"),
     "accumulator_dtype": FloatDtype("the dtype of the momentum accumulator"),
     "dtype_momentum": FloatDtype("the dtype of the momentum", nullable=False),
+    "state_dtype": FloatDtype("the dtype of the schedule-free z sequence"),
+    # optax.contrib.muon: its Newton-Schulz orthogonalisation and its Adam fallback.
+    "ns_steps": Range("the number of Newton-Schulz iterations", 1.0, integer=True),
+    "beta": Range(f"{_DECAY} (momentum)", high=1.0),
+    "preconditioning": OneOf(
+        "the Newton-Schulz preconditioning", ("frobenius", "spectral", "aol", "schatten")
+    ),
+    "consistent_rms": Range("the RMS Muon's updates are scaled to", low_open=True, nullable=True),
+    "adam_b1": Range(f"{_DECAY} (first moment of the Adam fallback)", high=1.0),
+    "adam_b2": Range(f"{_DECAY} (second moment of the Adam fallback)", high=1.0),
+    "adam_eps_root": Range(f"{_STABILISER} (inside the Adam fallback's square root)"),
+    "adam_weight_decay": Range("the Adam fallback's weight-decay strength"),
+    # optax.contrib.schedule_free_adamw.
+    "warmup_steps": Range("the length of the linear warmup", integer=True, nullable=True),
+    "weight_lr_power": Range("the power of the peak rate that weighs each average"),
 }
 
 
@@ -97,6 +112,56 @@ class AdamWConf(AdamConf):
     _target_: str = "optax.adamw"
     weight_decay: float = 1e-4
     weight_decay_mask: str | None = "no_bias_no_norm"
+
+
+@dataclass
+class MuonConf(OptimizerConf):
+    """optax.contrib.muon: Newton-Schulz-orthogonalised momentum for the parameters
+    ``muon_mask`` names (a rule of `xshard.muon_masks`), AdamW for the others."""
+
+    _target_: str = "optax.contrib.muon"
+    ns_steps: int = 5
+    beta: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_decay_mask: str | None = "no_bias_no_norm"
+    mu_dtype: str | None = None
+    nesterov: bool = True
+    adaptive: bool = False
+    preconditioning: str = "frobenius"
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps_root: float = 0.0
+    adam_weight_decay: float = 0.0
+    consistent_rms: float | None = None
+    muon_mask: str | None = "hidden_matrices"
+
+
+@dataclass
+class ScheduleFreeAdamWConf(OptimizerConf):
+    """optax.contrib.schedule_free_adamw: evaluate (and export) its
+    ``schedule_free_eval_params``, which the trainer does; `b1` must be > 0 and the schedule
+    must not decay (`xshard.schedule_free.check_schedule_free`)."""
+
+    _target_: str = "optax.contrib.schedule_free_adamw"
+    warmup_steps: int | None = None
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    weight_lr_power: float = 2.0
+    state_dtype: str | None = None
+
+
+@dataclass
+class AdoptConf(OptimizerConf):
+    _target_: str = "optax.contrib.adopt"
+    b1: float = 0.9
+    b2: float = 0.9999
+    eps: float = 1e-6
+    mu_dtype: str | None = None
+    nesterov: bool = False
+    use_clipping: bool = True
 
 
 @dataclass

@@ -103,8 +103,27 @@ class FloatDtype:
             )
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """A string argument that names one of `values` (optax.contrib.muon's ``preconditioning``)."""
+
+    what: str
+    values: tuple[str, ...]
+
+    def allows(self, value: Any) -> bool:
+        """Whether `value` is allowed."""
+        return isinstance(value, str) and value in self.values
+
+    def check(self, value: Any, key: str) -> None:
+        """Raises `ConfigError` naming `key` and `value` if `value` is not allowed."""
+        if not self.allows(value):
+            raise ConfigError(
+                f"{key}={shown(value)}: expected {self.what}, one of {list(self.values)}."
+            )
+
+
 #: A rule of a name-keyed table.
-Rule = Range | FloatDtype
+Rule = Range | FloatDtype | OneOf
 
 
 def check_args(rules: Mapping[str, Rule], args: Any, prefix: str) -> None:

@@ -40,10 +40,13 @@ from xshard.config.optimizers import (
     AdagradConf,
     AdamConf,
     AdamWConf,
+    AdoptConf,
     LambConf,
     LarsConf,
     LionConf,
+    MuonConf,
     RMSPropConf,
+    ScheduleFreeAdamWConf,
     SGDConf,
 )
 from xshard.config.schedules import (
@@ -136,6 +139,10 @@ DEVIATIONS: dict[str, str] = {
     "weight_decay_mask": "xshard decays no biases, norm scales or 0-D/1-D params by default",
     "trust_ratio_mask": "as weight_decay_mask: no trust ratio for biases and norm scales",
     "dtype_momentum": "a dtype name in YAML ('float32') for optax's jnp.float32",
+    "muon_mask": (
+        "muon_weight_dimension_numbers by rule: optax's default orthogonalises every 2-D "
+        "param, embeddings and the output layer included; hidden_matrices keeps those on Adam"
+    ),
     "skip_nonfinite": (
         "the trainer skips non-finite steps by default; the library's cross_shard does not "
         "(as TF's CrossShardOptimizer, and so that it is exactly the inner optimizer)"
@@ -159,6 +166,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "adafactor": AdafactorConf,
         "rmsprop": RMSPropConf,
         "adagrad": AdagradConf,
+        "muon": MuonConf,
+        "schedule_free_adamw": ScheduleFreeAdamWConf,
+        "adopt": AdoptConf,
     },
     "schedule": {
         "constant": ConstantScheduleConf,

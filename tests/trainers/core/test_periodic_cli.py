@@ -59,6 +59,29 @@ def test_cli_periodic_presets_log_their_syncs(tmp_path, reduction, codec):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_cli_muon_inside_diloco_with_a_compressed_outer_sync(tmp_path, codec):
+    """MuLoCo (arXiv 2505.23725): Muon as the inner optimizer of each replica, the
+    pseudo-gradient crossing `slice` compressed with error feedback."""
+    run_train(
+        *COMMON,
+        "optimizer=muon",
+        "optimizer.learning_rate=1e-2",
+        "reduction=diloco_int8",
+        f"reduction.axes.slice.comm_dtype={codec}",
+        "reduction.axes.slice.every_steps=4",
+        "trainer.steps=8",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    tb = tmp_path / "tb"
+    assert sorted(scalars(tb, "sync/slice/pseudo_grad_norm")) == [4, 8]
+    assert scalars(tb, "sync/slice/compression_error_norm")[8] > 0
+    loss = scalars(tb, "train/loss")
+    assert sorted(loss) == list(range(1, 9)) and loss[8] < 0.9 * loss[1]
+
+
 def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
     run_train(
         *COMMON,

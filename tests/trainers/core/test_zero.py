@@ -128,7 +128,9 @@ def test_every_optimizer_trains_as_replicated_with_zero2(optimizer, impl):
 
 @pytest.mark.parametrize("impl", ["manual", "gspmd"])
 @pytest.mark.parametrize("stage", [1, 3])
-@pytest.mark.parametrize("optimizer", ["lamb", "lars", "adafactor"])
+# muon: Newton-Schulz on whole matrices (GSPMD gathers the sharded ones); schedule_free_adamw:
+# its z sequence is per-parameter state like adam's moments, sharded with it.
+@pytest.mark.parametrize("optimizer", ["lamb", "lars", "adafactor", "muon", "schedule_free_adamw"])
 def test_non_elementwise_optimizers_train_as_replicated_with_zero1_and_fsdp(optimizer, stage, impl):
     assert_same_training((f"optimizer={optimizer}",), impl, stage=stage)
 

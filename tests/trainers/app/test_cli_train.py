@@ -98,8 +98,11 @@ def test_multirun_sweep_gives_one_run_per_job_and_sum_is_8x_mean(tmp_path):
         cwd=tmp_path,
     )
     runs = {}
-    for tb in (sweep / "tb").iterdir():  # one TensorBoard run per job, named by its overrides
-        overrides = dict(item.split("=", 1) for item in tb.name.split(","))
+    for tb in (sweep / "tb").iterdir():  # one run per job: its number and the swept keys
+        number, name = tb.name.split("_", 1)
+        assert number.isdigit(), tb.name
+        overrides = dict(item.split("=", 1) for item in name.split(","))
+        assert overrides.keys() == {"optimizer", "reduction"}, tb.name  # not task=mlp etc.
         runs[overrides["optimizer"], overrides["reduction"]] = tb
         assert (sweep / tb.name / "result.json").is_file()  # the job's own dir, same name
     assert sorted(runs) == [(o, r) for o in ("adam", "sgd") for r in ("mean", "sum")]

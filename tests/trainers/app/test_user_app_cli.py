@@ -126,7 +126,7 @@ def test_cfg_job_resolve_prints_the_resolved_config(repo):
     cfg = yaml.safe_load(result.stdout)
     tb_dir = Path(cfg["paths"]["tb_dir"])
     assert tb_dir.parent.name == "tb" and tb_dir.parts[0] == "outputs"
-    assert tb_dir.name == "task.hidden=[4,4]"  # no spaces, braces or quotes in a folder name
+    assert tb_dir.name == "hidden=[4,4]"  # short, and no spaces, braces or quotes
     assert cfg["trainer"]["steps"] == 2
 
 

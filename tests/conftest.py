@@ -28,6 +28,9 @@ jax.config.update("jax_platforms", "cpu")
 
 NUM_DEVICES = 8
 
+#: The wheel and a venv with it installed (`source`, `wheel`, `venv_python`).
+pytest_plugins = ("tests.wheel_fixtures",)
+
 
 @pytest.fixture
 def compose_config(tmp_path):
@@ -52,53 +55,9 @@ def compose_config(tmp_path):
     return make
 
 
-#: The longest test files (minutes each: benchmark smoke runs, wheel builds, multi-process
-#: CLI runs), scheduled first. `make test` runs two pytest-xdist workers, one file at a time
-#: each (``--dist loadfile``); a long file left to the end would run alone on one core.
-LONGEST_FIRST = (
-    "test_benchmarks_smoke.py",
-    "test_zero_bench_smoke.py",
-    "test_reductions_bench_smoke.py",
-    "test_example_repo.py",
-    "test_scaffold_repo.py",
-    "test_multihost_cli.py",
-    "test_stream_multihost_cli.py",
-    "test_flax_tasks.py",
-    "test_zero.py",
-    "test_zero_cli.py",
-    "test_reliability_cli.py",
-    "test_ckpt_owner_cli.py",
-    "test_sweeps_cli.py",
-    "test_io_faults_cli.py",
-    "test_cli_train.py",
-    "test_precision_cli.py",
-    "test_data_cli.py",
-    "test_multihost.py",
-)
-
-
-#: Markers by cost, given to every test of these files (pyproject.toml lists them): select or
-#: skip them with -m, e.g. ``make test-fast PYTEST_ARGS="-m 'not multiprocess'"``.
-COST_MARKERS = {
-    "multiprocess": (
-        "test_multihost.py",
-        "test_multihost_cli.py",
-        "test_launch_mistakes_cli.py",
-        "test_stop_agreement.py",
-        "test_exact_eval_multihost_cli.py",
-        "test_stream_multihost_cli.py",
-        "test_periodic_multihost_cli.py",
-    ),
-    "wheel": ("test_packaging.py", "test_example_repo.py", "test_scaffold_repo.py"),
-}
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks tests by cost (`COST_MARKERS`) and runs the files of `LONGEST_FIRST` first, in
-    that order (stable: the rest keep theirs)."""
-    for item in items:
-        for marker, files in COST_MARKERS.items():
-            if item.path.name in files:
-                item.add_marker(marker)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """Runs the files marked ``long`` first (stable: the rest keep their order). `make test`
+    runs two pytest-xdist workers, one file at a time each (``--dist loadfile``); a file of
+    minutes left to the end would run alone on one core. A file declares its cost markers
+    itself (``pytestmark``), so a rename cannot leave a list here stale."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

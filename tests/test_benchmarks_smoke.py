@@ -17,6 +17,8 @@ import pytest
 
 from tests import REPO
 
+pytestmark = pytest.mark.long
+
 ROOT = REPO
 SECTIONS = (
     "overhead",

@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import REPO
 from tests.cli import load_events, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
-from tests.test_packaging import REPO, run_app, source, venv_python, wheel  # noqa: F401
+from tests.wheel_fixtures import run_app
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_PREEMPTED
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.wheel]
 
 EXAMPLE = REPO / "examples" / "experiment_repo"
 STEPS = 120  # long enough (compile + ~4 s of steps) for a SIGTERM to land mid-run
@@ -34,7 +35,7 @@ RUN = ["experiment=small", f"trainer.steps={STEPS}"]
 
 
 @pytest.fixture(scope="module")
-def example(venv_python, tmp_path_factory) -> Path:  # noqa: F811
+def example(venv_python, tmp_path_factory) -> Path:
     """The example installed into the venv (not editable); returns a copy of its configs and
     train.py, without the package, to run in."""
     src = tmp_path_factory.mktemp("example_src") / "experiment_repo"
@@ -96,13 +97,13 @@ def hook_log(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def baseline(venv_python, example) -> Path:  # noqa: F811
+def baseline(venv_python, example) -> Path:
     """experiment=small, uninterrupted."""
     train(venv_python, example, *RUN, "hydra.run.dir=runs/baseline")
     return example / "runs" / "baseline"
 
 
-def test_example_trains_with_eval_and_its_hook(venv_python, example, baseline):  # noqa: F811
+def test_example_trains_with_eval_and_its_hook(venv_python, example, baseline):
     result = json.loads((baseline / "result.json").read_text())
     assert result["status"] == "completed" and result["last_step"] == STEPS, result
     events = load_events(baseline / "tb")
@@ -123,7 +124,7 @@ def test_example_trains_with_eval_and_its_hook(venv_python, example, baseline): 
     assert "mesh=cpu4x2" in out and "Training regression" in out
 
 
-def test_example_sweep_2x2(venv_python, example):  # noqa: F811
+def test_example_sweep_2x2(venv_python, example):
     proc = train(venv_python, example, "-m", "--config-name", "sweep", "hydra.sweep.dir=sweep")
     sweep = example / "sweep"
     results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
@@ -140,7 +141,7 @@ def test_example_sweep_2x2(venv_python, example):  # noqa: F811
     assert all(r["objective"] > 0 for r in results)  # each job's final eval/loss
 
 
-def test_example_resumes_after_sigterm_bitwise(venv_python, example, baseline):  # noqa: F811
+def test_example_resumes_after_sigterm_bitwise(venv_python, example, baseline):
     run = example / "runs" / "stopped"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     log = example / "stopped.log"
@@ -188,7 +189,7 @@ def venv_run(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess
     )
 
 
-def test_its_own_runs_load_and_evaluate_without_flags(venv_python, example, baseline):  # noqa: F811
+def test_its_own_runs_load_and_evaluate_without_flags(venv_python, example, baseline):
     """The installed package's entry point (pyproject.toml) trusts my_experiments.: its run
     dir loads and evaluates as it is, given relative to another working directory."""
     elsewhere = example.parent / "elsewhere"
@@ -212,7 +213,7 @@ def test_its_own_runs_load_and_evaluate_without_flags(venv_python, example, base
     assert f"loaded {STEPS} my_experiments.models.MLP" in loaded.stdout
 
 
-def test_a_copied_run_dir_naming_other_code_is_still_refused(venv_python, example, baseline):  # noqa: F811
+def test_a_copied_run_dir_naming_other_code_is_still_refused(venv_python, example, baseline):
     """The entry point trusts my_experiments. only: a copied run dir that adds os. to its
     allowlist and names os.system as its task is refused before anything of it runs."""
     copy = example.parent / "copied_run"

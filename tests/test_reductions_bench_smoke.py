@@ -15,6 +15,8 @@ import pytest
 
 from tests import REPO
 
+pytestmark = pytest.mark.long
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):

@@ -14,6 +14,8 @@ import pytest
 
 from tests import REPO
 
+pytestmark = pytest.mark.long
+
 
 @pytest.mark.slow
 def test_zero_benchmark_smoke_writes_memory_and_collectives(tmp_path):

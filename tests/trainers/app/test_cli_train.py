@@ -7,7 +7,7 @@ import pytest
 
 from tests.cli import load_events, run_train, scalars
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 CONTRACT_TAGS = [
     "train/loss",

@@ -18,9 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_packaging import REPO, source, venv_python, wheel  # noqa: F401
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.wheel]
 
 
 def _env() -> dict[str, str]:
@@ -37,7 +35,7 @@ def run(cmd: list[str], cwd: Path, timeout: float = 600) -> subprocess.Completed
 
 
 @pytest.fixture(scope="module")
-def repo(venv_python, tmp_path_factory) -> Path:  # noqa: F811
+def repo(venv_python, tmp_path_factory) -> Path:
     """`python -m trainers.new lm-study` from the wheel, installed editable into its venv."""
     work = tmp_path_factory.mktemp("newcomer")
     proc = run([str(venv_python), "-m", "trainers.new", "lm-study"], cwd=work)
@@ -67,7 +65,7 @@ def test_the_repo_has_what_the_scaffold_promises(repo):
     assert not any("my_experiments" in (repo / f).read_text() for f in files if "egg" not in f)
 
 
-def test_make_train_a_few_steps_in_bf16_with_remat(venv_python, repo):  # noqa: F811
+def test_make_train_a_few_steps_in_bf16_with_remat(venv_python, repo):
     args = "trainer.steps=6 trainer.eval_every=3 precision=bf16 trainer.remat=full"
     make(venv_python, repo, "train", f"{args} hydra.run.dir=runs/smoke")
     run_dir = repo / "runs" / "smoke"
@@ -83,13 +81,13 @@ def test_make_train_a_few_steps_in_bf16_with_remat(venv_python, repo):  # noqa: 
     assert proc.stdout.startswith("step 6: eval/loss="), proc.stdout
 
 
-def test_make_sweep_runs_the_grid(venv_python, repo):  # noqa: F811
+def test_make_sweep_runs_the_grid(venv_python, repo):
     proc = make(venv_python, repo, "sweep", "trainer.steps=2 hydra.sweep.dir=sweep")
     results = [json.loads(p.read_text()) for p in sorted((repo / "sweep").glob("*/result.json"))]
     assert len(results) == 4 and all(r["status"] == "completed" for r in results), proc.stdout
     assert "4 jobs: 4 completed" in (repo / "sweep" / "sweep_summary.md").read_text()
 
 
-def test_make_test_passes(venv_python, repo):  # noqa: F811
+def test_make_test_passes(venv_python, repo):
     proc = make(venv_python, repo, "test")
     assert "4 passed" in proc.stdout, proc.stdout[-3000:]

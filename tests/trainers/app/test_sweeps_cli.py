@@ -22,7 +22,7 @@ from tests import REPO
 from tests.cli import hparams_dashboard, load_events, run_train
 from trainers.app.sweep import RESULT_FILE, SWEEP_SUMMARY_FILE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 TINY = ["task=mlp", "optimizer=sgd", "trainer.steps=12", "checkpoint=none"]
 # lr=1e4 makes every gradient overflow from step ~4: 3 skipped steps in a row stop the job.

@@ -21,6 +21,8 @@ from trainers.checkpoint.owner import LOCK_FILE, read_owner
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
 
+pytestmark = pytest.mark.long
+
 COMMON = [
     "task=mlp",
     "mesh=cpu8",

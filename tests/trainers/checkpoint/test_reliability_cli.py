@@ -28,6 +28,8 @@ from tests.reliability_helpers import (
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
 
+pytestmark = pytest.mark.long
+
 # --------------------------------------------------------------------------------------------
 # End to end: the real CLI in subprocesses
 # --------------------------------------------------------------------------------------------

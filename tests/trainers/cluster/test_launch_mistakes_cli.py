@@ -24,6 +24,8 @@ from tests.multihost_cli import (
 from tests.reliability_helpers import wait_until
 from trainers.checkpoint.io import complete_steps
 
+pytestmark = pytest.mark.multiprocess
+
 # ------------------------------------------------------------------ refused at start-up
 
 

@@ -14,6 +14,8 @@ from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
 from trainers.checkpoint.io import complete_steps
 
+pytestmark = [pytest.mark.long, pytest.mark.multiprocess]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -38,6 +38,8 @@ from tests.reliability_helpers import assert_bitwise_equal, wait_until
 from trainers.checkpoint.io import complete_steps
 from trainers.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
 
+pytestmark = [pytest.mark.long, pytest.mark.multiprocess]
+
 STEPS = ["trainer.steps=12", "checkpoint.every_steps=4", "checkpoint.keep=null"]
 
 

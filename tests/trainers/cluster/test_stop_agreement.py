@@ -22,6 +22,8 @@ from xshard.errors import ConfigError
 from xshard.mesh import build_mesh, configure_devices
 from xshard.mesh_spec import MeshConfigError
 
+pytestmark = pytest.mark.multiprocess
+
 BATCH = 32
 
 

@@ -11,6 +11,8 @@ import pytest
 from tests.cli import scalars
 from tests.multihost_cli import run
 
+pytestmark = pytest.mark.multiprocess
+
 EVERY, STEPS = 3, 9
 
 

@@ -22,9 +22,6 @@ from tests.hlo_helpers import dot_dtypes
 from trainers.config.precision import NO_REMAT, REMAT_POLICIES, PrecisionOptions
 from trainers.core.precision import Precision
 from trainers.core.trainer import Hook, Trainer
-from trainers.tasks import linen_models, nnx_models
-from trainers.tasks.flax_linen import LinenTask
-from trainers.tasks.flax_nnx import NNXTask
 from trainers.tasks.remat import XLA_CPU_KEEP_REMAT
 from trainers.tasks.synthetic import TeacherRegression
 from trainers.tasks.tiny_gpt import TinyGPTTask
@@ -183,6 +180,12 @@ def test_full_remat_lowers_the_compiled_steps_temporaries():
 
 
 def flax_task(kind, **options):
+    """A Flax task; the test skips where flax (an optional extra) is not installed."""
+    pytest.importorskip("flax")
+    from trainers.tasks import linen_models, nnx_models
+    from trainers.tasks.flax_linen import LinenTask
+    from trainers.tasks.flax_nnx import NNXTask
+
     data = TeacherRegression()
     if kind == "nnx":
         return NNXTask(functools.partial(nnx_models.MLP), data, logical_axis_rules=RULES, **options)
@@ -205,6 +208,10 @@ def test_flax_remat_gives_the_same_numbers(kind):
 
 
 def test_a_flax_model_without_remat_argument_refuses_a_policy():
+    pytest.importorskip("flax")
+    from trainers.tasks import nnx_models
+    from trainers.tasks.flax_nnx import NNXTask
+
     def model(*, rngs):
         return nnx_models.MLP(rngs=rngs)
 

@@ -33,7 +33,7 @@ SMALL = [
 BF16 = [*SMALL, "precision=bf16", "trainer.remat=dots_saveable", "trainer.steps=20"]
 CACHE_LINE = r"compilation cache .*: (\d+) programs read, (\d+) compiled"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from xshard.errors import ConfigError
 from xshard.factory import build_optimizer
 from xshard.slots import get_slot
 
+pytestmark = pytest.mark.long
+
 BATCH = 32
 STEPS = 20
 OPTIMIZERS = sorted(p.stem for p in (REPO / "conf" / "optimizer").glob("*.yaml"))

@@ -11,6 +11,8 @@ import pytest
 
 from tests.cli import run_train, scalars
 
+pytestmark = pytest.mark.long
+
 COMMON = ("task=mlp", "trainer.batch_size=32", "trainer.log_every=1", "checkpoint.async_save=false")
 
 

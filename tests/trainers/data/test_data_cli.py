@@ -16,6 +16,8 @@ from tests.trainers.data.test_data_files import write_files
 from trainers.checkpoint.resume import complete_steps
 from trainers.errors import EXIT_PREEMPTED
 
+pytestmark = pytest.mark.long
+
 DOC = REPO / "docs" / "tasks.md"
 QUIET = ["trainer.layer_stats_every=0", "trainer.histogram_every=0", "trainer.log_every=1"]
 

@@ -31,7 +31,7 @@ from tests.multihost_cli import (
 from tests.reliability_helpers import assert_bitwise_equal, wait_until
 from trainers.checkpoint.io import complete_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.multiprocess]
 
 EXAMPLE = REPO / "examples" / "experiment_repo"
 STEPS, EVERY = 15, 5

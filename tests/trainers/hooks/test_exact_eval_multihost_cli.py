@@ -26,7 +26,7 @@ from tests.multihost_cli import distributed, finish, free_port, load_arrays, sta
 from tests.multihost_tasks import numpy_reference
 from trainers.checkpoint.io import complete_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 EVAL_BATCH = 64  # 32 rows per process
 ARGS = [

@@ -22,7 +22,7 @@ from trainers.checkpoint.io import complete_steps, unfinished_saves
 from trainers.errors import EXIT_CONFIG_ERROR
 from trainers.rundir.log_file import RunLogFile
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 # --------------------------------------------------------------------------------------------
 # Checkpoints on a full disk

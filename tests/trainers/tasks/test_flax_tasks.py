@@ -30,6 +30,8 @@ from trainers.tasks import linen_models, nnx_models
 from trainers.tasks.flax_linen import LinenTask
 from trainers.tasks.flax_nnx import NNXTask
 
+pytestmark = pytest.mark.long
+
 BATCH = 32
 RULES = {"embed": None, "mlp": "model"}
 

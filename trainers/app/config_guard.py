@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 
 from trainers.app.trust import ComposedFile, at_root, refusals
@@ -198,6 +199,40 @@ def guard_compositions(exit_code: int) -> Iterator[None]:
 
     ConfigLoaderImpl._compose_config_from_defaults_list = checked  # type: ignore[method-assign]
     try:
-        yield
+        with readable_yaml(exit_code):
+            yield
     finally:
         ConfigLoaderImpl._compose_config_from_defaults_list = compose  # type: ignore[method-assign]
+
+
+def yaml_error_line(error: yaml.YAMLError) -> str:
+    """One line for a config file that is not valid YAML: the file, the line and column, and
+    what the parser expected (``PyYAML``'s own words)."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{mark.name}, line {mark.line + 1}, column {mark.column + 1}" if mark else "a file"
+    problem = " ".join(str(getattr(error, "problem", None) or error).split())
+    return f"{where}: not valid YAML ({problem}); fix or remove the file"
+
+
+@contextlib.contextmanager
+def readable_yaml(exit_code: int) -> Iterator[None]:
+    """While active, a config file Hydra loads that is not valid YAML (a copied file cut short,
+    a tab in an indent) ends the process with one line (`yaml_error_line`) and `exit_code`,
+    not Hydra's traceback from inside its loader (``ConfigRepository.load_config``, which
+    every composition uses)."""
+    from hydra._internal.config_repository import ConfigRepository
+
+    load = ConfigRepository.load_config
+
+    def loaded(self: Any, config_path: str) -> Any:
+        try:
+            return load(self, config_path)
+        except yaml.YAMLError as e:
+            print(f"xshard: error: {yaml_error_line(e)}", file=sys.stderr, flush=True)
+            sys.exit(exit_code)
+
+    ConfigRepository.load_config = loaded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigRepository.load_config = load  # type: ignore[method-assign]

@@ -230,3 +230,19 @@ def test_what_copied_files_may_do_still_works(tmp_path):
     saved = sorted((tmp_path / "sweep").glob("*/.hydra/config.yaml"))
     assert len(saved) == 2
     assert {"learning_rate: 0.003" in s.read_text() for s in saved} == {True, False}
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("trainer:\n  steps: [1,\n", "expected the node content"),  # cut short
+        ("trainer:\n\tsteps: 3\n", "found character '\\t'"),  # a tab in the indent
+    ],
+)
+def test_a_copied_file_that_is_not_yaml_is_one_line_naming_it(tmp_path, text, problem):
+    conf = tmp_path / "copied"
+    (conf / "experiment").mkdir(parents=True)
+    (conf / "experiment" / "broken.yaml").write_text(text)
+    result = train_in(tmp_path, conf, "experiment=broken")
+    refused(result, f"{conf / 'experiment' / 'broken.yaml'}, line ", "not valid YAML", problem)
+    assert not (tmp_path / "run").exists()  # refused before the run dir is made

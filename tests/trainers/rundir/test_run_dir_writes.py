@@ -13,7 +13,7 @@ from trainers.app.sweep import write_result
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
 from trainers.errors import LinkOutOfRunDirError
 from trainers.hooks.csv_logger import CsvRunLogger
-from trainers.hooks.run_logger import RunInfo
+from trainers.hooks.log_sink import RunInfo
 from trainers.rundir.links import check_run_dir, outside_link, write_file
 from trainers.rundir.log_file import RunLogFile
 from trainers.rundir.outputs import Outputs, open_appended

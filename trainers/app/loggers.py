@@ -85,15 +85,15 @@ def _run_loggers(options: RunOptions) -> list[Any]:
     opts = options.logger
     out: list[Any] = []
     if opts.wandb is not None:
-        from trainers.hooks.wandb_logger import WandbRunLogger
+        from trainers.hooks.wandb_logger import WandbSink
 
-        out.append(WandbRunLogger(opts.wandb))
+        out.append(WandbSink(opts.wandb))
     if opts.mlflow is not None:
-        from trainers.hooks.mlflow_logger import MlflowRunLogger
+        from trainers.hooks.mlflow_logger import MlflowSink
 
-        out.append(MlflowRunLogger(opts.mlflow))
+        out.append(MlflowSink(opts.mlflow))
     if opts.csv is not None:
-        from trainers.hooks.csv_logger import CsvRunLogger
+        from trainers.hooks.csv_logger import CsvSink
 
-        out.append(CsvRunLogger(opts.csv.path))
+        out.append(CsvSink(opts.csv.path))
     return out

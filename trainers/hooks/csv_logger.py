@@ -34,7 +34,7 @@ def hparams_file(path: Path) -> Path:
     return path.with_suffix(".hparams.json")
 
 
-class CsvRunLogger(LogSink):
+class CsvSink(LogSink):
     """A `trainers.hooks.log_sink.LogSink` writing to the CSV file `path`.
 
     The CSV file is appended to, never through a link (`trainers.rundir.outputs`); the config

@@ -19,7 +19,7 @@ from trainers.hooks.log_sink import LogSink, RunInfo
 from trainers.rundir.outputs import Folder, Outputs
 
 
-class MlflowRunLogger(LogSink):
+class MlflowSink(LogSink):
     """A `trainers.hooks.log_sink.LogSink` writing to an MLflow run."""
 
     name = "mlflow"

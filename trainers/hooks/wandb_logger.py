@@ -22,7 +22,7 @@ from trainers.rundir.outputs import Folder, Outputs
 CONFIG_FILE = "xshard_config.yaml"
 
 
-class WandbRunLogger(LogSink):
+class WandbSink(LogSink):
     """A `trainers.hooks.log_sink.LogSink` writing to a W&B run."""
 
     name = "wandb"

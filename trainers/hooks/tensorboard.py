@@ -22,6 +22,7 @@ from tensorboardX import summary as tbx_summary
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import directory_check
 
 from trainers.hooks import hparams as hp
 from trainers.hooks.log_sink import Histogram, LogSink, RunInfo
@@ -51,7 +52,7 @@ class TensorBoardSink(LogSink):
         self._session = False  # an HParams session was started: it is ended at `finish`
 
     def start(self, run: RunInfo) -> None:
-        os.makedirs(self.logdir, exist_ok=True)
+        directory_check(self.logdir)  # as `SummaryWriter` makes it (a local or remote dir)
         self._writer = EventsWriter(os.path.join(self.logdir, "events"))
         if run.config_yaml:  # indented lines render as a code block in TensorBoard's markdown
             text = "\n".join("    " + line for line in run.config_yaml.splitlines())
@@ -65,12 +66,13 @@ class TensorBoardSink(LogSink):
         self._flush()  # a disk that is full already fails here, before training
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-        values = [
-            Summary.Value(tag=self._tag(tag), simple_value=float(value))
-            for tag, value in scalars.items()
-        ]
-        if values:
-            self._write(Summary(value=values), step)
+        if not scalars:
+            return
+        event = Event(step=int(step))
+        add = event.summary.value.add  # in place: no copy of the values into the event
+        for tag, value in scalars.items():
+            add(tag=self._tag(tag), simple_value=float(value))
+        self._append(event)
 
     def log_diagnostics(
         self, step: int, norms: Mapping[str, float], histograms: Mapping[str, Histogram]
@@ -103,12 +105,17 @@ class TensorBoardSink(LogSink):
         return self._tags[tag]
 
     def _write(self, summary: Summary, step: int | None = None) -> None:
-        """Appends one event; flushes when `flush_secs` passed since the last flush."""
-        if self._writer is None:
-            return
-        event = Event(summary=summary, wall_time=time.time())
+        """Appends `summary` as one event (at `step`, if given)."""
+        event = Event(summary=summary)
         if step is not None:
             event.step = int(step)
+        self._append(event)
+
+    def _append(self, event: Event) -> None:
+        """Writes `event`, stamped now; flushes when `flush_secs` passed since the last flush."""
+        if self._writer is None:
+            return
+        event.wall_time = time.time()
         self._guarded(self._writer.write_event, event)
         if time.monotonic() - self._flushed >= self.flush_secs:
             self._flush()

@@ -122,6 +122,19 @@ class FitLoop:
         jax.block_until_ready(self.state)
 
 
+def tensorboard_hook(
+    tb_dir: str, cfg: Any, global_batch_size: int, total: int, summary: RunSummary
+) -> LoggerHook:
+    """The CLI's logging hook writing to TensorBoard only, with the config's period."""
+    scalars = ScalarOptions(
+        log_every=int(cfg.trainer.log_every),
+        num_steps=total,
+        global_batch_size=global_batch_size,
+    )
+    sink = TensorBoardSink(tb_dir, flush_secs=float(cfg.logger.flush_secs))
+    return LoggerHook([sink], RunInfo(), LoggedScalars(scalars), summary)
+
+
 def run(bench: Bench) -> dict[str, Any]:
     """Returns per-step times of the loops and fit's overhead over the bare loop."""
     wl = bench.workload(TASK)
@@ -140,13 +153,7 @@ def run(bench: Bench) -> dict[str, Any]:
         devnull = stack.enter_context(open(os.devnull, "w"))
         summary = RunSummary()
         summary.begin(num_steps=total, start_step=0, checkpoint_dir=ckpt_dir)
-        scalars = ScalarOptions(
-            log_every=int(wl.cfg.trainer.log_every),
-            num_steps=total,
-            global_batch_size=wl.global_batch_size,
-        )
-        sink = TensorBoardSink(tb_dir, flush_secs=float(wl.cfg.logger.flush_secs))
-        tb = LoggerHook([sink], RunInfo(), LoggedScalars(scalars), summary)
+        tb = tensorboard_hook(tb_dir, wl.cfg, wl.global_batch_size, total, summary)
         stack.callback(tb.on_end, total, None, "done")
         with contextlib.redirect_stderr(devnull):  # tqdm binds its stream at construction
             progress = ProgressHook(start_step=0, num_steps=total, enabled=True)

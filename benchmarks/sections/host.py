@@ -11,7 +11,7 @@ host (NumPy) batches:
   to ``bare_loop`` is the host-to-device placement of each batch, which every loop pays;
 * ``fit_no_hooks`` — `Trainer.fit` with no hooks (it fetches each step's metrics one step late);
 * ``fit_hooks`` — `Trainer.fit` with the CLI's hooks, in the CLI's order: `RunSummary`,
-  `NonFiniteMonitor`, `TensorBoardHook` (log_every=10, to a temporary directory),
+  `NonFiniteMonitor`, `LoggerHook` (TensorBoard, log_every=10, to a temporary directory),
   `ProgressHook` (enabled, drawing to /dev/null) and an idle `CheckpointHook` (the CLI's
   checkpoint options from the composed config, to a temporary directory, ``every_steps``
   beyond the run: it never saves while timed).
@@ -40,9 +40,12 @@ from trainers.config import CheckpointOptions
 from trainers.core.step import STATS
 from trainers.core.step_levels import step_level
 from trainers.core.trainer import Hook, Trainer
+from trainers.hooks.log_sink import RunInfo
+from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
 from trainers.hooks.monitor import NonFiniteMonitor, ProgressHook
+from trainers.hooks.run_logger import LoggerHook
 from trainers.hooks.summary import RunSummary
-from trainers.hooks.tensorboard import TensorBoardHook
+from trainers.hooks.tensorboard import TensorBoardSink
 
 TASK = "mlp"
 SYNC_EVERY = 10
@@ -119,6 +122,19 @@ class FitLoop:
         jax.block_until_ready(self.state)
 
 
+def tensorboard_hook(
+    tb_dir: str, cfg: Any, global_batch_size: int, total: int, summary: RunSummary
+) -> LoggerHook:
+    """The CLI's logging hook writing to TensorBoard only, with the config's period."""
+    scalars = ScalarOptions(
+        log_every=int(cfg.trainer.log_every),
+        num_steps=total,
+        global_batch_size=global_batch_size,
+    )
+    sink = TensorBoardSink(tb_dir, flush_secs=float(cfg.logger.flush_secs))
+    return LoggerHook([sink], RunInfo(), LoggedScalars(scalars), summary)
+
+
 def run(bench: Bench) -> dict[str, Any]:
     """Returns per-step times of the loops and fit's overhead over the bare loop."""
     wl = bench.workload(TASK)
@@ -135,14 +151,10 @@ def run(bench: Bench) -> dict[str, Any]:
         tb_dir = stack.enter_context(tempfile.TemporaryDirectory())
         ckpt_dir = stack.enter_context(tempfile.TemporaryDirectory())
         devnull = stack.enter_context(open(os.devnull, "w"))
-        tb = TensorBoardHook(
-            tb_dir,
-            log_every=int(wl.cfg.trainer.log_every),
-            global_batch_size=wl.global_batch_size,
-            num_steps=total,
-            flush_secs=int(wl.cfg.logger.flush_secs),
-        )
-        stack.callback(tb.close)
+        summary = RunSummary()
+        summary.begin(num_steps=total, start_step=0, checkpoint_dir=ckpt_dir)
+        tb = tensorboard_hook(tb_dir, wl.cfg, wl.global_batch_size, total, summary)
+        stack.callback(tb.on_end, total, None, "done")
         with contextlib.redirect_stderr(devnull):  # tqdm binds its stream at construction
             progress = ProgressHook(start_step=0, num_steps=total, enabled=True)
         stack.callback(progress.bar.close)
@@ -150,8 +162,6 @@ def run(bench: Bench) -> dict[str, Any]:
             skip_nonfinite=bool(wl.cfg.reduction.skip_nonfinite),
             max_consecutive=int(wl.cfg.trainer.max_consecutive_nonfinite),
         )
-        summary = RunSummary()
-        summary.begin(num_steps=total, start_step=0, checkpoint_dir=ckpt_dir)
         checkpoints = CheckpointHook(ckpt_dir, ckpt_options, run_config(wl.cfg))
         stack.callback(checkpoints.close)
         checkpoints.prepare(fit_state)  # as train.py does

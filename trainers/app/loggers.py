@@ -1,9 +1,7 @@
-"""The run's W&B, MLflow and CSV loggers (``logger=[...]``), built from the config.
-
-TensorBoard's hook is `tensorboard_hook` (with the run's HParams); the others are one
-`trainers.hooks.run_logger.LoggerHook` each, around the logger of their option, with the same
-scalars (`trainers.hooks.logged_scalars`), the resolved config, the hyperparameters of
-TensorBoard's HParams and the run's summary. Only the lead process logs.
+"""The run's loggers (``logger=[...]``), built from the config: one
+`trainers.hooks.run_logger.LoggerHook` hands the same scalars (`trainers.hooks.logged_scalars`),
+the resolved config, the hyperparameters of TensorBoard's HParams and the run's summary to
+every selected sink (TensorBoard, W&B, MLflow, CSV). Only the lead process logs.
 """
 
 from __future__ import annotations
@@ -18,54 +16,60 @@ from trainers.app.stages import Placement, Started
 from trainers.hooks.summary import RunSummary
 
 
-def logged_scalars(options: RunOptions, parts: RunParts, num_devices: int) -> Any:
-    """A new `LoggedScalars` for the run (every logger keeps its own moving averages)."""
-    from trainers.hooks.logged_scalars import LoggedScalars
+def _scalar_options(options: RunOptions, parts: RunParts, num_devices: int) -> Any:
+    """What the run's logged scalars are derived with (`trainers.hooks.logged_scalars`)."""
+    from trainers.hooks.logged_scalars import ScalarOptions
     from trainers.hooks.perf import step_flops
     from trainers.tasks.base import tokens_per_example
 
     opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
-    return LoggedScalars(
+    return ScalarOptions(
         log_every=opts.log_every,
         num_steps=opts.steps,
         global_batch_size=opts.batch_size,
         noise_ema_steps=logger_opts.noise_ema_steps,
         tokens_per_example=tokens_per_example(parts.task),
-        step_flops=lambda: step_flops(trainer.compiled),
-        compile_seconds=lambda: trainer.compile_seconds,
         num_devices=num_devices,
         peak_flops_per_device=logger_opts.peak_flops_per_device,
+        step_flops=lambda: step_flops(trainer.compiled),
+        compile_seconds=lambda: trainer.compile_seconds,
     )
 
 
-def logger_hooks(
-    cfg: DictConfig, options: RunOptions, parts: RunParts, summary: Any, num_devices: int
-) -> list[Any]:
-    """One `LoggerHook` per selected logger other than TensorBoard (call on the lead only)."""
+def logger_hook(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    summary: RunSummary,
+) -> Any:
+    """The lead process's `LoggerHook` over the selected loggers; None when there is none."""
     from trainers.hooks.hparams import hparams
+    from trainers.hooks.logged_scalars import LoggedScalars
     from trainers.hooks.run_logger import LoggerHook, RunInfo
+    from trainers.hooks.tensorboard import TensorBoardSink
 
-    loggers = _run_loggers(options)
-    if not loggers:
-        return []
+    logger_opts = options.logger
+    sinks: list[Any] = []
+    if logger_opts.tensorboard is not None:
+        sinks.append(TensorBoardSink(where.dirs.tb_dir, flush_secs=logger_opts.flush_secs))
+    sinks += _run_loggers(options)
+    if not sinks:
+        return None
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
+    values, overridden = hparams(cfg)
     run = RunInfo(
         name=Path(str(cfg.paths.tb_dir)).name,
         config={str(k): v for k, v in config.items()},
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        hparams=dict(hparams(cfg)[0]),
+        hparams=dict(values),
+        overridden=overridden,
+        eval_metrics=started.evaluator.metric_names if started.evaluator else (),
     )
-    return [
-        LoggerHook(
-            logger,
-            run,
-            logged_scalars(options, parts, num_devices),
-            summary,
-            on_error=options.logger.on_error,
-        )
-        for logger in loggers
-    ]
+    scalars = LoggedScalars(_scalar_options(options, parts, where.mesh.size))
+    return LoggerHook(sinks, run, scalars, summary, on_error=logger_opts.on_error)
 
 
 def logger_outputs(options: RunOptions) -> Any:
@@ -77,57 +81,19 @@ def logger_outputs(options: RunOptions) -> Any:
 
 
 def _run_loggers(options: RunOptions) -> list[Any]:
-    """The selected loggers' `RunLogger`s, in the group's order."""
+    """The selected W&B, MLflow and CSV loggers' sinks, in the group's order."""
     opts = options.logger
     out: list[Any] = []
     if opts.wandb is not None:
-        from trainers.hooks.wandb_logger import WandbRunLogger
+        from trainers.hooks.wandb_logger import WandbSink
 
-        out.append(WandbRunLogger(opts.wandb))
+        out.append(WandbSink(opts.wandb))
     if opts.mlflow is not None:
-        from trainers.hooks.mlflow_logger import MlflowRunLogger
+        from trainers.hooks.mlflow_logger import MlflowSink
 
-        out.append(MlflowRunLogger(opts.mlflow))
+        out.append(MlflowSink(opts.mlflow))
     if opts.csv is not None:
-        from trainers.hooks.csv_logger import CsvRunLogger
+        from trainers.hooks.csv_logger import CsvSink
 
-        out.append(CsvRunLogger(opts.csv.path))
+        out.append(CsvSink(opts.csv.path))
     return out
-
-
-def tensorboard_hook(
-    cfg: DictConfig,
-    options: RunOptions,
-    where: Placement,
-    parts: RunParts,
-    started: Started,
-    summary: RunSummary,
-) -> Any:
-    """The TensorBoard hook of the lead process, with the run's hparams and resolved config."""
-    from trainers.hooks.hparams import hparams
-    from trainers.hooks.perf import step_flops
-    from trainers.hooks.tensorboard import TensorBoardHook
-    from trainers.tasks.base import tokens_per_example
-
-    opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
-    values, overridden = hparams(cfg)
-    return TensorBoardHook(
-        where.dirs.tb_dir,
-        log_every=opts.log_every,
-        global_batch_size=opts.batch_size,
-        num_steps=opts.steps,
-        hparams=values,
-        overridden=overridden,
-        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        flush_secs=logger_opts.flush_secs,
-        on_error=logger_opts.on_error,
-        noise_ema_steps=logger_opts.noise_ema_steps,
-        tokens_per_example=tokens_per_example(parts.task),
-        step_flops=lambda: step_flops(trainer.compiled),
-        compile_seconds=lambda: trainer.compile_seconds,
-        num_devices=where.mesh.size,
-        peak_flops_per_device=logger_opts.peak_flops_per_device,
-        best_loss=lambda: (summary.best_loss, summary.best_step),
-        eval_metrics=started.evaluator.metric_names if started.evaluator else (),
-        eval_results=summary.eval_results,
-    )

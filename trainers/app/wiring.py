@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from trainers.app.build import RunOptions, RunParts
-from trainers.app.loggers import logger_hooks, tensorboard_hook
+from trainers.app.loggers import logger_hook
 from trainers.app.memory_preflight import StepMemoryCheck
 from trainers.app.stages import Placement, Started
 from trainers.cluster.preemption import StopOnSignal
@@ -46,30 +46,26 @@ def run_hooks(
         objective=opts.objective,
     )
     memory = StepMemoryCheck(where.mesh.local_devices, opts.batch_size, where.cluster.agreed)
-    hooks: list[Any] = [memory, summary, monitor]
-    evaluation = evaluation_hook(options, parts, started, stop)
-    if evaluation is not None:
-        hooks.append(evaluation)
+    before: list[Any] = [memory, summary, monitor]  # the hooks before the evaluation
+    after: list[Any] = []
     names = started.evaluator.metric_names if started.evaluator is not None else ()
     early = early_stopping_hook(opts.early_stopping, names)
     if early is not None:
-        hooks.append(early)
-    tensorboard = lead and options.logger.tensorboard is not None
-    if tensorboard:
-        hooks.append(tensorboard_hook(cfg, options, where, parts, started, summary))
+        after.append(early)
+    log_hook = logger_hook(cfg, options, where, parts, started, summary) if lead else None
+    if log_hook is not None:  # TensorBoard, W&B, MLflow, CSV: one hook, the same scalars
+        after.append(log_hook)
     if lead and opts.profile_steps is not None:
-        hooks.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
-    if lead:  # W&B, MLflow, CSV: the same scalars, config, hparams and summary
-        hooks += logger_hooks(cfg, options, parts, summary, where.mesh.size)
-    hooks.append(
+        after.append(ProfileHook(dirs.tb_dir, *opts.profile_steps, start_step=start_step))
+    after.append(
         ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:
-        hooks.append(checkpoint_hook(options, where, started))
-    hooks += list(parts.hooks)  # the user's after the built-in ones
-    if evaluation is not None:
-        evaluation.sinks = [h.on_eval for h in hooks if h is not evaluation and _has_on_eval(h)]
-    return hooks
+        after.append(checkpoint_hook(options, where, started))
+    after += list(parts.hooks)  # the user's after the built-in ones
+    sinks = [h.on_eval for h in before + after if _has_on_eval(h)]
+    evaluation = evaluation_hook(options, parts, started, stop, sinks)
+    return before + ([evaluation] if evaluation is not None else []) + after
 
 
 def _has_on_eval(hook: Any) -> bool:
@@ -78,10 +74,15 @@ def _has_on_eval(hook: Any) -> bool:
 
 
 def evaluation_hook(
-    options: RunOptions, parts: RunParts, started: Started, stop: StopOnSignal
+    options: RunOptions,
+    parts: RunParts,
+    started: Started,
+    stop: StopOnSignal,
+    sinks: list[Any],
 ) -> Any:
-    """The evaluation hook (None without an evaluator): it skips the final evaluation when a
-    stop signal, here or to another process, ended the run."""
+    """The evaluation hook (None without an evaluator), handing each evaluation to `sinks` (the
+    other hooks' ``on_eval``): it skips the final evaluation when a stop signal, here or to
+    another process, ended the run."""
     from trainers.hooks.evaluation import EvalHook
 
     if started.evaluator is None:
@@ -91,7 +92,7 @@ def evaluation_hook(
         started.evaluator,
         every=opts.eval_every or 0,  # null was read as 0 (`TrainerOptions`)
         num_steps=opts.steps,
-        sinks=[],
+        sinks=sinks,
         preempted=lambda: stop() or bool(trainer.agreed_stop and trainer.agreed_stop.signal),
     )
 

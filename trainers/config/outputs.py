@@ -20,7 +20,7 @@ from trainers.config.run_names import SHORT, check_style
 from xshard.config.nodes import LOCATION, read_node
 from xshard.errors import ConfigError
 
-#: What the TensorBoard hook does when events cannot be written (disk full).
+#: What a logger does when it cannot write (disk full): ``logger.on_error``.
 ON_ERROR = ("stop", "continue")
 
 

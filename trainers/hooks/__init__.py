@@ -1,6 +1,8 @@
 """The built-in hooks a run attaches to `trainers.core.Trainer.fit`.
 
-TensorBoard logging (`tensorboard`, `tb_writer`, `hparams`, `noise_ema`), the progress bar
+Logging, one pipeline (`run_logger`: the hook; `log_sink`: what every logger implements;
+`logged_scalars`, `noise_ema`: what is logged; `tensorboard`, `hparams`, `csv_logger`,
+`wandb_logger`, `mlflow_logger`: the loggers), the progress bar
 and non-finite monitor (`monitor`), profiling and throughput (`perf`), evaluation
 (`evaluation`: the hook; `evaluator`, `eval_agreement`, `eval_scoring`: the eval step) and the
 run's summary (`summary`).

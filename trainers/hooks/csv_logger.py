@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from trainers.hooks.run_logger import RunInfo
+from trainers.hooks.log_sink import LogSink, RunInfo
 from trainers.rundir.links import write_file
 from trainers.rundir.outputs import Outputs, open_appended
 
@@ -34,8 +34,8 @@ def hparams_file(path: Path) -> Path:
     return path.with_suffix(".hparams.json")
 
 
-class CsvRunLogger:
-    """A `trainers.hooks.run_logger.RunLogger` writing to the CSV file `path`.
+class CsvSink(LogSink):
+    """A `trainers.hooks.log_sink.LogSink` writing to the CSV file `path`.
 
     The CSV file is appended to, never through a link (`trainers.rundir.outputs`); the config
     and hparams files are written anew (a link in their place is replaced, not followed). A

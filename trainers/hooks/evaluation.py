@@ -80,7 +80,7 @@ class EvalHook(Hook):
         self.evaluator = evaluator
         self.every = every
         self.num_steps = num_steps
-        self.sinks = list(sinks)
+        self.sinks = tuple(sinks)
         self.preempted = preempted
         self.last_step: int | None = None  # the step of the latest evaluation
 

@@ -1,21 +1,22 @@
 """The scalars a logger writes for a step: the step's metrics plus what is derived from them.
 
 Every logger (TensorBoard, W&B, MLflow, CSV: ``logger=...``) writes the same scalars, built here
-once per logger from the metrics `Trainer.fit` hands to hooks: on every ``log_every``-th step
-and the last one, each metric (less an undefined ``grad/noise_scale``), the clip rate since the
-last write (``grad/clip_fired_rate``), ``grad/noise_scale_ema`` (`trainers.hooks.noise_ema`),
-and the throughput since the last write (``perf/steps_per_sec``, ``examples_per_sec``,
-``tokens_per_sec``, ``flops_per_sec``, ``mfu``: `trainers.hooks.perf`); on the step that
-compiled, ``perf/compile_time_s`` (the run's compile time so far), and on a periodic axis's
-sync step its ``sync/<axis>/*`` and ``comm/<axis>/bytes_per_step`` (`on_its_step`, whatever
-``log_every`` says: a sync is rarer than most logging periods, and each one matters).
-Programs compile when a step first needs them (`trainers.core.trainer.Trainer`): the
-throughput leaves the compile time inside its window out, so that it measures steps, not
-compilation.
+once for all of them (`trainers.hooks.run_logger.LoggerHook`) from the metrics `Trainer.fit`
+hands to hooks: on every ``log_every``-th step and the last one, each metric (less an undefined
+``grad/noise_scale``), the clip rate since the last write (``grad/clip_fired_rate``),
+``grad/noise_scale_ema`` (`trainers.hooks.noise_ema`), and the throughput since the last write
+(``perf/steps_per_sec``, ``examples_per_sec``, ``tokens_per_sec``, ``flops_per_sec``, ``mfu``:
+`trainers.hooks.perf`); on the step that compiled, ``perf/compile_time_s`` (the run's compile
+time so far), and on a periodic axis's sync step its ``sync/<axis>/*`` and
+``comm/<axis>/bytes_per_step`` (`on_its_step`, whatever ``log_every`` says: a sync is rarer
+than most logging periods, and each one matters). Programs compile when a step first needs them
+(`trainers.core.trainer.Trainer`): the throughput leaves the compile time inside its window
+out, so that it measures steps, not compilation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -27,47 +28,49 @@ from trainers.hooks.noise_ema import NoiseScaleEMA
 Scalars = list[tuple[str, float]]
 
 
-class LoggedScalars:
-    """Turns each step's metrics into the scalars to log (module docstring).
+@dataclasses.dataclass(frozen=True)
+class ScalarOptions:
+    """What the logged scalars are derived with (`LoggedScalars`).
 
-    Args:
+    Attributes:
       log_every: logging period in steps (the last step is always logged).
       num_steps: the run's total steps.
       global_batch_size: for ``perf/examples_per_sec``.
       noise_ema_steps: time constant of ``grad/noise_scale_ema`` in steps.
       tokens_per_example: the task's tokens per example, for ``perf/tokens_per_sec``.
-      step_flops: returns the compiled step's FLOPs per device, or None when unknown.
       num_devices: devices running the step.
       peak_flops_per_device: for ``perf/mfu``; None leaves MFU out.
+      step_flops: returns the compiled step's FLOPs per device, or None when unknown
+        (`trainers.hooks.perf.step_flops`).
       compile_seconds: returns the run's compile time so far (`Trainer.compile_seconds`),
         read at each write: the throughput leaves what compiled within its window out.
     """
 
-    def __init__(
-        self,
-        *,
-        log_every: int,
-        num_steps: int,
-        global_batch_size: int,
-        noise_ema_steps: float = 50,
-        tokens_per_example: int | None = None,
-        step_flops: Callable[[], float | None] | None = None,
-        num_devices: int = 1,
-        peak_flops_per_device: float | None = None,
-        compile_seconds: Callable[[], float | None] | None = None,
-    ):
-        self.log_every = max(1, int(log_every))
-        self.num_steps = num_steps
-        self.global_batch_size = global_batch_size
-        self.noise_ema = NoiseScaleEMA(noise_ema_steps)
-        self.tokens_per_example = tokens_per_example
-        self._step_flops = step_flops
+    log_every: int
+    num_steps: int
+    global_batch_size: int
+    noise_ema_steps: float = 50
+    tokens_per_example: int | None = None
+    num_devices: int = 1
+    peak_flops_per_device: float | None = None
+    step_flops: Callable[[], float | None] | None = None
+    compile_seconds: Callable[[], float | None] | None = None
+
+
+class LoggedScalars:
+    """Turns each step's metrics into the scalars to log (module docstring).
+
+    Args:
+      options: the logging period, the run's size and what the throughput is derived with.
+    """
+
+    def __init__(self, options: ScalarOptions):
+        self.options = options
+        self.log_every = max(1, int(options.log_every))
+        self.noise_ema = NoiseScaleEMA(options.noise_ema_steps)
         self._flops: float | None = None
-        self.num_devices = num_devices
-        self.peak_flops_per_device = peak_flops_per_device
         self._window_start: tuple[int, float] | None = None
         self._clip_fired: list[float] = []  # grad/clip_fired of the steps since the last write
-        self._compile_seconds = compile_seconds
         self._compiled_at_start = 0.0  # the run's compile time when the window started
 
     def on_its_step(self, metrics: dict[str, float]) -> Scalars:
@@ -85,7 +88,7 @@ class LoggedScalars:
             self.noise_ema.update(step, metrics["grad/noise_trace"], metrics["grad/noise_grad_sq"])
         if "grad/clip_fired" in metrics:
             self._clip_fired.append(metrics["grad/clip_fired"])
-        if step % self.log_every and step != self.num_steps:
+        if step % self.log_every and step != self.options.num_steps:
             return None
         now = time.perf_counter()
         scalars = [
@@ -110,21 +113,23 @@ class LoggedScalars:
 
     def _compiled(self) -> float:
         """The run's compile time so far (0 when unknown)."""
-        return (self._compile_seconds() if self._compile_seconds else None) or 0.0
+        compile_seconds = self.options.compile_seconds
+        return (compile_seconds() if compile_seconds else None) or 0.0
 
     def _speed(self, steps_per_sec: float) -> Scalars:
         """Steps, examples (tokens) and FLOPs per second, and MFU when the peak is known."""
-        examples = steps_per_sec * self.global_batch_size
+        opts = self.options
+        examples = steps_per_sec * opts.global_batch_size
         out = [("perf/steps_per_sec", steps_per_sec), ("perf/examples_per_sec", examples)]
-        if self.tokens_per_example:
-            out.append(("perf/tokens_per_sec", examples * self.tokens_per_example))
-        if self._flops is None and self._step_flops is not None:
-            self._flops = self._step_flops()
+        if opts.tokens_per_example:
+            out.append(("perf/tokens_per_sec", examples * opts.tokens_per_example))
+        if self._flops is None and opts.step_flops is not None:
+            self._flops = opts.step_flops()
         if self._flops:
             per_device = self._flops * steps_per_sec
-            out.append(("perf/flops_per_sec", per_device * self.num_devices))
-            if self.peak_flops_per_device:
-                out.append(("perf/mfu", per_device / self.peak_flops_per_device))
+            out.append(("perf/flops_per_sec", per_device * opts.num_devices))
+            if opts.peak_flops_per_device:
+                out.append(("perf/mfu", per_device / opts.peak_flops_per_device))
         return out
 
 

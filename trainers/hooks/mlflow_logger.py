@@ -15,15 +15,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from trainers.config.loggers import MlflowLogger
-from trainers.hooks.run_logger import RunInfo
+from trainers.hooks.log_sink import LogSink, RunInfo
 from trainers.rundir.outputs import Folder, Outputs
 
-#: MLflow takes at most this many params and metrics in one call.
-BATCH = 100
 
-
-class MlflowRunLogger:
-    """A `trainers.hooks.run_logger.RunLogger` writing to an MLflow run."""
+class MlflowSink(LogSink):
+    """A `trainers.hooks.log_sink.LogSink` writing to an MLflow run."""
 
     name = "mlflow"
 
@@ -54,9 +51,9 @@ class MlflowRunLogger:
         )
         created = self.client.create_run(experiment_id, run_name=opts.run_name or run.name)
         self.run_id = created.info.run_id
+        # `log_batch` splits what exceeds MLflow's limits per request itself.
         params = [Param(k, str(v)) for k, v in run.hparams.items()]
-        for i in range(0, len(params), BATCH):
-            self.client.log_batch(self.run_id, params=params[i : i + BATCH])
+        self.client.log_batch(self.run_id, params=params)
         self.client.log_text(self.run_id, run.config_yaml, "config.yaml")
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
@@ -66,8 +63,7 @@ class MlflowRunLogger:
             return
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, step) for k, v in scalars.items()]
-        for i in range(0, len(metrics), BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[i : i + BATCH])
+        self.client.log_batch(self.run_id, metrics=metrics)
 
     def finish(self, summary: Mapping[str, float], success: bool) -> None:
         if self.run_id is None:

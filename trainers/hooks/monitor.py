@@ -68,7 +68,8 @@ class NonFiniteMonitor(Hook):
 
 
 class ProgressHook(Hook):
-    """A tqdm progress bar on stderr: steps, loss, steps/s; off a terminal, log lines instead.
+    """A tqdm progress bar on stderr: steps, steps/s (tqdm's rate), loss; off a terminal, log
+    lines instead.
 
     While the bar is shown, console log records are written through `tqdm.write`
     (`tqdm.contrib.logging.logging_redirect_tqdm`), above the bar instead of onto it. When the
@@ -103,7 +104,6 @@ class ProgressHook(Hook):
         self._redirect = logging_redirect_tqdm() if bar else contextlib.nullcontext()
         self._redirect.__enter__()
         self._loss: float | None = None
-        self._postfix: dict[str, str] = {}
         self.num_steps = num_steps
         self.bar = tqdm(
             total=num_steps,
@@ -115,8 +115,8 @@ class ProgressHook(Hook):
             mininterval=0.5,
             dynamic_ncols=True,
         )
-        self._last = (start_step, time.perf_counter())
-        self._last_line = self._last
+        self._shown = time.perf_counter()  # when the bar's loss was last set
+        self._last_line = (start_step, self._shown)
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self.bar.update(step - self.bar.n)
@@ -124,15 +124,10 @@ class ProgressHook(Hook):
         if self._lines:
             self._log_line(step)
             return
-        last_step, last_time = self._last
         now = time.perf_counter()
-        if now - last_time >= 1.0:
-            self._postfix = {
-                "loss": format_loss(self._loss),
-                "steps_per_s": f"{(step - last_step) / (now - last_time):.1f}",
-            }
-            self.bar.set_postfix(self._postfix, refresh=False)
-            self._last = (step, now)
+        if now - self._shown >= 1.0:  # the rate is tqdm's own (``step/s``)
+            self.bar.set_postfix({"loss": format_loss(self._loss)}, refresh=False)
+            self._shown = now
 
     def _log_line(self, step: int) -> None:
         """A progress line at each tenth of the run, the last step, or `LINE_SECONDS` after
@@ -156,7 +151,7 @@ class ProgressHook(Hook):
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         try:
             if self._loss is not None and not self._lines:  # as the run summary says
-                self.bar.set_postfix({**self._postfix, "loss": format_loss(self._loss)})
+                self.bar.set_postfix({"loss": format_loss(self._loss)})
             self.bar.close()
         finally:
             self._redirect.__exit__(None, None, None)

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from trainers.config.loggers import WandbLogger
-from trainers.hooks.run_logger import RunInfo
+from trainers.hooks.log_sink import LogSink, RunInfo
 from trainers.rundir.links import write_file
 from trainers.rundir.outputs import Folder, Outputs
 
 CONFIG_FILE = "xshard_config.yaml"
 
 
-class WandbRunLogger:
-    """A `trainers.hooks.run_logger.RunLogger` writing to a W&B run."""
+class WandbSink(LogSink):
+    """A `trainers.hooks.log_sink.LogSink` writing to a W&B run."""
 
     name = "wandb"
 

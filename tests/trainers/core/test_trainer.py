@@ -11,7 +11,10 @@ import xshard
 from tests.cli import load_events
 from trainers.core.step_levels import LAYERS, PLAIN, STATS
 from trainers.core.trainer import Hook, Trainer
-from trainers.hooks.tensorboard import TensorBoardHook
+from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
+from trainers.hooks.run_logger import LoggerHook, RunInfo
+from trainers.hooks.summary import RunSummary
+from trainers.hooks.tensorboard import TensorBoardSink
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
 
@@ -211,7 +214,11 @@ def test_statistics_every_k_steps_share_one_executable_and_match(mlp, reference)
 
 def test_tensorboard_gets_every_tag_of_each_logging_step_in_one_event(mlp, tmp_path):
     steps, every = 8, 3
-    tb = TensorBoardHook(str(tmp_path), log_every=every, global_batch_size=BATCH, num_steps=steps)
+    scalars = LoggedScalars(
+        ScalarOptions(log_every=every, num_steps=steps, global_batch_size=BATCH)
+    )
+    sinks = [TensorBoardSink(str(tmp_path), flush_secs=10)]
+    tb = LoggerHook(sinks, RunInfo(), scalars, RunSummary())
     tx = xshard.cross_shard(optax.adam(3e-3), "mean", skip_nonfinite=True)
     trainer = Trainer(mlp, tx, mesh_of((8,), ("data",)), global_batch_size=BATCH)
     first = next(iter(mlp.batches(BATCH, seed=0)))

@@ -7,7 +7,10 @@ from hydra.core.hydra_config import HydraConfig
 
 from tests.cli import hparams_dashboard
 from trainers.hooks.hparams import NULL, hparams, shown
-from trainers.hooks.tensorboard import TensorBoardHook
+from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
+from trainers.hooks.run_logger import LoggerHook, RunInfo
+from trainers.hooks.summary import RunSummary
+from trainers.hooks.tensorboard import TensorBoardSink
 
 OVERRIDES = [
     "trainer.steps=7",
@@ -19,6 +22,13 @@ OVERRIDES = [
     "trainer.progress=false",  # excluded from run names: not a hyperparameter
     "hydra.job.name=xs",  # Hydra's own keys are not hyperparameters either
 ]
+
+
+def tensorboard(logdir, run: RunInfo, summary: RunSummary) -> LoggerHook:
+    """The logging hook of a run that logs every step to TensorBoard only."""
+    scalars = LoggedScalars(ScalarOptions(log_every=1, num_steps=2, global_batch_size=8))
+    sinks = [TensorBoardSink(str(logdir), flush_secs=10)]
+    return LoggerHook(sinks, run, scalars, summary)
 
 
 @pytest.fixture()
@@ -68,17 +78,15 @@ def test_shown_values():
 def test_tensorboard_serves_the_overrides_first_and_the_session_status(composed, tmp_path):
     values, overridden = hparams(composed)
     for run, ok in (("good", True), ("bad", False)):
-        hook = TensorBoardHook(
-            str(tmp_path / "tb" / run),
-            log_every=1,
-            global_batch_size=8,
-            num_steps=2,
+        info = RunInfo(
             hparams={**values, "optimizer.learning_rate": 0.5 if ok else 1e4},
             overridden=overridden,
-            best_loss=lambda: (0.25, 1),
         )
-        hook.on_step(1, {"train/loss": 0.25})
-        hook.on_step(2, {"train/loss": 0.5 if ok else float("inf")})
+        summary = RunSummary()
+        hook = tensorboard(tmp_path / "tb" / run, info, summary)
+        for step, loss in ((1, 0.25), (2, 0.5 if ok else float("inf"))):
+            summary.on_step(step, {"train/loss": loss})
+            hook.on_step(step, {"train/loss": loss})
         hook.on_end(2, None, "done" if ok else "error")
 
     shown_first = hparams_dashboard(tmp_path / "tb", limit=6)
@@ -102,8 +110,7 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
 
     from tests.cli import load_events
 
-    hook = TensorBoardHook(str(tmp_path), log_every=1, global_batch_size=8, num_steps=1)
-    hook.close()
+    tensorboard(tmp_path, RunInfo(), RunSummary()).on_end(1, None, "done")
     events = load_events(tmp_path)
     (tensor,) = events.Tensors(metadata.CONFIG_SUMMARY_TAG)
     layout = layout_pb2.Layout.FromString(tensor.tensor_proto.string_val[0])

@@ -7,9 +7,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.cli import load_events
+from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
 from trainers.hooks.perf import step_flops
-from trainers.hooks.tensorboard import TensorBoardHook
+from trainers.hooks.run_logger import LoggerHook, RunInfo
+from trainers.hooks.summary import RunSummary
+from trainers.hooks.tensorboard import TensorBoardSink
 from trainers.tasks.base import tokens_per_example
+
+
+def tensorboard(logdir, options: ScalarOptions) -> LoggerHook:
+    """The logging hook of a run that logs to TensorBoard only."""
+    sinks = [TensorBoardSink(str(logdir), flush_secs=10)]
+    return LoggerHook(sinks, RunInfo(), LoggedScalars(options), RunSummary())
 
 
 def test_step_flops_is_the_per_device_count_of_the_partitioned_program():
@@ -22,19 +31,21 @@ def test_step_flops_is_the_per_device_count_of_the_partitioned_program():
 
 
 def test_throughput_flops_and_mfu_scalars_agree(tmp_path):
-    hook = TensorBoardHook(
-        str(tmp_path),
-        log_every=1,
-        global_batch_size=32,
-        num_steps=3,
-        tokens_per_example=64,
-        step_flops=lambda: 1e9,
-        num_devices=8,
-        peak_flops_per_device=1e12,
+    hook = tensorboard(
+        tmp_path,
+        ScalarOptions(
+            log_every=1,
+            num_steps=3,
+            global_batch_size=32,
+            tokens_per_example=64,
+            step_flops=lambda: 1e9,
+            num_devices=8,
+            peak_flops_per_device=1e12,
+        ),
     )
     for step in (1, 2, 3):
         hook.on_step(step, {"train/loss": 1.0})
-    hook.close()
+    hook.on_end(3, None, "done")
     events = load_events(tmp_path)
     last = {
         t: events.Scalars(t)[-1].value for t in events.Tags()["scalars"] if t.startswith("perf/")
@@ -47,12 +58,11 @@ def test_throughput_flops_and_mfu_scalars_agree(tmp_path):
 
 
 def test_no_peak_no_mfu_and_tasks_without_tokens(tmp_path):
-    hook = TensorBoardHook(
-        str(tmp_path), log_every=1, global_batch_size=4, num_steps=2, step_flops=lambda: 5.0
-    )
+    options = ScalarOptions(log_every=1, num_steps=2, global_batch_size=4, step_flops=lambda: 5.0)
+    hook = tensorboard(tmp_path, options)
     hook.on_step(1, {"train/loss": 1.0})
     hook.on_step(2, {"train/loss": 1.0})
-    hook.close()
+    hook.on_end(2, None, "done")
     tags = set(load_events(tmp_path).Tags()["scalars"])
     assert "perf/flops_per_sec" in tags and "perf/mfu" not in tags
     assert "perf/tokens_per_sec" not in tags

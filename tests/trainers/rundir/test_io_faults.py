@@ -1,14 +1,15 @@
-"""I/O faults in-process: recognising failed writes, free-space checks, a TensorBoard writer
-whose thread died, stop requests before the first step, hooks that fail in `on_end`.
+"""I/O faults in-process: recognising failed writes, free-space checks, a TensorBoard event
+file that cannot be flushed, stop requests before the first step, hooks that fail in `on_end`.
 End-to-end runs on a full disk are in test_io_faults_cli.py."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
+import os
 import sys
-import threading
 import time
 
 import jax
@@ -30,7 +31,12 @@ from trainers.checkpoint.io import (
 )
 from trainers.config import CheckpointOptions, LoggerOptions
 from trainers.core.trainer import Hook, Trainer
-from trainers.hooks.tb_writer import SafeSummaryWriter
+from trainers.errors import LoggerError
+from trainers.hooks.log_sink import RunInfo
+from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
+from trainers.hooks.run_logger import LoggerHook
+from trainers.hooks.summary import RunSummary
+from trainers.hooks.tensorboard import TensorBoardSink
 from trainers.rundir.disk import check_free_space
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
@@ -116,7 +122,7 @@ def test_logged_io_errors_lose_their_traceback_others_keep_it():
 
 
 # --------------------------------------------------------------------------------------------
-# The logger node and a dead TensorBoard writer
+# The logger node and a failing TensorBoard event file
 # --------------------------------------------------------------------------------------------
 
 
@@ -137,48 +143,61 @@ def test_logger_options_are_validated(node, message):
     assert LoggerOptions.from_config({"flush_secs": 0.5}).flush_secs == 0.5
 
 
-def test_a_dead_writer_thread_never_blocks_writes_nor_prints_a_traceback(tmp_path, capfd):
-    # A flush period tensorboardX's thread cannot add to a time: it dies at its first loop,
-    # as on a full disk. A plain SummaryWriter then blocks once its queue (10 events) is full.
-    writer = SafeSummaryWriter(str(tmp_path), flush_secs="abc")
-    deadline = time.monotonic() + 30
-    while writer.ok() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert writer.failure is not None and writer.failure.startswith("TypeError")
+def tensorboard_hook(logdir, on_error: str = "stop", flush_secs: float = 1) -> LoggerHook:
+    """A logging hook writing every step to TensorBoard only."""
+    scalars = LoggedScalars(ScalarOptions(log_every=1, num_steps=1000, global_batch_size=8))
+    sinks = [TensorBoardSink(str(logdir), flush_secs=flush_secs)]
+    return LoggerHook(sinks, RunInfo(), scalars, RunSummary(), on_error=on_error)
 
-    def write_many():
-        for step in range(1000):
-            writer.add_scalar("x", float(step), step)
-        writer.flush()
-        writer.close()
 
-    t = threading.Thread(target=write_many, daemon=True)
-    t.start()
-    t.join(timeout=30)
-    assert not t.is_alive(), "a write blocked"
+@pytest.mark.parametrize("on_error", ["stop", "continue"])
+def test_a_failed_flush_is_reported_once_in_the_calling_thread_and_never_blocks(
+    tmp_path, monkeypatch, caplog, capfd, on_error
+):
+    hook = tensorboard_hook(tmp_path, on_error, flush_secs=1e-3)
+
+    def no_space(fd: int) -> None:  # the flush's sync, on a full disk
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", no_space)
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 1001):
+            hook.on_step(step, {"train/loss": 1.0})
+    assert hook.wants_stop() == (on_error == "stop")
+    reported = [r.getMessage() for r in caplog.records if "cannot be written" in r.getMessage()]
+    assert len(reported) == 1 and "(No space left on device)" in reported[0], reported
+    if on_error == "stop":
+        with pytest.raises(LoggerError, match=r"paths.tb_dir=.*No space left on device\. The run"):
+            hook.on_end(1000, None, "stopped")
+    else:
+        hook.on_end(1000, None, "done")
+        assert "training continues without them" in reported[0]
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_working_writer_writes_events(tmp_path):
-    writer = SafeSummaryWriter(str(tmp_path), flush_secs=1)
-    for step in range(1, 31):  # more than tensorboardX's default queue of 10
-        writer.add_scalar("x", float(step), step)
-    writer.close()
-    assert writer.ok() and writer.failure is None
+def test_a_working_sink_writes_events(tmp_path):
+    hook = tensorboard_hook(tmp_path)
+    for step in range(1, 31):
+        hook.on_step(step, {"x": float(step)})
+    hook.on_end(30, None, "done")
+    assert not hook.wants_stop()
     assert scalars(tmp_path, "x") == {s: float(s) for s in range(1, 31)}
 
 
 def test_scalars_written_as_one_event_read_back_as_add_scalar_writes_them(tmp_path):
+    from tensorboardX import SummaryWriter
+
     one, many = tmp_path / "one", tmp_path / "many"
     values = [("a/x", 1.5), ("/b y", 2), ("c", float("nan"))]  # a tag to clean, an int, NaN
-    writer = SafeSummaryWriter(str(one), flush_secs=1)
+    writer = SummaryWriter(str(one))
     for tag, value in values:
         writer.add_scalar(tag, value, 7)
     writer.close()
-    writer = SafeSummaryWriter(str(many), flush_secs=1)
-    writer.add_scalars(values, 7)
-    writer.add_scalars([], 8)  # nothing to write: no event
-    writer.close()
+    sink = TensorBoardSink(str(many), flush_secs=1)
+    sink.start(RunInfo())
+    sink.log_scalars(7, dict(values))
+    sink.log_scalars(8, {})  # nothing to write: no event
+    sink.finish({}, True)
     assert set(load_events(many).Tags()["scalars"]) == {"a/x", "b_y", "c"}
     for tag in ("a/x", "b_y", "c"):
         expected = scalars(one, tag)

@@ -12,8 +12,8 @@ from tests.reliability_helpers import SECRET
 from trainers.app.sweep import write_result
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
 from trainers.errors import LinkOutOfRunDirError
-from trainers.hooks.csv_logger import CsvRunLogger
-from trainers.hooks.run_logger import RunInfo
+from trainers.hooks.csv_logger import CsvSink
+from trainers.hooks.log_sink import RunInfo
 from trainers.rundir.links import check_run_dir, outside_link, write_file
 from trainers.rundir.log_file import RunLogFile
 from trainers.rundir.outputs import Outputs, open_appended
@@ -146,7 +146,7 @@ def test_the_csv_loggers_files_are_written_over_links_never_through_them(tmp_pat
     run.mkdir()
     (run / "metrics.config.yaml").symlink_to(victim)
     (run / "metrics.hparams.json").hardlink_to(victim)
-    csv_logger = CsvRunLogger(str(run / "metrics.csv"))
+    csv_logger = CsvSink(str(run / "metrics.csv"))
     assert csv_logger.outputs() == Outputs(
         appended=(str(run / "metrics.csv"),),
         replaced=(str(run / "metrics.config.yaml"), str(run / "metrics.hparams.json")),
@@ -167,7 +167,7 @@ def test_the_csv_loggers_files_are_written_over_links_never_through_them(tmp_pat
     (run / "metrics.csv").unlink()
     (run / "metrics.csv").symlink_to(victim)
     with pytest.raises(LinkOutOfRunDirError, match=r"metrics\.csv is a symbolic link"):
-        CsvRunLogger(str(run / "metrics.csv")).start(RunInfo("r", {}, "", {}))
+        CsvSink(str(run / "metrics.csv")).start(RunInfo("r", {}, "", {}))
     assert victim.read_bytes() == SECRET
 
 

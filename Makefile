@@ -70,7 +70,7 @@ clean:  ## remove .venv and every output
 # The wheels benchmarks/device_check.sh installs on an accelerator host without network (the
 # dependencies such a host lacks), for each Python it may have; not committed. antlr4 4.9.3 has
 # no wheel on PyPI: it is built here (pure Python), and the others resolve against it.
-DEVICE_WHEELS   := hydra-core omegaconf tensorboardX grain
+DEVICE_WHEELS   := hydra-core omegaconf tensorboardX crc32c grain
 DEVICE_PYTHONS  ?= 3.10 3.11 3.12 3.13
 DEVICE_PLATFORM ?= --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64
 device-wheels: $(STAMP)  ## download the wheels benchmarks/device_check.sh installs offline

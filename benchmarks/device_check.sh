@@ -49,8 +49,9 @@ trap 'rm -rf "$WORK"' EXIT
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 STAGES="$WORK/stages.tsv"
 : > "$STAGES"
-# What is missing there: Hydra and its pinned parser, tensorboardX, grain (pyproject.toml).
-MISSING=(hydra-core omegaconf "antlr4-python3-runtime==4.9.3" tensorboardX grain)
+# What is missing there: Hydra and its pinned parser, tensorboardX (and its native CRC), grain
+# (pyproject.toml).
+MISSING=(hydra-core omegaconf "antlr4-python3-runtime==4.9.3" tensorboardX crc32c grain)
 TESTS=(tests/xshard/test_cross_shard.py tests/xshard/test_cross_shard_options.py
        tests/trainers/core/test_zero.py tests/trainers/core/test_precision.py
        tests/trainers/checkpoint/test_checkpoints.py)
@@ -87,7 +88,7 @@ dry() {
 INSTALL=("$PY" -m pip install --quiet --no-index --find-links "$HERE/wheels" "${MISSING[@]}")
 if [ "$DRY" = 1 ]; then
   dry install "${INSTALL[@]}"
-elif "$PY" -c 'import hydra, omegaconf, tensorboardX, grain' 2> /dev/null; then
+elif "$PY" -c 'import hydra, omegaconf, tensorboardX, crc32c, grain' 2> /dev/null; then
   echo "already installed" > "$WORK/install.log"
   printf 'install\t0\t0\n' >> "$STAGES"
 else

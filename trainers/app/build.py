@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        PathsOptions,
         PrecisionOptions,
         ShardingOptions,
         TrainerOptions,
@@ -36,6 +37,7 @@ class RunOptions:
     seed: int
     trainer: TrainerOptions
     distributed: DistributedOptions
+    paths: PathsOptions
     sharding: ShardingOptions
     checkpoint: CheckpointOptions
     logger: LoggerOptions
@@ -44,8 +46,8 @@ class RunOptions:
 
 def read_options(cfg: DictConfig) -> RunOptions:
     """Reads the run's own nodes: ``seed``, ``trainer``, ``distributed``, ``paths``,
-    ``sharding``, ``checkpoint``, ``logger`` and ``precision`` (``paths`` is checked;
-    `trainers.cluster.run_dirs` reads it from `cfg`). Touches no device and no file.
+    ``sharding``, ``checkpoint``, ``logger`` and ``precision``, each into its record
+    (`trainers.config`). Touches no device and no file.
 
     Raises:
       ConfigError: for the first bad value, naming the key, the value and what is allowed.
@@ -65,11 +67,12 @@ def read_options(cfg: DictConfig) -> RunOptions:
     seed = check_seed(cfg.get("seed"))
     trainer = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     distributed = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
-    PathsOptions.from_config(cfg.get("paths"))
+    paths = PathsOptions.from_config(cfg.get("paths"))
     return RunOptions(
         seed=seed,
         trainer=trainer,
         distributed=distributed,
+        paths=paths,
         sharding=ShardingOptions.from_config(cfg.get("sharding")),
         checkpoint=CheckpointOptions.from_config(cfg.get("checkpoint")),
         logger=LoggerOptions.from_config(cfg.get("logger")),

@@ -70,13 +70,13 @@ def restore_run(
     import jax
 
     from trainers.app.build import build_run, read_options
-    from trainers.checkpoint.hook import run_config
     from trainers.checkpoint.io import complete_steps
     from trainers.checkpoint.resume import (
         RestoreSource,
         restore_checkpoint,
         with_saved_replica_shapes,
     )
+    from trainers.config.plain import run_config
     from trainers.errors import CheckpointError
 
     with open_dict(cfg):

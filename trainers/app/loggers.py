@@ -42,19 +42,21 @@ def logger_hooks(
     cfg: DictConfig, options: RunOptions, parts: RunParts, summary: Any, num_devices: int
 ) -> list[Any]:
     """One `LoggerHook` per selected logger other than TensorBoard (call on the lead only)."""
+    from trainers.config.cli_args import run_overrides
     from trainers.hooks.hparams import hparams
     from trainers.hooks.run_logger import LoggerHook, RunInfo
 
     loggers = _run_loggers(options)
     if not loggers:
         return []
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(resolved, dict)
+    config = {str(k): v for k, v in resolved.items()}
     run = RunInfo(
-        name=Path(str(cfg.paths.tb_dir)).name,
-        config={str(k): v for k, v in config.items()},
+        name=Path(options.paths.tb_dir).name,
+        config=config,
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-        hparams=dict(hparams(cfg)[0]),
+        hparams=dict(hparams(config, run_overrides())[0]),
     )
     return [
         LoggerHook(
@@ -104,13 +106,14 @@ def tensorboard_hook(
     summary: RunSummary,
 ) -> Any:
     """The TensorBoard hook of the lead process, with the run's hparams and resolved config."""
+    from trainers.config.cli_args import run_overrides
     from trainers.hooks.hparams import hparams
     from trainers.hooks.perf import step_flops
     from trainers.hooks.tensorboard import TensorBoardHook
     from trainers.tasks.base import tokens_per_example
 
     opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
-    values, overridden = hparams(cfg)
+    values, overridden = hparams(started.config, run_overrides())
     return TensorBoardHook(
         where.dirs.tb_dir,
         log_every=opts.log_every,

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         ShardingOptions,
         TrainerOptions,
     )
+    from trainers.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ def read_options(cfg: DictConfig) -> RunOptions:
 class RunParts:
     """What a run trains, built from the config (`build_run`)."""
 
-    task: Any
+    task: Task
     hooks: list[Any]  # the user's, from trainer.hooks
     tx: Any  # the cross-shard optimizer (`xshard.optimizer.CrossShardTransformation`)
     spec: Any  # its `xshard.optimizer.CrossShardSpec` (``tx.spec``)
@@ -132,7 +133,7 @@ def build_run(
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 
 
-def build_task(cfg: DictConfig) -> Any:
+def build_task(cfg: DictConfig) -> Task:
     """Instantiates ``cfg.task`` after checking every ``_target_`` in it against the allowlist.
 
     Nested ``_target_`` nodes (a Flax task's ``model`` and ``data``) are built too, bottom-up
@@ -157,7 +158,7 @@ def build_task(cfg: DictConfig) -> Any:
     return instantiate_nested(node, "task", allowed_targets(cfg))
 
 
-def check_task_remat(task: Any, remat: str, name: str) -> None:
+def check_task_remat(task: Task, remat: str, name: str) -> None:
     """A task applies ``trainer.remat`` only if it opted in (its node has
     ``remat: ${trainer.remat}``, `trainers.tasks.remat`): refuse a policy it would ignore.
 

@@ -27,7 +27,7 @@ if __name__ == "__main__":  # first of all, before JAX is imported (trainers.clu
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -36,6 +36,9 @@ from trainers.app.main import main as xshard_main
 from trainers.cluster.multihost import Cluster, exit_process, join_cluster
 from trainers.errors import EXIT_CONFIG_ERROR, PeerError
 from xshard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainers.config import PathsOptions
 
 log = logging.getLogger("trainers.doctor")
 
@@ -79,7 +82,7 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
         how = f"{how}: {cluster.count} processes, coordinator {address}"
     lines.append(("cluster", how))
     problems += _devices_and_mesh(cfg, cluster, options, lines)
-    problems += _directories(cfg, cluster, lines)
+    problems += _directories(options.paths, cluster, lines)
     everyone = cluster.all_gather("doctor/problems", problems)
     seen: dict[str, list[int]] = {}
     for i, theirs in enumerate(everyone):
@@ -138,19 +141,20 @@ def _devices_and_mesh(
     return []
 
 
-def _directories(cfg: DictConfig, cluster: Cluster, lines: list[tuple[str, str]]) -> list[str]:
+def _directories(paths: PathsOptions, cluster: Cluster, lines: list[tuple[str, str]]) -> list[str]:
+    """The run dirs as every process sees them (`paths`: the ``paths`` node's record)."""
     from trainers.checkpoint.io import complete_steps
     from trainers.checkpoint.owner import check_ownership
     from trainers.cluster.run_dirs import absolute_path, check_shared_dir
     from trainers.rundir.disk import check_writable_dir
 
     problems: list[str] = []
-    own = absolute_path(cfg.paths.output_dir)
+    own = absolute_path(paths.output_dir)
     lead = cluster.broadcast(
         "doctor/paths",
         {
-            "checkpoint_dir": absolute_path(cfg.paths.checkpoint_dir),
-            "tb_dir": absolute_path(cfg.paths.tb_dir),
+            "checkpoint_dir": absolute_path(paths.checkpoint_dir),
+            "tb_dir": absolute_path(paths.tb_dir),
         },
     )
     outputs = cluster.all_gather("doctor/output_dirs", own)

@@ -35,8 +35,9 @@ import jax
 
 from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
-from trainers.checkpoint.hook import CheckpointHook, run_config
+from trainers.checkpoint.hook import CheckpointHook
 from trainers.config import CheckpointOptions
+from trainers.config.plain import run_config
 from trainers.core.step import STATS
 from trainers.core.step_levels import step_level
 from trainers.core.trainer import Hook, Trainer

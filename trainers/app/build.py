@@ -21,10 +21,12 @@ if TYPE_CHECKING:
         CheckpointOptions,
         DistributedOptions,
         LoggerOptions,
+        PathsOptions,
         PrecisionOptions,
         ShardingOptions,
         TrainerOptions,
     )
+    from trainers.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class RunOptions:
     seed: int
     trainer: TrainerOptions
     distributed: DistributedOptions
+    paths: PathsOptions
     sharding: ShardingOptions
     checkpoint: CheckpointOptions
     logger: LoggerOptions
@@ -44,8 +47,8 @@ class RunOptions:
 
 def read_options(cfg: DictConfig) -> RunOptions:
     """Reads the run's own nodes: ``seed``, ``trainer``, ``distributed``, ``paths``,
-    ``sharding``, ``checkpoint``, ``logger`` and ``precision`` (``paths`` is checked;
-    `trainers.cluster.run_dirs` reads it from `cfg`). Touches no device and no file.
+    ``sharding``, ``checkpoint``, ``logger`` and ``precision``, each into its record
+    (`trainers.config`). Touches no device and no file.
 
     Raises:
       ConfigError: for the first bad value, naming the key, the value and what is allowed.
@@ -65,11 +68,12 @@ def read_options(cfg: DictConfig) -> RunOptions:
     seed = check_seed(cfg.get("seed"))
     trainer = read_node(TrainerOptions, cfg.get("trainer"), "trainer")
     distributed = read_node(DistributedOptions, cfg.get("distributed", {}), "distributed")
-    PathsOptions.from_config(cfg.get("paths"))
+    paths = PathsOptions.from_config(cfg.get("paths"))
     return RunOptions(
         seed=seed,
         trainer=trainer,
         distributed=distributed,
+        paths=paths,
         sharding=ShardingOptions.from_config(cfg.get("sharding")),
         checkpoint=CheckpointOptions.from_config(cfg.get("checkpoint")),
         logger=LoggerOptions.from_config(cfg.get("logger")),
@@ -81,7 +85,7 @@ def read_options(cfg: DictConfig) -> RunOptions:
 class RunParts:
     """What a run trains, built from the config (`build_run`)."""
 
-    task: Any
+    task: Task
     hooks: list[Any]  # the user's, from trainer.hooks
     tx: Any  # the cross-shard optimizer (`xshard.optimizer.CrossShardTransformation`)
     spec: Any  # its `xshard.optimizer.CrossShardSpec` (``tx.spec``)
@@ -129,7 +133,7 @@ def build_run(
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 
 
-def build_task(cfg: DictConfig) -> Any:
+def build_task(cfg: DictConfig) -> Task:
     """Instantiates ``cfg.task`` after checking every ``_target_`` in it against the allowlist.
 
     Nested ``_target_`` nodes (a Flax task's ``model`` and ``data``) are built too, bottom-up
@@ -154,7 +158,7 @@ def build_task(cfg: DictConfig) -> Any:
     return instantiate_nested(node, "task", allowed_targets(cfg))
 
 
-def check_task_remat(task: Any, remat: str, name: str) -> None:
+def check_task_remat(task: Task, remat: str, name: str) -> None:
     """A task applies ``trainer.remat`` only if it opted in (its node has
     ``remat: ${trainer.remat}``, `trainers.tasks.remat`): refuse a policy it would ignore.
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from omegaconf import DictConfig, open_dict
 
 from trainers.app.run_dir_config import CHECKPOINTS, checked_run_dir, read_run_config
+
+if TYPE_CHECKING:
+    from trainers.tasks.base import Task
 
 
 class Loaded(NamedTuple):
@@ -39,7 +42,7 @@ class Loaded(NamedTuple):
     model_state: Any
     config: DictConfig
     step: int
-    task: Any
+    task: Task
 
 
 class Restored(NamedTuple):
@@ -70,13 +73,13 @@ def restore_run(
     import jax
 
     from trainers.app.build import build_run, read_options
-    from trainers.checkpoint.hook import run_config
     from trainers.checkpoint.io import complete_steps
     from trainers.checkpoint.resume import (
         RestoreSource,
         restore_checkpoint,
         with_saved_replica_shapes,
     )
+    from trainers.config.plain import run_config
     from trainers.errors import CheckpointError
 
     with open_dict(cfg):

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from trainers.config.cli_args import override_key
 from xshard.config.nodes import one_line
 from xshard.errors import ConfigError
 
@@ -106,7 +107,7 @@ def removed_key_error(overrides: Sequence[str]) -> ConfigError | None:
     for arg in overrides:
         if arg.startswith(("-", "~")) or "=" not in arg:
             continue
-        key, _, value = arg.lstrip("+").partition("=")
+        key, value = override_key(arg), arg.partition("=")[2]
         if key in REMOVED_KEYS:
             return ConfigError(f"{key}={value}: this key was removed: {REMOVED_KEYS[key]}")
     return None
@@ -129,7 +130,7 @@ def long_name_error(overrides: Sequence[str]) -> ConfigError | None:
     for arg in overrides:
         if arg.startswith("-"):
             continue
-        key, _, value = arg.lstrip("+~").partition("=")
+        key, value = override_key(arg), arg.partition("=")[2]
         size = max(len(part.encode()) for part in key.split("/"))
         if size > longest:
             return ConfigError(

@@ -61,7 +61,7 @@ def run(cfg: DictConfig) -> float | None:
       Exception: an unexpected error (a bug), with its traceback: exit status 1.
     """
     from trainers.app.allowlist import add_trusted_entries, check_allowlist_sources
-    from trainers.app.sweep import failed_job_value, finish_job, is_multirun
+    from trainers.app.sweep import finish_job
     from trainers.app.training import train
     from trainers.errors import (
         EXIT_NONFINITE,
@@ -74,13 +74,6 @@ def run(cfg: DictConfig) -> float | None:
     from xshard.errors import ConfigError
 
     summary = RunSummary()
-
-    def failed(error: BaseException, kind: str, code: int) -> float | None:
-        record = finish_job(cfg, summary, kind, error)
-        if not is_multirun():
-            _exit(error, code)
-        return failed_job_value(record, cfg.trainer.get("failed_objective"))
-
     try:
         check_allowlist_sources(cfg)  # no copied config file widens the allowlist
         add_trusted_entries(cfg)  # the primary config, XSHARD_ALLOWED_TARGETS, packages
@@ -89,14 +82,36 @@ def run(cfg: DictConfig) -> float | None:
         finish_job(cfg, summary, status.PREEMPTED, e)
         _exit(e, EXIT_PREEMPTED, label="preempted")
     except NonFiniteError as e:
-        return failed(e, status.DIVERGED, EXIT_NONFINITE)
+        return _failed(cfg, summary, e, status.DIVERGED, EXIT_NONFINITE)
     except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
-        return failed(e, status.FAILED, EXIT_CONFIG_ERROR)
+        return _failed(cfg, summary, e, status.FAILED, EXIT_CONFIG_ERROR)
     except Exception as e:
         finish_job(cfg, summary, status.CRASHED, e)
         report_unexpected(e)  # several processes: traceback in the log, exit 1 without waiting
         raise
+    return _completed(cfg, summary)
+
+
+def _failed(
+    cfg: DictConfig, summary: RunSummary, error: BaseException, kind: str, code: int
+) -> float | None:
+    """A run that ended with `error`: recorded as `kind`; a single run exits with `code`, a
+    multirun job returns what a failed job returns to the sweeper."""
+    from trainers.app.sweep import failed_job_value, finish_job, is_multirun
+
+    record = finish_job(cfg, summary, kind, error)
+    if not is_multirun():
+        _exit(error, code)
+    return failed_job_value(record, cfg.trainer.get("failed_objective"))
+
+
+def _completed(cfg: DictConfig, summary: RunSummary) -> float | None:
+    """A run that trained to its end: recorded; its objective (never NaN or inf to a sweeper:
+    a multirun job without one returns what a failed job returns)."""
+    from trainers.app.sweep import failed_job_value, finish_job, is_multirun
+    from trainers.hooks import summary as status
+
     record = finish_job(cfg, summary, status.COMPLETED)
-    if record["objective"] is None and is_multirun():  # never NaN or inf to a sweeper
+    if record["objective"] is None and is_multirun():
         return failed_job_value(record, cfg.trainer.get("failed_objective"))
     return record["objective"] if record["objective"] is not None else summary.final_loss

@@ -24,6 +24,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, read_write
 
+from trainers.config.cli_args import override_key
 from xshard.errors import ConfigError
 
 log = logging.getLogger("trainers.train")
@@ -70,5 +71,5 @@ class TolerateFailedTrials(Callback):
 def _chosen(config: DictConfig) -> bool:
     """Whether the user chose the sweeper's rate: on the command line, or another value than
     the sweeper's own default in a config file."""
-    typed = (o.split("=", 1)[0].lstrip("+~") for o in config.hydra.overrides.hydra)
+    typed = (override_key(o) for o in config.hydra.overrides.hydra)
     return f"hydra.sweeper.{KEY}" in typed or config.hydra.sweeper[KEY] != SWEEPER_DEFAULT

@@ -45,6 +45,7 @@ def logger_hook(
     summary: RunSummary,
 ) -> Any:
     """The lead process's `LoggerHook` over the selected loggers; None when there is none."""
+    from trainers.config.cli_args import run_overrides
     from trainers.hooks.hparams import hparams
     from trainers.hooks.logged_scalars import LoggedScalars
     from trainers.hooks.run_logger import LoggerHook, RunInfo
@@ -57,12 +58,13 @@ def logger_hook(
     sinks += _run_loggers(options)
     if not sinks:
         return None
-    config = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(config, dict)
-    values, overridden = hparams(cfg)
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(resolved, dict)
+    config = {str(k): v for k, v in resolved.items()}
+    values, overridden = hparams(started.config, run_overrides())
     run = RunInfo(
-        name=Path(str(cfg.paths.tb_dir)).name,
-        config={str(k): v for k, v in config.items()},
+        name=Path(options.paths.tb_dir).name,
+        config=config,
         config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
         hparams=dict(values),
         overridden=overridden,

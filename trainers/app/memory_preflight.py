@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import resource
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -39,6 +39,9 @@ from trainers.core.zero import bytes_per_device
 from xshard.errors import ConfigError
 from xshard.simulated_devices import address_space_in_use
 from xshard.stats import path_str
+
+if TYPE_CHECKING:
+    from trainers.tasks.base import Task
 
 
 class MemoryEstimate(NamedTuple):
@@ -65,7 +68,7 @@ class MemoryAvailable(NamedTuple):
     what: str
 
 
-def example_shapes(task: Any) -> dict[str, jax.ShapeDtypeStruct] | None:
+def example_shapes(task: Task) -> dict[str, jax.ShapeDtypeStruct] | None:
     """The shapes of one example that `task` declares (``example_shapes()``), or None."""
     declare = getattr(task, "example_shapes", None)
     return dict(declare()) if callable(declare) else None

@@ -7,11 +7,14 @@ one line and status 2; `check_writable_dir` does the same check for the run's ow
 paths (``paths.tb_dir``, ``paths.checkpoint_dir``) inside `train.py`. An empty file needs no
 space, so a full disk passes that check: `check_free_space` compares the free space with what
 the run will write (`trainers.checkpoint.io.check_checkpoint_space`; `OutputDirCheck` asks for
-`OUTPUT_DIR_MIN_FREE` in the output dir).
+`OUTPUT_DIR_MIN_FREE` in the output dir). `RunDirLinksCheck`, a Hydra callback too, refuses a
+link in the run dir that would take Hydra's config dump or log file out of it
+(`trainers.rundir.links`).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -19,10 +22,12 @@ from typing import Any
 
 import numpy as np
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
 from trainers.rundir.disk import OUTPUT_DIR_MIN_FREE, check_free_space, check_writable_dir
+from trainers.rundir.links import check_run_dir, check_sweep_dir
 from xshard.errors import ConfigError
 
 
@@ -48,6 +53,61 @@ class OutputDirCheck(Callback):
             )
         except ConfigError as e:
             print(f"xshard: error: {e}", file=sys.stderr)
+            sys.exit(EXIT_CONFIG_ERROR)
+
+
+def job_log_files(config: DictConfig, output_dir: str) -> list[str]:
+    """The files that ``hydra.job_logging``'s handlers will write for a job in `output_dir`."""
+    logging_cfg = config.hydra.get("job_logging")
+    if not isinstance(logging_cfg, DictConfig) or not logging_cfg.get("handlers"):
+        return []
+    cfg = copy.deepcopy(config)
+    with read_write(cfg), open_dict(cfg):
+        cfg.hydra.runtime.output_dir = output_dir
+    files = []
+    for handler in cfg.hydra.job_logging.handlers.values():
+        try:
+            name = handler.get("filename") if isinstance(handler, DictConfig) else None
+        except OmegaConfBaseException:  # not resolvable before the job runs: the job checks it
+            continue
+        if isinstance(name, str):
+            files.append(os.path.join(output_dir, name))
+    return files
+
+
+def _hydra_subdir(config: DictConfig) -> str | None:
+    subdir = OmegaConf.select(config, "hydra.output_subdir")
+    return None if subdir is None else str(subdir)
+
+
+class RunDirLinksCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in ``xshard_train.yaml``): exits 2 with one line if
+    a link in the run dir (a sweep dir) would take Hydra's config dump or the log file out of
+    it, before Hydra writes either (`check_run_dir`, `check_sweep_dir`)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        run_dir = os.path.abspath(str(config.hydra.run.dir))
+        self._refuse_on(
+            lambda: check_run_dir(
+                run_dir,
+                hydra_subdir=_hydra_subdir(config),
+                log_files=job_log_files(config, run_dir),
+            )
+        )
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
+        names = [os.path.basename(f) for f in job_log_files(config, sweep_dir)]
+        self._refuse_on(lambda: check_sweep_dir(sweep_dir, _hydra_subdir(config), names))
+
+    @staticmethod
+    def _refuse_on(check: Any) -> None:
+        from xshard.config import one_line
+
+        try:
+            check()
+        except LinkOutOfRunDirError as e:
+            print(f"xshard: error: {one_line(str(e))}", file=sys.stderr)
             sys.exit(EXIT_CONFIG_ERROR)
 
 

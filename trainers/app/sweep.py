@@ -36,6 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from trainers.app.sweep_plot import PLOTS_EXTRA, SWEEP_FIGURE_FILE, write_objective_figure
+from trainers.config.cli_args import override_key
 from trainers.errors import TrialFailed
 from trainers.hooks.summary import COMPLETED, RunSummary
 from trainers.rundir.links import write_file
@@ -68,16 +69,15 @@ def _job() -> dict[str, Any]:
     overrides = list(hc.overrides.task)
     excluded = set(hc.job.config.override_dirname.exclude_keys)
 
-    def key(override: str) -> str:
-        return override.split("=", 1)[0].lstrip("+~")
-
     return {
         # Hydra types hc.job as its JobConf dataclass; it is a DictConfig node.
         "num": int(cast(DictConfig, hc.job).get("num", 0) or 0),
         "overrides": overrides,
         # What the run's name shows: not Hydra's own keys nor those left out of dir names.
         "shown_overrides": [
-            o for o in overrides if key(o) not in excluded and not key(o).startswith("hydra")
+            o
+            for o in overrides
+            if override_key(o) not in excluded and not override_key(o).startswith("hydra")
         ],
         "sweeper": hc.sweeper.get("_target_"),
     }

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from trainers.config.cli_args import override_key
 from trainers.rundir.links import write_file
 
 #: The figure, in the sweep dir next to the table.
@@ -51,9 +52,9 @@ def overrides_of(record: dict[str, Any]) -> dict[str, str]:
     without a value is left out)."""
     out = {}
     for override in record.get("overrides") or []:
-        key, sep, value = str(override).partition("=")
+        _, sep, value = str(override).partition("=")  # the value as typed
         if sep:
-            out[key.lstrip("+~")] = value
+            out[override_key(str(override))] = value
     return out
 
 

@@ -51,17 +51,17 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
       Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
       PeerError: if another process failed at a step every process must pass.
     """
-    with StopOnSignal(stop_signals(cfg)) as stop:
-        loss = _train(cfg, stop, summary or RunSummary())
+    options = read_options(cfg)  # as trainers.doctor checks them
+    with StopOnSignal(stop_signals(options.trainer.stop_signals)) as stop:
+        loss = _train(cfg, options, stop, summary or RunSummary())
     current().announce_exit(0)  # the other processes stop watching this one
     return loss
 
 
-def _train(cfg: DictConfig, stop: StopOnSignal, summary: RunSummary) -> float:
+def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
     from trainers.core.compile_cache import enable_compilation_cache
 
-    options = read_options(cfg)  # as trainers.doctor checks them
     # Before the first compilation: every job of a sweep, every rerun reads what was compiled.
     summary.use_compilation_cache(enable_compilation_cache(options.trainer.compilation_cache_dir))
     where = place(cfg, options)
@@ -108,14 +108,20 @@ def place(cfg: DictConfig, options: RunOptions) -> Placement:
     Before any JAX computation: the simulated CPU device count is fixed at first use.
     """
     from trainers.app.allowlist import log_active_prefixes
+    from trainers.app.hydra_run import rewrite_config_dump
     from trainers.cluster.run_dirs import share_run_dirs
     from trainers.cluster.same_config import check_same_config
+    from trainers.config.plain import flat_config
     from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
     from xshard.mesh_spec import data_axes as mesh_data_axes
 
     cluster = join_cluster(options.distributed)
-    dirs = share_run_dirs(cfg, cluster)  # process 0's dirs; only it keeps train.log
-    check_same_config(cluster, cfg)  # every process, the same config: else all exit 2
+    dirs = share_run_dirs(options.paths, cluster)  # process 0's dirs; only it keeps train.log
+    if dirs.output_shared:  # the config dump in the run dir is process 0's
+        rewrite_config_dump(cfg)
+    if cluster.watchdog is not None:  # a lost process is reported with the last checkpoint
+        cluster.watchdog.name_checkpoints(dirs.checkpoint_dir)
+    check_same_config(cluster, flat_config(cfg))  # every process, the same config: else exit 2
     log_active_prefixes(cfg)
     configure_devices(cfg.mesh, num_processes=cluster.count)
     mesh = build_mesh(cfg.mesh)
@@ -133,6 +139,7 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
     A run dir copied or moved from elsewhere is untrusted: before the run creates, locks or
     writes anything, a path it writes that a link leads out of it is refused (exit 2).
     """
+    from trainers.app.hydra_run import hydra_dirs
     from trainers.app.loggers import logger_outputs
     from trainers.checkpoint.owner import claim_checkpoint_dir
     from trainers.checkpoint.resume import find_resume_source
@@ -143,6 +150,7 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
     if logging.getLogger("absl").level == logging.NOTSET:  # Orbax logs every save at INFO
         logging.getLogger("absl").setLevel(logging.WARNING)
     cluster, dirs, ckpt = where.cluster, where.dirs, options.checkpoint
+    hydra_subdir, sweep_dir = hydra_dirs()
     with cluster.agreed("checking the run dir for links"):
         check_run_dirs(
             dirs.output_dir,
@@ -150,6 +158,8 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
             dirs.tb_dir,
             lead=cluster.lead,
             outputs=logger_outputs(options),
+            hydra_subdir=hydra_subdir,
+            sweep_dir=sweep_dir,
         )
     with cluster.agreed("checking the output dirs"):
         if cluster.lead:  # the only process that writes TensorBoard events
@@ -189,35 +199,79 @@ def start(
     """
     import jax
 
-    from trainers.app.memory_preflight import check_state_memory, example_shapes
-    from trainers.app.preflight import check_batch_fits
     from trainers.checkpoint.data_state import is_checkpointable, restore_data_state
-    from trainers.checkpoint.hook import run_config
     from trainers.checkpoint.io import check_checkpoint_space
     from trainers.checkpoint.resume import restore_checkpoint
+    from trainers.config.plain import run_config
     from trainers.core.zero import state_report
     from trainers.hooks.evaluation import build_evaluator
+
+    trainer, cluster = parts.trainer, where.cluster
+    first = first_batch(cfg, options, where, parts)
+    state = trainer.init(*trainer.init_variables(first))
+    if cluster.lead:
+        log.info("%s", state_report(trainer.layout, state))
+    if options.checkpoint.enabled:  # a full disk fails here, not at the first save
+        with cluster.agreed("checking the free space for checkpoints"):
+            check_checkpoint_space(where.dirs.checkpoint_dir, state)
+    config = run_config(cfg)
+    # The step restores the RNG and the data position too: both are pure functions of it.
+    if source is not None:
+        fallback = options.checkpoint.fallback_to_previous
+        state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
+    start_step = int(jax.device_get(state.step))
+    data = _batches(options, parts, start_step)
+    if source is not None and is_checkpointable(data):  # a stream: its saved position
+        restore_data_state(source.directory / str(start_step), data)
+    check_start_up_stop(where, stop, start_step)
+    # Compiled now: a bad eval split or trainer.objective fails before training.
+    evaluator = build_evaluator(
+        parts.task,
+        where.mesh,
+        state,
+        data_axes=where.data_axes,
+        opts=options.trainer,
+        seed=options.seed,
+        compute_dtype=trainer.precision.compute_dtype,
+    )
+    return Started(state, start_step, data, evaluator, config)
+
+
+def _batches(options: RunOptions, parts: RunParts, start_step: int) -> Iterator[Any]:
+    """This process's training batches from `start_step` on."""
+    import jax
+
+    return parts.task.batches(
+        options.trainer.batch_size,
+        seed=options.seed,
+        start_step=start_step,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+
+
+def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: RunParts) -> Any:
+    """The first training batch, once the state and a step fit in the devices' memory and a
+    batch in the host's (from the task's declared shapes if it has them, else from the batch).
+
+    Raises:
+      ConfigError: naming ``trainer.batch_size`` (or the memory) if they do not fit, or the
+        task if its data yields no batch.
+    """
+    import jax
+
+    from trainers.app.memory_preflight import check_state_memory, example_shapes
+    from trainers.app.preflight import check_batch_fits
     from xshard.errors import ConfigError
     from xshard.mesh import data_parallel_size
 
-    task, trainer, opts, seed = parts.task, parts.trainer, options.trainer, options.seed
-    cluster, dirs = where.cluster, where.dirs
-
-    def batches(start_step: int) -> Iterator[Any]:
-        return task.batches(
-            opts.batch_size,
-            seed=seed,
-            start_step=start_step,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
-
+    task, opts, seed = parts.task, options.trainer, options.seed
     shards = data_parallel_size(where.mesh, where.data_axes)
 
     def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
-        with cluster.agreed("checking the memory for the training state"):
+        with where.cluster.agreed("checking the memory for the training state"):
             check_state_memory(
-                trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
+                parts.trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
             )
 
     declared = example_shapes(task)  # then checked before any data is made
@@ -229,7 +283,7 @@ def start(
         probe_batch=shards,
         process_count=jax.process_count(),
     )
-    first = next(iter(batches(0)), None)
+    first = next(iter(_batches(options, parts, 0)), None)
     if first is None:
         raise ConfigError(
             f"task={cfg.task.get('name', 'task')} yields no batch of "
@@ -237,41 +291,23 @@ def start(
         )
     if declared is None:
         check_memory(first)
-    state = trainer.init(*trainer.init_variables(first))
-    if cluster.lead:
-        log.info("%s", state_report(trainer.layout, state))
-    if options.checkpoint.enabled:  # a full disk fails here, not at the first save
-        with cluster.agreed("checking the free space for checkpoints"):
-            check_checkpoint_space(dirs.checkpoint_dir, state)
-    config = run_config(cfg)
-    # The step restores the RNG and the data position too: both are pure functions of it.
-    if source is not None:
-        fallback = options.checkpoint.fallback_to_previous
-        state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
-    start_step = int(jax.device_get(state.step))
-    data = batches(start_step)
-    if source is not None and is_checkpointable(data):  # a stream: its saved position
-        restore_data_state(source.directory / str(start_step), data)
+    return first
+
+
+def check_start_up_stop(where: Placement, stop: StopOnSignal, start_step: int) -> None:
+    """Stops the run before it writes anything if a stop signal reached any process during
+    start-up.
+
+    Raises:
+      Preempted: naming the signal and, with several processes, the one that received it.
+    """
+    cluster = where.cluster
     signals = cluster.all_gather("start_up_stop", stop.signal_name)
-    if any(signals):  # a signal during start-up, to any process: stop before writing anything
+    if any(signals):
         by = next(i for i, name in enumerate(signals) if name)
         raise stop.stopped_during_start_up(
             start_step, by=None if cluster.count == 1 else cluster.name(by), signal_name=signals[by]
         )
-    # Compiled now: a bad eval split or trainer.objective fails before training.
-    evaluator = build_evaluator(
-        task,
-        where.mesh,
-        state,
-        data_axes=where.data_axes,
-        opts=opts,
-        seed=seed,
-        compute_dtype=trainer.precision.compute_dtype,
-    )
-    return Started(state, start_step, data, evaluator, config)
-
-
-# ------------------------------------------------------------------ hooks
 
 
 # ------------------------------------------------------------------ how the run ended

@@ -5,5 +5,6 @@ space, one-line I/O errors), `owner` keeps one run per checkpoint dir, `resume` 
 restores the checkpoint to resume from.
 
 May import: `trainers.core`, `trainers.rundir`, `trainers.config`, `trainers.errors`,
-`xshard`. Never the hooks, the cluster or the app.
+`xshard`. Never the hooks, the cluster or the app, nor omegaconf or hydra (an import
+contract): the run's config comes as plain values.
 """

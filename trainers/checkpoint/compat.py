@@ -83,7 +83,7 @@ def check_compatible(
     Args:
       metadata: the checkpoint's JSON metadata.
       signature: `state_signature` of the current run's state.
-      config: the current run's `run_config`.
+      config: the current run's `trainers.config.plain.run_config`.
       where: the checkpoint, for messages.
       action: what the restore is for, in the warning about other config changes.
 

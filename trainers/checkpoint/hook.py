@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from omegaconf import DictConfig, OmegaConf
 from orbax.checkpoint import type_handlers
 
 from trainers.checkpoint.data_state import DATA_ITEM, data_handler, save_args
@@ -62,14 +61,6 @@ logger = logging.getLogger(__name__)
 FORMAT = "xshard.checkpoint/1"
 STATE_ITEM = "state"
 METADATA_ITEM = "metadata"
-
-
-def run_config(cfg: DictConfig) -> dict[Any, Any]:
-    """The run's resolved config as plain JSON-able values, without the machine-local `paths`."""
-    return {
-        k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-        for k, v in ((k, cfg[k]) for k in cfg if k != "paths")
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,7 +172,8 @@ class CheckpointHook(Hook):
     Args:
       directory: the run's checkpoint directory (``paths.checkpoint_dir``).
       options: the ``checkpoint`` config.
-      config: the run's config (`run_config`), stored in each checkpoint's metadata.
+      config: the run's config (`trainers.config.plain.run_config`), stored in each
+        checkpoint's metadata.
       data: the run's data iterator if it is checkpointable (``get_state``/``set_state``):
         its state is saved with each step (`trainers.checkpoint.data_state`); None: the
         data's position is the step.

@@ -218,17 +218,27 @@ def quiet_io_error_noise() -> None:
     Installed once per process, for good: the noise can come after the save or restore
     returned.
     """
-    previous = sys.unraisablehook
-    if getattr(previous, "quiets_io_error_noise", False):
+    if isinstance(sys.unraisablehook, QuietUnraisableHook):
         return
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(IOErrorsInOneLine())
+    sys.unraisablehook = QuietUnraisableHook(sys.unraisablehook)
 
-    def hook(unraisable: Any) -> None:
+
+class QuietUnraisableHook:
+    """`sys.unraisablehook` that drops the callbacks into a closed asyncio loop that follow a
+    failed checkpoint write or read (`quiet_io_error_noise`) and hands every other unraisable
+    exception to the hook it replaced.
+
+    Args:
+      previous: the hook it replaced.
+    """
+
+    def __init__(self, previous: Any):
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
         if _is_closed_loop_callback(unraisable):
             logger.debug("Dropped a callback into a closed asyncio loop (after an I/O error).")
             return
-        previous(unraisable)
-
-    hook.quiets_io_error_noise = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
+        self.previous(unraisable)

@@ -77,6 +77,8 @@ class CheckpointDirLock:
 
 
 #: Locks this process holds, by directory: a second claim in one process reuses its lock.
+# Process state: ``flock`` locks belong to the process (a second lock of the same file in it
+# would fail), are released at its exit, and outlive the run that claimed them (a multirun).
 _HELD: dict[Path, CheckpointDirLock] = {}
 
 

@@ -119,7 +119,8 @@ def restore_checkpoint(
       source: where to restore from (`find_resume_source`).
       target: a state of the current run (e.g. freshly initialised); only its structure,
         shapes, dtypes and shardings are used.
-      config: the current run's config (`run_config`), compared with the checkpoint's.
+      config: the current run's config (`trainers.config.plain.run_config`), compared with
+        the checkpoint's.
       fallback_to_previous: if the latest step is corrupted, warn and try the one before. In
         the run's own directory, a corrupted step is moved to ``<directory>.corrupt/``, so
         that the resumed run can save that step again; nothing is deleted.

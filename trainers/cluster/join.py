@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 #: ends with one line naming the key, must end first (`init_distributed`).
 JAX_JOIN_MARGIN_S = 30
 
-_abandoned = False  # JAX's join still runs in a thread
+# Process state: a JAX join left running in its thread stays in the process until it ends, so
+# any later exit (`trainers.cluster.multihost.exit_process`) must not wait for it.
+_abandoned = False
 
 
 def abandoned() -> bool:

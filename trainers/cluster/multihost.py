@@ -163,6 +163,8 @@ class Cluster:
 
 
 _SINGLE = Cluster()
+# Process state: JAX joins a process to one cluster once (`jax.distributed` is process-global),
+# so every later job of a multirun, and the exit after a failure, use the one it joined.
 _ACTIVE: Cluster = _SINGLE
 
 

@@ -31,8 +31,6 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any, Self
 
-from omegaconf import DictConfig, OmegaConf
-
 from trainers.errors import Preempted
 
 logger = logging.getLogger(__name__)
@@ -41,20 +39,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
 
 
-def stop_signals(cfg: DictConfig) -> tuple[signal.Signals, ...]:
-    """The signals of ``trainer.stop_signals`` (`DEFAULT_SIGNALS` if the key is absent).
-
-    Raises:
-      ConfigError: naming the key, if it is not a list of allowed signal names.
-    """
-    from trainers.config.run import check_stop_signals
-
-    names = OmegaConf.select(cfg, "trainer.stop_signals", default=None)
-    if names is None:
-        return DEFAULT_SIGNALS
-    if OmegaConf.is_config(names):
-        names = OmegaConf.to_container(names, resolve=True)
-    return tuple(signal.Signals[name] for name in check_stop_signals(names))
+def stop_signals(names: Sequence[str]) -> tuple[signal.Signals, ...]:
+    """The signals named by ``trainer.stop_signals`` (checked by
+    `trainers.config.TrainerOptions`: names of `trainers.config.run.STOP_SIGNALS`)."""
+    return tuple(signal.Signals[name] for name in names)
 
 
 def _raise_default(sig: signal.Signals) -> None:

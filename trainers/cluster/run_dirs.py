@@ -15,9 +15,10 @@ own shards; process 0 commits), and waits for all of them at the end of each sav
 - Only process 0 writes TensorBoard events, ``train.log`` and the config dump
   (``.hydra/``). Hydra has already set up logging and written ``.hydra/`` in every process
   before the run starts: a process other than 0 that shares process 0's output dir moves its
-  log file to ``train.process-<i>.log`` (`separate_log`), and process 0 writes the config
-  dump again once every process has joined (`rewrite_config_dump`), so the one in the run dir
-  is its own.
+  log file to ``train.process-<i>.log`` (`separate_log`), and process 0 learns that another
+  process shares its output dir (`RunDirs.output_shared`), so that the app writes the config
+  dump again (`trainers.app.hydra_run.rewrite_config_dump`) and the one in the run dir is its
+  own.
 """
 
 from __future__ import annotations
@@ -26,15 +27,15 @@ import dataclasses
 import logging
 import secrets
 from pathlib import Path
-from typing import Any, cast
-
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Any
 
 from trainers.cluster.multihost import Cluster
-from trainers.rundir.links import write_file
 from trainers.rundir.log_file import RunLogFile
 from trainers.rundir.user_paths import launch_dir, user_path
 from xshard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainers.config import PathsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,15 @@ class RunDirs:
       lead_output_dir: process 0's output dir (the run's, which owns the checkpoints).
       checkpoint_dir: process 0's ``paths.checkpoint_dir``: every process saves there.
       tb_dir: process 0's ``paths.tb_dir`` (only process 0 writes events).
+      output_shared: on process 0, whether another process has the same output dir (process 0
+        then writes its config dump again: its own is the one the run dir keeps).
     """
 
     output_dir: str
     lead_output_dir: str
     checkpoint_dir: str
     tb_dir: str
+    output_shared: bool = False
 
 
 def absolute_path(path: Any) -> str:
@@ -64,33 +68,31 @@ def absolute_path(path: Any) -> str:
     return str(user_path(str(path), launch_dir()))
 
 
-def share_run_dirs(cfg: DictConfig, cluster: Cluster) -> RunDirs:
-    """Process 0's directories on every process; only process 0 keeps the log and config dump.
+def share_run_dirs(paths: PathsOptions, cluster: Cluster) -> RunDirs:
+    """Process 0's directories on every process; only process 0 keeps the log file.
 
     Args:
-      cfg: the run's config (``paths.*``).
+      paths: this process's ``paths`` node.
       cluster: the run's processes.
 
     Returns:
-      The directories this process uses.
+      The directories this process uses (`RunDirs.output_shared`: process 0 writes the config
+      dump again).
     """
-    own = absolute_path(cfg.paths.output_dir)
+    own = absolute_path(paths.output_dir)
     lead = cluster.broadcast(
         "paths",
         {
             "output_dir": own,
-            "checkpoint_dir": absolute_path(cfg.paths.checkpoint_dir),
-            "tb_dir": absolute_path(cfg.paths.tb_dir),
+            "checkpoint_dir": absolute_path(paths.checkpoint_dir),
+            "tb_dir": absolute_path(paths.tb_dir),
         },
     )
     outputs = cluster.all_gather("output_dirs", own)
-    if cluster.watchdog is not None:
-        cluster.watchdog.checkpoint_dir = lead["checkpoint_dir"]
+    shared = cluster.lead and own in outputs[1:]
     if cluster.count > 1:
         if not cluster.lead and own == lead["output_dir"]:
             separate_log(cluster.index)
-        if cluster.lead and own in outputs[1:]:
-            rewrite_config_dump(cfg)
         logger.info(
             "Process %d of %d (%s): checkpoints in %s (process 0's), own output dir %s.",
             cluster.index,
@@ -99,7 +101,7 @@ def share_run_dirs(cfg: DictConfig, cluster: Cluster) -> RunDirs:
             lead["checkpoint_dir"],
             own,
         )
-    return RunDirs(own, lead["output_dir"], lead["checkpoint_dir"], lead["tb_dir"])
+    return RunDirs(own, lead["output_dir"], lead["checkpoint_dir"], lead["tb_dir"], shared)
 
 
 def check_shared_dir(cluster: Cluster, directory: str, key: str, own_output_dir: str) -> None:
@@ -175,28 +177,6 @@ def separate_log(index: int) -> None:
         root.addHandler(new)
         root.removeHandler(handler)
         handler.close()
-
-
-def rewrite_config_dump(cfg: DictConfig) -> None:
-    """Writes Hydra's ``.hydra/{config,hydra,overrides}.yaml`` of this process (process 0)
-    again, over those of other processes that share its output dir."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return
-    # The whole config, hydra node and all (Hydra types it as its HydraConf node).
-    hydra_cfg = cast(DictConfig, HydraConfig.instance().cfg)
-    subdir = hydra_cfg.hydra.output_subdir
-    if subdir is None:
-        return
-    out = Path(hydra_cfg.hydra.runtime.output_dir) / str(subdir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name, node in (
-        ("config.yaml", cfg),
-        ("hydra.yaml", hydra_cfg),
-        ("overrides.yaml", hydra_cfg.hydra.overrides.task),
-    ):
-        write_file(out / name, OmegaConf.to_yaml(node))  # never through a link
 
 
 def check_same_checkpoints(cluster: Cluster, source: Any) -> None:

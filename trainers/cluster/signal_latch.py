@@ -26,8 +26,10 @@ from typing import Any
 #: The signals latched before `train()` runs (every value ``trainer.stop_signals`` allows).
 LATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 
-_pending: signal.Signals | None = None
-_installed = False
+# Process state that signal handling needs: a handler is called by the interpreter, with no
+# caller to hand a value to, from before any object of the run exists until the process ends.
+_pending: signal.Signals | None = None  # the first stop signal, until a StopOnSignal takes it
+_installed = False  # the latch is installed once per process (every entry point asks)
 
 
 def _default(sig: signal.Signals) -> Any:
@@ -58,11 +60,6 @@ def install() -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, _handle)
     _installed = True
-
-
-def is_latch(handler: Any) -> bool:
-    """True if `handler` is this module's (so a `StopOnSignal` can restore it on exit)."""
-    return handler is _handle
 
 
 def take() -> signal.Signals | None:

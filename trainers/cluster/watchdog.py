@@ -75,8 +75,7 @@ class PeerWatchdog:
         self.timeout_s, self.poll_s, self.grace_s = timeout_s, min(poll_s, timeout_s / 4), grace_s
         self.hosts = hosts or ["?"] * count
         self.on_lost = on_lost or _report_and_exit
-        #: The run's checkpoint directory, for the message (set once known).
-        self.checkpoint_dir: str | None = None
+        self._checkpoint_dir: str | None = None  # for the message: `name_checkpoints`
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="xshard-peer-watchdog", daemon=True)
         self._exits: dict[int, int] = {}
@@ -167,19 +166,24 @@ class PeerWatchdog:
     def _name(self, index: int) -> str:
         return f"process {index} ({self.hosts[index]})"
 
+    def name_checkpoints(self, checkpoint_dir: str) -> None:
+        """Names the run's checkpoint dir (process 0's, known once the processes shared their
+        dirs) in the report of a lost process, with its last complete step."""
+        self._checkpoint_dir = checkpoint_dir
+
     def _lost(self, what: str) -> None:
         from trainers.checkpoint.io import complete_steps
 
         where = ""
-        if self.checkpoint_dir is not None:
+        if self._checkpoint_dir is not None:
             try:
-                done = complete_steps(self.checkpoint_dir)
+                done = complete_steps(self._checkpoint_dir)
             except Exception:  # noqa: BLE001 - the message matters more
                 done = []
             where = (
-                f" Last complete checkpoint: step {done[-1]} in {self.checkpoint_dir}."
+                f" Last complete checkpoint: step {done[-1]} in {self._checkpoint_dir}."
                 if done
-                else f" No complete checkpoint in {Path(self.checkpoint_dir)} yet."
+                else f" No complete checkpoint in {Path(self._checkpoint_dir)} yet."
             )
         # Process 0 waits for its peers' exits before it takes the coordinator down.
         with contextlib.suppress(Exception):  # the coordinator may be gone

@@ -11,7 +11,7 @@ from trainers.config.data import DataOptions
 from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions, check_seed
-from trainers.config.sharding import ShardingOptions
+from trainers.config.zero_options import ShardingOptions
 
 __all__ = [
     "CheckpointOptions",

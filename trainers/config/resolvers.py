@@ -36,7 +36,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from trainers.config.cli_args import swept_keys
+from trainers.config.cli_args import override_key, swept_keys
 from trainers.config.run_names import OVERRIDES, SHORT, check_style, short_name
 
 
@@ -67,7 +67,7 @@ def named_overrides(hc: Any) -> list[str]:
     excluded = set(hc.job.config.override_dirname.exclude_keys)
     items = []
     for override in hc.overrides.task:
-        key = override.split("=", 1)[0].lstrip("+~")
+        key = override_key(override)
         if key in excluded or key.startswith(("hydra.", "hydra/", "paths.")):
             continue
         items.append(override)
@@ -95,7 +95,7 @@ def job_name(style: str = SHORT) -> str:
         return safe_name(hc.job.override_dirname)
     named = named_overrides(hc)
     swept = sweep_keys(hc)
-    shown = [o for o in named if o.split("=", 1)[0].lstrip("+~") in swept] if swept else named
+    shown = [o for o in named if override_key(o) in swept] if swept else named
     return safe_name(short_name(shown, int(hc.job.num)))
 
 

@@ -193,6 +193,14 @@ class TrainerOptions:
     )
 
     def __post_init__(self) -> None:
+        self._check_step_shape()
+        self._read_periods()
+        self._check_run_control()
+        self._check_evaluation()
+        self._check_extensions()
+
+    def _check_step_shape(self) -> None:
+        """``steps``, ``batch_size``, ``microbatches``, ``grad_impl`` and ``log_every``."""
         check_steps(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
         check_int(self.batch_size, "trainer.batch_size", 1, "the global batch size, >= 1")
         check_int(self.microbatches, "trainer.microbatches", 1, ">= 1 (1: no accumulation)")
@@ -202,6 +210,10 @@ class TrainerOptions:
                 f"{list(GRAD_IMPLS)}."
             )
         check_steps(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
+
+    def _read_periods(self) -> None:
+        """The statistics periods: ``stats_every`` null is ``log_every``, a null of
+        `OFF_WHEN_NULL` is 0 (off)."""
         if self.stats_every is None:
             object.__setattr__(self, "stats_every", self.log_every)
         for key in OFF_WHEN_NULL:  # null switches a period off, as 0 does
@@ -211,6 +223,9 @@ class TrainerOptions:
             check_steps(
                 getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 or null disables"
             )
+
+    def _check_run_control(self) -> None:
+        """What ends, resumes, profiles or stops the run."""
         check_int(
             self.max_consecutive_nonfinite,
             "trainer.max_consecutive_nonfinite",
@@ -228,6 +243,9 @@ class TrainerOptions:
         if self.profile_steps is not None:
             check_profile_steps(self.profile_steps, self.steps)
         check_stop_signals(self.stop_signals)
+
+    def _check_evaluation(self) -> None:
+        """``eval_every``, ``eval_batches``, ``eval_batch_size`` and ``objective``."""
         check_steps(
             self.eval_every,
             "trainer.eval_every",
@@ -242,6 +260,9 @@ class TrainerOptions:
                 self.eval_batch_size, "trainer.eval_batch_size", 1, ">= 1, or null: batch_size"
             )
         check_objective(self.objective)
+
+    def _check_extensions(self) -> None:
+        """``remat``, ``compilation_cache_dir`` and the user's ``hooks``."""
         check_remat(self.remat)
         if self.compilation_cache_dir is not None and not self.compilation_cache_dir.strip():
             raise ConfigError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+from trainers.config.cli_args import override_key
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
@@ -76,11 +77,11 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 def short_name(overrides: list[str], job_num: int | None = None) -> str:
     """The short name of a run with `overrides` (``key=value``, sorted as given), with
     ``<job_num>_`` first in a multirun (module docstring); ``run`` for none."""
-    keys = short_keys([o.split("=", 1)[0].lstrip("+~") for o in overrides])
+    bare_keys = [override_key(o) for o in overrides]
+    keys = short_keys(bare_keys)
     parts = []
-    for override in overrides:
-        key, eq, value = override.partition("=")
-        bare = key.lstrip("+~")
+    for override, bare in zip(overrides, bare_keys):
+        key, eq, value = override.partition("=")  # the value as typed
         # +key=value shows as key=value; a deletion (~key) keeps its sign.
         shown = f"{keys[bare]}={shown_value(value)}" if eq else key[: -len(bare)] + keys[bare]
         parts.append(shown)

@@ -17,7 +17,7 @@ from trainers.config.loggers import LOGGERS
 from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptions
 from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions
-from trainers.config.sharding import ShardingOptions
+from trainers.config.zero_options import ShardingOptions
 from xshard.config.nodes import location_keys, permissive
 from xshard.config.schemas import register_schemas
 

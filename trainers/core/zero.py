@@ -36,7 +36,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.transforms import MaskedNode
 
-from trainers.config.sharding import check_zero_stage
 from trainers.tasks.sharding import param_specs
 from xshard.stats import path_str
 
@@ -87,7 +86,8 @@ class ZeroLayout:
     """The shardings of one run's arrays for a ZeRO stage.
 
     Args:
-      stage: ``sharding.zero_stage``, one of `trainers.config.sharding.ZERO_STAGES`.
+      stage: ``sharding.zero_stage``, one of `trainers.config.zero_options.ZERO_STAGES`
+        (checked there, once, when the ``sharding`` node is read).
       mesh: the device mesh.
       axes: the data-parallel mesh axes the state is sharded over.
       rules: the task's model-axis sharding rules (`trainers.tasks.sharding`), or a function
@@ -260,10 +260,6 @@ def state_report(layout: ZeroLayout, state: Any) -> str:
 
 
 def zero_layout(stage: Any, mesh: Mesh, axes: Sequence[str], rules: Any = ()) -> ZeroLayout:
-    """The `ZeroLayout` of ``sharding.zero_stage=stage`` over the data `axes` of `mesh`.
-
-    Raises:
-      ConfigError: for a stage not in `trainers.config.sharding.ZERO_STAGES`.
-    """
-    check_zero_stage(stage)
+    """The `ZeroLayout` of ``sharding.zero_stage=stage`` over the data `axes` of `mesh`
+    (`stage` as `trainers.config.ShardingOptions` checked it)."""
     return ZeroLayout(stage, mesh, tuple(axes), rules if callable(rules) else tuple(rules))

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
 from tensorboardX.proto.api_pb2 import (
     DataType,
     Experiment,
@@ -44,6 +44,8 @@ from tensorboardX.proto.plugin_hparams_pb2 import (
     SessionStartInfo,
 )
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+from trainers.config.cli_args import RunOverrides
 
 #: Values shown after the overrides and group choices (when not already among them).
 KEY_VALUES = (
@@ -74,53 +76,55 @@ _DIFFERS_TRUE = bytes([7 << 3, 1])
 HParamValue = bool | str | float
 
 
-def hparams(cfg: DictConfig) -> tuple[dict[str, HParamValue], frozenset[str]]:
+def hparams(
+    config: Mapping[str, Any], run: RunOverrides | None
+) -> tuple[dict[str, HParamValue], frozenset[str]]:
     """The run's hparams (ordered as the module docstring says) and which ones it overrode.
 
     Args:
-      cfg: the run's composed config (Hydra's runtime config is read when it is set up).
+      config: the run's resolved config as plain values (`trainers.config.plain.run_config`).
+      run: what the Hydra job was asked for (`trainers.config.cli_args.run_overrides`); None
+        outside a Hydra job: only `KEY_VALUES`.
 
     Returns:
       (ordered {name: value}, the names of the overridden keys).
     """
-    from hydra.core.hydra_config import HydraConfig
-
     values: dict[str, HParamValue] = {}
     overridden: set[str] = set()
-    if HydraConfig.initialized():
-        hc = HydraConfig.get()
-        choices = {
-            k: v
-            for k, v in hc.runtime.choices.items()
-            if not k.startswith(("hydra/", "xshard_schemas/"))
-        }
-        excluded = set(hc.job.config.override_dirname.exclude_keys)
-        for key, text in _overrides(list(hc.overrides.task)):
-            if key in excluded or key.startswith(("hydra.", "hydra/", "paths.")):
+    if run is not None:
+        choices = run.choices
+        for key, text in run.overrides:
+            if key in run.excluded or key.startswith(("hydra.", "hydra/", "paths.")):
                 continue
-            value = choices[key] if key in choices else OmegaConf.select(cfg, key, default=text)
+            value = choices[key] if key in choices else _select(config, key, text)
             values[key] = shown(value)
             overridden.add(key)
-        order = list(cfg.keys())
+        order = list(config.keys())
         position = {k: (order.index(k) if k in order else len(order)) for k in choices}
         for key in sorted(choices, key=lambda k: position[k]):
             values.setdefault(key, shown(choices[key]))
     for key in KEY_VALUES:
-        if key not in values and OmegaConf.select(cfg, key, default="???") != "???":
-            values[key] = shown(OmegaConf.select(cfg, key))
+        if key not in values and _select(config, key, _MISSING) != _MISSING:
+            values[key] = shown(_select(config, key, None))
     return values, frozenset(overridden)
 
 
-def _overrides(task_overrides: list[str]) -> list[tuple[str, str]]:
-    """(key, value text) of each override, in order; deletions (``~key``) left out."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+#: OmegaConf's text of a missing value.
+_MISSING = "???"
 
-    out = []
-    for o in OverridesParser.create().parse_overrides(task_overrides):
-        if o.is_delete():
-            continue
-        out.append((o.key_or_group, o.get_value_element_as_str()))
-    return out
+
+def _select(config: Mapping[str, Any], key: str, default: Any) -> Any:
+    """The value at dotted `key` of plain `config` (a list's item by its index), as
+    `OmegaConf.select` reads it: `default` if it is absent or missing (``???``)."""
+    node: Any = config
+    for part in key.split("."):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return default
+    return default if node == _MISSING else node
 
 
 def shown(value: Any) -> HParamValue:
@@ -131,8 +135,6 @@ def shown(value: Any) -> HParamValue:
         return value
     if isinstance(value, int | float):
         return float(value)
-    if OmegaConf.is_config(value):
-        value = OmegaConf.to_container(value, resolve=True)
     try:
         return json.dumps(value, separators=(",", ":"))
     except TypeError:

@@ -16,9 +16,9 @@ docs/reliability.md): a link planted in it, ``checkpoints/xshard.lock -> ~/.bash
   written there, the run refuses to start (exit 2, one line naming the link,
   `LinkOutOfRunDirError`) if one of those directories, or a path the run writes in them,
   resolves outside the run dir, or a file it appends to is a link of either kind:
-  `RunDirLinksCheck`, a Hydra callback, before Hydra writes its config dump and opens the log
-  file; `check_run_dirs` in the run, before it creates, locks or writes anything else (the
-  loggers declare what they write: `trainers.rundir.outputs.Outputs`).
+  `trainers.app.preflight.RunDirLinksCheck`, a Hydra callback, before Hydra writes its config
+  dump and opens the log file; `check_run_dirs` in the run, before it creates, locks or
+  writes anything else (the loggers declare what they write: `trainers.rundir.outputs.Outputs`).
 
 Paths set outside the run dir on purpose (``paths.checkpoint_dir=/data/ckpt``) are the user's
 choice and are not checked; a link that stays inside the run dir is harmless and allowed,
@@ -28,17 +28,10 @@ except at a file the run appends to, which is never written through a link.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
-from omegaconf.errors import OmegaConfBaseException
 
 from trainers.errors import LinkOutOfRunDirError
 from trainers.rundir.outputs import Outputs, check_appended
@@ -253,62 +246,6 @@ def check_sweep_dir(
 # --------------------------------------------------------------------------------------------
 
 
-def job_log_files(config: DictConfig, output_dir: str) -> list[str]:
-    """The files that ``hydra.job_logging``'s handlers will write for a job in `output_dir`."""
-    logging_cfg = config.hydra.get("job_logging")
-    if not isinstance(logging_cfg, DictConfig) or not logging_cfg.get("handlers"):
-        return []
-    cfg = copy.deepcopy(config)
-    with read_write(cfg), open_dict(cfg):
-        cfg.hydra.runtime.output_dir = output_dir
-    files = []
-    for handler in cfg.hydra.job_logging.handlers.values():
-        try:
-            name = handler.get("filename") if isinstance(handler, DictConfig) else None
-        except OmegaConfBaseException:  # not resolvable before the job runs: the job checks it
-            continue
-        if isinstance(name, str):
-            files.append(os.path.join(output_dir, name))
-    return files
-
-
-def _hydra_subdir(config: DictConfig) -> str | None:
-    subdir = OmegaConf.select(config, "hydra.output_subdir")
-    return None if subdir is None else str(subdir)
-
-
-class RunDirLinksCheck(Callback):
-    """Hydra callback (``hydra.callbacks`` in ``xshard_train.yaml``): exits 2 with one line if
-    a link in the run dir (a sweep dir) would take Hydra's config dump or the log file out of
-    it, before Hydra writes either (`check_run_dir`, `check_sweep_dir`)."""
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        run_dir = os.path.abspath(str(config.hydra.run.dir))
-        self._refuse_on(
-            lambda: check_run_dir(
-                run_dir,
-                hydra_subdir=_hydra_subdir(config),
-                log_files=job_log_files(config, run_dir),
-            )
-        )
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))
-        names = [os.path.basename(f) for f in job_log_files(config, sweep_dir)]
-        self._refuse_on(lambda: check_sweep_dir(sweep_dir, _hydra_subdir(config), names))
-
-    @staticmethod
-    def _refuse_on(check: Any) -> None:
-        from trainers.errors import EXIT_CONFIG_ERROR
-        from xshard.config import one_line
-
-        try:
-            check()
-        except LinkOutOfRunDirError as e:
-            print(f"xshard: error: {one_line(str(e))}", file=sys.stderr)
-            sys.exit(EXIT_CONFIG_ERROR)
-
-
 def check_run_dirs(
     output_dir: str,
     checkpoint_dir: str,
@@ -316,30 +253,28 @@ def check_run_dirs(
     *,
     lead: bool,
     outputs: Outputs | None = None,
+    hydra_subdir: str | None = None,
+    sweep_dir: str | None = None,
 ) -> None:
     """`check_run_dir` in the run (`trainers.train`), before it creates, locks or writes
     anything: the job's log files and config dump, ``result.json``; on process 0 (the only
     one that writes them) the checkpoint dir, the TensorBoard dir and the loggers' `outputs`
     too.
 
+    Args:
+      hydra_subdir: Hydra's ``hydra.output_subdir`` (its config dump), None if none.
+      sweep_dir: a multirun's sweep dir, None for a single run
+        (`trainers.app.hydra_run.hydra_dirs` reads both).
+
     Raises:
       LinkOutOfRunDirError: naming the link (one line, exit 2).
     """
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    subdir, sweep_dir = None, None
-    if HydraConfig.initialized():
-        hc = HydraConfig.get()
-        subdir = None if hc.output_subdir is None else str(hc.output_subdir)
-        if hc.mode == RunMode.MULTIRUN:
-            sweep_dir = str(hc.sweep.dir)
     logs = [
         h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)
     ]
     check_run_dir(
         output_dir,
-        hydra_subdir=subdir,
+        hydra_subdir=hydra_subdir,
         log_files=logs,
         checkpoint_dir=checkpoint_dir if lead else None,
         tb_dir=tb_dir if lead else None,

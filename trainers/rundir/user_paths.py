@@ -5,7 +5,8 @@ A relative path on the command line (``trainer.resume_from=runs/a``,
 the user's command ran in, whatever the process's working directory is by the time the path
 is used: Hydra changes into the run dir with ``hydra.job.chdir=true``, and a multirun job
 may run elsewhere. So a config key's path is resolved against `launch_dir` (Hydra's
-``hydra.runtime.cwd``, the directory of the user's command), a path given to the Python API
+``hydra.runtime.cwd``, the directory of the user's command, read by
+`trainers.config.cli_args.launch_dir`), a path given to the Python API
 or to ``python -m trainers.evaluate`` against the working directory at the call; ``~`` is
 expanded, ``..`` and ``.`` are folded. Orbax needs absolute paths, and a relative one would
 otherwise name another directory after a change of working directory.
@@ -16,17 +17,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from trainers.config.cli_args import launch_dir
 
-def launch_dir() -> Path:
-    """The directory the user's command ran in: ``hydra.runtime.cwd`` inside a Hydra job
-    (Hydra records it before it changes into the run dir), else the working directory."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        cwd = HydraConfig.get().runtime.cwd
-        if cwd:
-            return Path(str(cwd))
-    return Path.cwd()
+__all__ = ["launch_dir", "user_path"]
 
 
 def user_path(value: str | os.PathLike[str], base: str | os.PathLike[str] | None = None) -> Path:

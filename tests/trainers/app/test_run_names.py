@@ -12,11 +12,30 @@ import json
 import pytest
 
 from tests.cli import hparams_dashboard, refused, run_train
+from trainers.config.cli_args import override_key
 from trainers.config.resolvers import NAME_MAX, safe_name
 from trainers.config.run_names import short_name, shown_value
 
 OUTER_LR = "reduction.axes.slice.outer_optimizer.learning_rate"
 EVERY = "reduction.axes.slice.every_steps"
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("trainer.steps=7", "trainer.steps"),
+        ("+extra.key=1", "extra.key"),
+        ("++trainer.steps=7", "trainer.steps"),
+        ("~clip", "clip"),
+        ("~clip=null", "clip"),
+        ("optimizer@opt=adam", "optimizer@opt"),
+        ("hydra/launcher=basic", "hydra/launcher"),
+        ("task.hidden=[32,32]", "task.hidden"),
+        ("a b=c", "a b"),  # Hydra cannot parse it: the text before "=", as typed
+    ],
+)
+def test_an_override_key_is_read_as_hydra_reads_it(line, key):
+    assert override_key(line) == key
 
 
 @pytest.mark.parametrize(

@@ -7,14 +7,8 @@ tests/trainers/cluster/test_multihost_cli.py (``given different configs``).
 from __future__ import annotations
 
 from trainers.cluster.multihost import Cluster
-from trainers.cluster.same_config import (
-    PER_PROCESS,
-    _encode,
-    check_same_config,
-    differences_message,
-    digest,
-    flat_config,
-)
+from trainers.cluster.same_config import _encode, check_same_config, differences_message, digest
+from trainers.config.plain import PER_PROCESS, flat_config
 
 
 def entries(flat: dict) -> dict:
@@ -60,4 +54,4 @@ def test_many_differing_keys_are_capped():
 
 
 def test_one_process_compares_nothing(compose_config):
-    check_same_config(Cluster(), compose_config())
+    check_same_config(Cluster(), flat_config(compose_config()))

@@ -8,12 +8,12 @@ import signal
 import numpy as np
 import optax
 import pytest
-from omegaconf import OmegaConf
 
 import xshard
 from trainers.cluster.multihost import Cluster
 from trainers.cluster.preemption import stop_signals
 from trainers.cluster.run_dirs import separate_log
+from trainers.config import TrainerOptions
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.trainer import Hook, Trainer
 from trainers.errors import PeerError
@@ -142,10 +142,10 @@ def test_simulated_devices_must_split_evenly_over_the_processes():
 
 
 def test_stop_signals_come_from_the_config():
-    cfg = OmegaConf.create({"trainer": {"stop_signals": ["SIGTERM", "SIGUSR2"]}})
-    assert stop_signals(cfg) == (signal.SIGTERM, signal.SIGUSR2)
+    options = TrainerOptions(stop_signals=["SIGTERM", "SIGUSR2"])
+    assert stop_signals(options.stop_signals) == (signal.SIGTERM, signal.SIGUSR2)
     with pytest.raises(ConfigError, match=r"trainer.stop_signals=\['SIGKILL'\]: expected a list"):
-        stop_signals(OmegaConf.create({"trainer": {"stop_signals": ["SIGKILL"]}}))
+        TrainerOptions(stop_signals=["SIGKILL"])
 
 
 @pytest.mark.parametrize(

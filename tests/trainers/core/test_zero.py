@@ -16,8 +16,9 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 from tests import REPO
+from trainers.config import ShardingOptions
 from trainers.core.trainer import Trainer
-from trainers.core.zero import state_report, zero_dim, zero_layout
+from trainers.core.zero import state_report, zero_dim
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
 from xshard.factory import build_optimizer
@@ -252,9 +253,10 @@ def test_start_up_report_lists_shardings_and_replicated_leaves_with_bytes():
 
 
 def test_bad_zero_stage_is_a_config_error_naming_the_key():
+    # Checked once, where the node is read (trainers/config/zero_options.py).
     for bad in (5, -1, "x", True, 1.5):
         with pytest.raises(ConfigError, match=r"sharding\.zero_stage="):
-            zero_layout(bad, MESH8, ("data",))
+            ShardingOptions.from_config({"zero_stage": bad})
 
 
 # ------------------------------------------------------------------------------ collectives

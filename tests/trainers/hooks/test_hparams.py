@@ -4,8 +4,11 @@ with TensorBoard's own HParams backend (what its dashboard is served)."""
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
 from tests.cli import hparams_dashboard
+from trainers.config.cli_args import run_overrides
+from trainers.config.plain import run_config
 from trainers.hooks.hparams import NULL, hparams, shown
 from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
 from trainers.hooks.run_logger import LoggerHook, RunInfo
@@ -47,8 +50,14 @@ def composed(tmp_path):
         HydraConfig.instance().cfg = None
 
 
+def run_hparams(composed):
+    """The hparams as the app hands them over: the run's plain config and Hydra's overrides."""
+    config = run_config(OmegaConf.masked_copy(composed, [k for k in composed if k != "hydra"]))
+    return hparams(config, run_overrides())
+
+
 def test_overrides_first_in_order_then_choices_then_key_values(composed):
-    values, overridden = hparams(composed)
+    values, overridden = run_hparams(composed)
     names = list(values)
     assert names[:5] == [
         "trainer.steps",
@@ -76,7 +85,7 @@ def test_shown_values():
 
 
 def test_tensorboard_serves_the_overrides_first_and_the_session_status(composed, tmp_path):
-    values, overridden = hparams(composed)
+    values, overridden = run_hparams(composed)
     for run, ok in (("good", True), ("bad", False)):
         info = RunInfo(
             hparams={**values, "optimizer.learning_rate": 0.5 if ok else 1e4},

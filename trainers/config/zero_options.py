@@ -1,7 +1,8 @@
-"""The ``sharding`` config node: how the run's state is spread over the data-parallel axes.
+"""The ``sharding`` config node: the ZeRO stage, how the run's state is spread over the
+data-parallel axes (the model-axis rules of a task are `trainers.tasks.sharding`'s).
 
-Keys, defaults and checks live here (see docs/scaling.md); the trainer's `trainers.core.zero`
-turns them into shardings.
+Keys, defaults and the one check of ``sharding.zero_stage`` live here (see docs/scaling.md);
+the trainer's `trainers.core.zero` turns the stage into shardings.
 """
 
 from __future__ import annotations

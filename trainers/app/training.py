@@ -110,8 +110,8 @@ def place(cfg: DictConfig, options: RunOptions) -> Placement:
     from trainers.app.allowlist import log_active_prefixes
     from trainers.cluster.run_dirs import share_run_dirs
     from trainers.cluster.same_config import check_same_config
-    from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
-    from xshard.mesh_spec import data_axes as mesh_data_axes
+    from xshard.mesh.build import build_mesh, check_batch_divisible, configure_devices
+    from xshard.mesh.spec import data_axes as mesh_data_axes
 
     cluster = join_cluster(options.distributed)
     dirs = share_run_dirs(cfg, cluster)  # process 0's dirs; only it keeps train.log
@@ -198,7 +198,7 @@ def start(
     from trainers.core.zero import state_report
     from trainers.hooks.evaluation import build_evaluator
     from xshard.errors import ConfigError
-    from xshard.mesh import data_parallel_size
+    from xshard.mesh.build import data_parallel_size
 
     task, trainer, opts, seed = parts.task, parts.trainer, options.trainer, options.seed
     cluster, dirs = where.cluster, where.dirs

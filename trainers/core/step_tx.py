@@ -12,12 +12,12 @@ from jax.sharding import Mesh
 
 from trainers.core.periodic import Periodic
 from trainers.core.step import StepSpec
-from xshard.axis_rules import AxisRule
+from xshard.config.axis_rules import AxisRule
+from xshard.config.reduction import Reduction
 from xshard.errors import ConfigError
-from xshard.mesh import check_batch_divisible
-from xshard.optimizer import CrossShardTransformation, cross_shard
-from xshard.reduction_mode import Reduction
-from xshard.slots import has_cross_shard_state
+from xshard.mesh.build import check_batch_divisible
+from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
+from xshard.optim.slots import has_cross_shard_state
 
 
 def periodic_inner_axes(

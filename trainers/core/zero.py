@@ -38,7 +38,7 @@ from optax.transforms import MaskedNode
 
 from trainers.config.sharding import check_zero_stage
 from trainers.tasks.sharding import param_specs
-from xshard.stats import path_str
+from xshard.stats.tree import path_str
 
 
 def _used_axes(spec: P) -> set[str]:

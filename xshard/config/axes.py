@@ -11,12 +11,12 @@ A node per axis, keyed by the mesh axis name::
             learning_rate: 0.7
             momentum: 0.9
             nesterov: true
-          comm_dtype: int8     # the codec of what crosses the axis (xshard.axis_rules)
+          comm_dtype: int8     # the codec of what crosses the axis (xshard.config.axis_rules)
           error_feedback: true # the codec's residual is kept and added to the next message
 
 Every rule that needs no mesh is checked here, once, when the node is read
 (`AxisReductionConf.check`); those that need the mesh (the axis exists, is a data axis, has a
-power-of-two size for Adasum) in `xshard.factory`, which also builds the outer optimizer. Each
+power-of-two size for Adasum) in `xshard.optim.factory`, which also builds the outer optimizer. Each
 error is one line naming the key, the value and what is allowed. JAX-free, like every schema.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xshard.axis_rules import check_rule, check_rules
+from xshard.config.axis_rules import check_rule, check_rules
 from xshard.config.nodes import shown
 from xshard.errors import ConfigError
 
@@ -56,7 +56,7 @@ class AxisReductionConf:
     def check(self, key: str) -> None:
         """Checks the rules that need no mesh; `key` is the node's (``reduction.axes.slice``):
         the outer optimizer is a node with a ``_target_``, and the rules `xshard.cross_shard`
-        checks too (`xshard.axis_rules.check_rule`, written once there).
+        checks too (`xshard.config.axis_rules.check_rule`, written once there).
 
         Raises:
           ConfigError: naming the first bad key, its value and what is allowed.
@@ -74,7 +74,8 @@ class AxisReductionConf:
 
 def check_axes(axes: Any, key: str = "reduction.axes") -> None:
     """Checks every node of ``reduction.axes`` (read as `AxisReductionConf`s) by its key, and
-    the set of them (`xshard.axis_rules.check_rules`: one periodic axis, one every-step rule).
+    the set of them (`xshard.config.axis_rules.check_rules`: one periodic axis, one every-step
+    rule).
 
     Raises:
       ConfigError: for the first bad node or key, naming it.

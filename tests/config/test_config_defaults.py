@@ -72,7 +72,7 @@ def test_reduction_schema_is_cross_shards_keyword_arguments():
     params = inspect.signature(cross_shard).parameters
     for key, value in _defaults(SCHEMAS["reduction"]["base"]).items():
         arg = "reduction" if key == "mode" else key
-        if key == "axes":  # built into AxisRules by xshard.optim.factory.build_axis_rules
+        if key == "axes":  # built into AxisRules by xshard.optim.factory.build_optimizer_with_rules
             assert _defaults(SCHEMAS["reduction"]["base"])["axes"] == {}
             continue
         assert arg in params, f"reduction.{key} is not an argument of cross_shard"

@@ -103,15 +103,14 @@ def build_run(
     from trainers.core.precision import Precision
     from trainers.core.step_tx import periodic_inner_axes
     from trainers.core.trainer import Trainer
-    from xshard.optim.axis_factory import periodic_axis
-    from xshard.optim.factory import build_axis_rules, build_optimizer
+    from xshard.optim.factory import build_optimizer_with_rules
 
     opts, precision = options.trainer, options.precision
     task = build_task(cfg)
     check_task_remat(task, opts.remat, cfg.task.get("name", "task"))
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
-    tx = build_optimizer(cfg, mesh=mesh)
-    periodic = periodic_axis(build_axis_rules(cfg, mesh=mesh))
+    built = build_optimizer_with_rules(cfg, mesh=mesh)  # reads `reduction` once
+    tx, periodic = built.tx, built.periodic
     check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
     trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
         task,

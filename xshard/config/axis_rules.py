@@ -17,7 +17,7 @@ Adasum and the periodic sync live in the modules that use these rules.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from xshard.config.nodes import shown
@@ -177,3 +177,27 @@ def check_rules(rules: Mapping[str, RuleFields], key: str) -> None:
             "(the others reduce by reduction.mode; give one of them an outer_optimizer or "
             "remove it)."
         )
+
+
+def inner_data_axes(
+    data_axes: Sequence[str], periodic: str | None, key: str = "reduction.axes"
+) -> tuple[str, ...]:
+    """The data axes a replica reduces its gradient over every step: all of them but the
+    periodic axis (`periodic`; None: there is none). The one place a periodic axis is checked
+    against the data axes, for the config and for a `Trainer` built in Python alike.
+
+    Raises:
+      ConfigError: naming ``<key>.<periodic>``, for a periodic axis that is not a data axis or
+        is the only one.
+    """
+    data_axes = tuple(data_axes)
+    if periodic is None:
+        return data_axes
+    inner = tuple(a for a in data_axes if a != periodic)
+    if periodic not in data_axes or not inner:
+        raise ConfigError(
+            f"{key}.{periodic}: a periodic axis must be a data axis and not the only one (its "
+            "replicas train on their own data and reduce their gradient over the others every "
+            f"step), mesh.data_axes={list(data_axes)}."
+        )
+    return inner

@@ -149,7 +149,7 @@ DEVIATIONS: dict[str, str] = {
     "axis_name": "null: the mesh's data axes, which the library cannot know",
     "axes": (
         "per-axis rules: the every-step ones go to cross_shard, the periodic one (local SGD, "
-        "DiLoCo) to the trainer's sync step (xshard.optim.factory.build_axis_rules)"
+        "DiLoCo) to the trainer's sync step (xshard.optim.factory.build_optimizer_with_rules)"
     ),
 }
 

@@ -1,7 +1,7 @@
 """The computations the branches of a guarded update run (`xshard.guard.update.GuardedUpdate`): the
 update applied or skipped, and the statistics of the step's level.
 
-`GuardedStep` holds one call's arguments; `step_levels` turns the flags of a call (statistics,
+`GuardedStep` holds one call's arguments; `branch_levels` turns the flags of a call (statistics,
 per-leaf norms, histograms: Python bools prune levels when tracing, traced ones select one at
 run time) into the levels a switch serves.
 """
@@ -87,7 +87,7 @@ class Statistics(NamedTuple):
     histograms: Histograms | optax.EmptyState
 
 
-class Levels(NamedTuple):
+class BranchLevels(NamedTuple):
     """The levels a guarded update serves, each ``(statistics, per-leaf norms, histograms)``.
 
     Attributes:
@@ -102,8 +102,8 @@ class Levels(NamedTuple):
     level: jax.Array | int
 
 
-def step_levels(flags: tuple[Flag, Flag, Flag]) -> Levels:
-    """The `Levels` of the flags ``(with_stats, layer_norms, histograms)``, each None, a
+def branch_levels(flags: tuple[Flag, Flag, Flag]) -> BranchLevels:
+    """The `BranchLevels` of the flags ``(with_stats, layer_norms, histograms)``, each None, a
     Python bool or a traced bool (None: true)."""
     values = [_values(f) for f in flags]
     combinations = list(itertools.product(*values))
@@ -117,7 +117,7 @@ def step_levels(flags: tuple[Flag, Flag, Flag]) -> Levels:
             position = position * len(vals) + _position(flag, vals)
         table = [levels.index(lv) for lv in level_of]
         index = jnp.asarray(table, jnp.int32)[position]
-    return Levels(levels, served, index)
+    return BranchLevels(levels, served, index)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # holds tracers: compared by identity
@@ -139,7 +139,7 @@ class GuardedStep:
     gradient: Callable[[], Any]
     total: jax.Array
     n: int
-    levels: Levels
+    levels: BranchLevels
     finalize: Callable[[Any, Any], Any]
     skipped: Callable[[Any], Any] | None
     max_abs: Callable[[], jax.Array] | None

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from xshard.guard.branches import GuardedStep, step_levels
+from xshard.guard.branches import BranchLevels, GuardedStep, branch_levels
 from xshard.guard.state import (
     Guarded,
     SkipIfNonFiniteState,
@@ -129,14 +129,12 @@ class GuardedUpdate:
           The `Guarded` result.
         """
         total = tree_sq_norm(gradient()) if sq_norm is None else sq_norm()
-        hist_flag = (False if histograms is None else histograms) if self.track_stats else False
-        layer_flag = with_stats if layer_norms is None else layer_norms
         step = GuardedStep(
             guard=self,
             gradient=gradient,
             total=total,
             n=len(jax.tree.leaves(jax.eval_shape(gradient))),
-            levels=step_levels((with_stats, layer_flag, hist_flag)),
+            levels=self._levels(with_stats, layer_norms, histograms),
             finalize=finalize,
             skipped=skipped,
             max_abs=max_abs,
@@ -146,7 +144,20 @@ class GuardedUpdate:
             params=params,
             inner_state=guard_state.inner_state,
         )
-        finite_sum = jnp.isfinite(total)  # False for a NaN or Inf, or an overflow of squares
+        return self._run(step, params, guard_state)
+
+    def _levels(self, with_stats: Flag, layer_norms: Flag, histograms: Flag) -> BranchLevels:
+        """The levels a call with these flags serves (`__call__`'s arguments): histograms only
+        where statistics are tracked (default: never), per-leaf norms by default with the
+        statistics."""
+        hist_flag = (False if histograms is None else histograms) if self.track_stats else False
+        layer_flag = with_stats if layer_norms is None else layer_norms
+        return branch_levels((with_stats, layer_flag, hist_flag))
+
+    def _run(self, step: GuardedStep, params: Any, guard_state: SkipIfNonFiniteState) -> Guarded:
+        """`step` run: applied where the gradient's squared norm is finite, else skipped (with
+        `skip_nonfinite`; without, applied outside any branch)."""
+        finite_sum = jnp.isfinite(step.total)  # False for a NaN or Inf, or an overflow of squares
         if not self.skip_nonfinite:  # the update outside any branch: only statistics branch
             return step.unbranched(finite_sum, params, guard_state)
         # Two branches carry the state, and the counters advance in them: with more branches

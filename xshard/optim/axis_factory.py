@@ -17,7 +17,7 @@ from typing import Any
 import optax
 
 from xshard.config.axes import AxisReductionConf
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axis_rules import AxisRule, inner_data_axes
 from xshard.config.optimizers import OPTIMIZER_RULES
 from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
@@ -62,11 +62,8 @@ def _check_on_mesh(
             f"{dict(shape)}). Choose a mesh with it (e.g. mesh=cpu2x4_slices) or another "
             "reduction."
         )
-    if conf.periodic and name not in data_axes:
-        raise ConfigError(
-            f"{key}: a periodic axis must be a data axis (its replicas train on their own "
-            f"data), mesh.data_axes={list(data_axes)}."
-        )
+    if conf.periodic:
+        inner_data_axes(data_axes, name, KEY)
     size = shape[name]
     if conf.rule == "adasum" and size & (size - 1):
         raise ConfigError(
@@ -110,9 +107,3 @@ def axis_rules(
             warmup_steps=conf.warmup_steps,
         )
     return rules
-
-
-def periodic_axis(rules: Mapping[str, AxisRule]) -> tuple[str, AxisRule] | None:
-    """The periodic axis and its rule (at most one: `xshard.config.axes.check_axes`), or None."""
-    found = [(name, rule) for name, rule in rules.items() if rule.periodic]
-    return found[0] if found else None

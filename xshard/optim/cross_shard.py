@@ -125,13 +125,7 @@ def cross_shard(
     """
     names = axis_tuple(axis_name)
     rules = AxisReductions.build(axes, names)
-    mode_axes = rules.mode_axes(names)
     mode = Reduction.parse(reduction)
-    reducer = None
-    if mode_axes:
-        reducer = AllReduce.build(
-            mode, axis_name=mode_axes, comm_dtype=comm_dtype, num_shards=num_shards
-        )
     spec = CrossShardSpec(
         mode,
         names,
@@ -143,16 +137,37 @@ def cross_shard(
         rules,
         inner,
     )
-    step_axes = spec.step_axes
-    parts = CrossShardUpdate(
-        spec,
-        optax.with_extra_args_support(inner),
-        None if clip_per_shard is None else per_shard_clip(clip_per_shard, step_axes),
-        reducer,
-        guarded_update(inner, skip_nonfinite=skip_nonfinite, track_stats=track_stats),
-    )
+    parts = _update(spec)
     phases = CrossShardPhases(parts.reduce, parts.finish, parts.apply)
     return CrossShardTransformation(parts.init, parts.update, spec, phases)
+
+
+def _update(spec: CrossShardSpec) -> CrossShardUpdate:
+    """The update of the `cross_shard` optimizer `spec` describes: its all-reduce over the
+    axes reduced by the mode (None: none is), its per-shard clip and its guarded update.
+
+    Raises:
+      ValueError: for a bad ``comm_dtype`` or ``clip_per_shard``.
+    """
+    mode_axes = spec.axes.mode_axes(spec.axis_name)
+    reducer = None
+    if mode_axes:
+        reducer = AllReduce.build(
+            spec.reduction,
+            axis_name=mode_axes,
+            comm_dtype=spec.comm_dtype,
+            num_shards=spec.num_shards,
+        )
+    clip = spec.clip_per_shard
+    return CrossShardUpdate(
+        spec,
+        optax.with_extra_args_support(spec.inner),
+        None if clip is None else per_shard_clip(clip, spec.step_axes),
+        reducer,
+        guarded_update(
+            spec.inner, skip_nonfinite=spec.skip_nonfinite, track_stats=spec.track_stats
+        ),
+    )
 
 
 def over_axes(

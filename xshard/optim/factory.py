@@ -21,9 +21,10 @@ Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are r
 ``xshard.schedules.``, ``trainers.tasks.`` or an entry of ``allowed_targets``. Every bad value
 raises `ConfigError` naming the key, the value and what is allowed.
 
-``reduction.axes`` (`build_axis_rules`): the every-step rule (Adasum, a codec with error
-feedback) goes to ``cross_shard(axes=...)``; the periodic one (local SGD, DiLoCo) is left out
-of the step (``axis_name`` leaves its axis out) and runs in the trainer's sync step.
+``reduction.axes`` (`build_optimizer_with_rules` returns their rules too): the every-step
+rule (Adasum, a codec with error feedback) goes to ``cross_shard(axes=...)``; the periodic one
+(local SGD, DiLoCo) is left out of the step (``axis_name`` leaves its axis out) and runs in the
+trainer's sync step.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -270,35 +271,29 @@ def _reduction(cfg: DictConfig) -> ReductionConf:
     return conf
 
 
-def _axis_rules(
-    cfg: DictConfig, conf: ReductionConf, mesh: Any, allowed: tuple[str, ...]
-) -> dict[str, AxisRule]:
-    shape = None if mesh is None else dict(mesh.shape)
-    return axis_rules(conf.axes, shape, _data_axes(cfg), allowed)
-
-
-def build_axis_rules(cfg: Any, mesh: Any = None) -> dict[str, AxisRule]:
-    """The `xshard.AxisRule` of every ``reduction.axes.<axis>`` node, by axis name.
-
-    Args:
-      cfg: a config node with a ``reduction`` child (and ``mesh``, ``allowed_targets``).
-      mesh: the ``jax.sharding.Mesh`` the run trains on; given, each axis must be one of
-        its axes (a periodic one a data axis, an Adasum one of power-of-two size).
-
-    Returns:
-      ``{axis name: AxisRule}``; a periodic rule holds its built outer optax optimizer.
-
-    Raises:
-      ConfigError: naming ``reduction.axes.<axis>`` or the key under it, for a bad value.
-    """
-    cfg = as_config(cfg)
-    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
-    return _axis_rules(cfg, _reduction(cfg), mesh, allowed)
-
-
 # --------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------
+
+
+class BuiltOptimizer(NamedTuple):
+    """The optimizer a config describes and the rules of its mesh axes, from one read of it.
+
+    Attributes:
+      tx: the cross-shard optimizer (`build_optimizer`).
+      axis_rules: the `AxisRule` of every ``reduction.axes.<axis>`` node, by axis name; a
+        periodic rule holds its built outer optax optimizer (``tx`` holds the every-step one).
+    """
+
+    tx: CrossShardTransformation
+    axis_rules: dict[str, AxisRule]
+
+    @property
+    def periodic(self) -> tuple[str, AxisRule] | None:
+        """The periodic axis and its rule (at most one: `xshard.config.axes.check_axes`), or
+        None."""
+        found = [(name, rule) for name, rule in self.axis_rules.items() if rule.periodic]
+        return found[0] if found else None
 
 
 def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
@@ -327,6 +322,24 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
         take, or reduction axes that are not mesh axes; the message names the key, the value
         and the allowed values.
     """
+    return build_optimizer_with_rules(cfg, mesh).tx
+
+
+def build_optimizer_with_rules(cfg: Any, mesh: Any = None) -> BuiltOptimizer:
+    """`build_optimizer`, with the rules of ``reduction.axes`` it read on the way: the
+    ``reduction`` node is read once and each outer optimizer built once.
+
+    Args:
+      cfg, mesh: as `build_optimizer`'s; given the mesh, each ``reduction.axes`` axis must be
+        one of its axes (a periodic one a data axis, an Adasum one of power-of-two size).
+
+    Returns:
+      The optimizer and the axis rules (`BuiltOptimizer`).
+
+    Raises:
+      ConfigError: as `build_optimizer`, naming ``reduction.axes.<axis>`` or the key under
+        it for a bad axis rule.
+    """
     cfg = as_config(cfg)
     allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
     opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
@@ -337,7 +350,8 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
     if clip is not None:
         positive_number(clip, "clip", "null or a global norm for the reduced gradient")
 
-    rules = _axis_rules(cfg, red, mesh, allowed)
+    shape = None if mesh is None else dict(mesh.shape)
+    rules = axis_rules(red.axes, shape, _data_axes(cfg), allowed)
     every_step = {name: rule for name, rule in rules.items() if not rule.periodic}
     for name in every_step:
         if name not in red.axis_name:
@@ -358,6 +372,5 @@ def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
     if clip is not None:
         inner = optax.chain(clip_by_global_norm(clip), inner)
     # The periodic axis takes no part in the step (the trainer's sync step reduces over it).
-    return cross_shard(
-        inner, **reduction_kwargs(red), num_shards=num_shards, axes=every_step or None
-    )
+    tx = cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards, axes=every_step or None)
+    return BuiltOptimizer(tx, rules)

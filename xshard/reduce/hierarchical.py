@@ -177,18 +177,7 @@ def hierarchical_all_reduce(
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}.")
     codec = get_codec(comm_dtype or "float32")
-    n = jax.lax.axis_size(axis)
-    mesh = jax.sharding.get_abstract_mesh()
-    inner = math.prod(mesh.shape[a] for a in inner_axes)
-    share = share_size(tree_size(tree), n, inner, codec)
-    rows = 1 if inner_manual else inner
-    if residual is not None and residual.shape != (rows, share):
-        raise ValueError(
-            f"residual must have shape {(rows, share)} (rows, share_size), got {residual.shape}."
-        )
-    leaves = jax.tree.leaves(tree)
-    dtype = jnp.result_type(*leaves) if codec.identity and leaves else jnp.float32
-    vec = flatten(leaves, inner * share, dtype)
+    vec = _flat(tree, axis, inner_axes, codec, residual, rows_manual=inner_manual)
     extra = jnp.zeros((0,), jnp.float32) if extra is None else jnp.asarray(extra, jnp.float32)
 
     def body(vec: jax.Array, residual: jax.Array | None, extra: jax.Array) -> HierarchicalReduce:
@@ -203,3 +192,33 @@ def hierarchical_all_reduce(
         )
     out = body(vec, residual, extra)
     return out._replace(value=unflatten(out.value, tree))
+
+
+def _flat(
+    tree: Any,
+    axis: str,
+    inner_axes: tuple[str, ...],
+    codec: Codec,
+    residual: jax.Array | None,
+    *,
+    rows_manual: bool,
+) -> jax.Array:
+    """`tree`'s leaves as one flat vector of ``F * share_size`` (`hierarchical_all_reduce`'s
+    arguments), in their common dtype through the identity codec, else float32.
+
+    Raises:
+      ValueError: for a residual that is not ``(F, share_size)`` (``(1, share_size)`` with
+        `rows_manual`: this device's row).
+    """
+    n = jax.lax.axis_size(axis)
+    mesh = jax.sharding.get_abstract_mesh()
+    inner = math.prod(mesh.shape[a] for a in inner_axes)
+    share = share_size(tree_size(tree), n, inner, codec)
+    rows = 1 if rows_manual else inner
+    if residual is not None and residual.shape != (rows, share):
+        raise ValueError(
+            f"residual must have shape {(rows, share)} (rows, share_size), got {residual.shape}."
+        )
+    leaves = jax.tree.leaves(tree)
+    dtype = jnp.result_type(*leaves) if codec.identity and leaves else jnp.float32
+    return flatten(leaves, inner * share, dtype)

@@ -127,7 +127,7 @@ def test_library_and_config_refuse_a_rule_in_the_same_words(axes):
     import optax
 
     import xshard
-    from xshard.config.axis_rules import AxisRule
+    from xshard.config.axes import AxisRule
 
     with pytest.raises(ConfigError) as from_config:
         read_node(ReductionConf, {"axes": axes}, "reduction")

@@ -22,7 +22,7 @@ from tests.xshard.test_adasum import _np_adasum
 from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
 from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.reduce.axes import AxisCommState, state_partition_specs
 from xshard.reduce.codecs import get_codec
 from xshard.reduce.compressed import bytes_sent, tree_size
@@ -195,7 +195,7 @@ def test_axes_none_keeps_todays_state_and_reduction():
         ({"model": AxisRule(comm_dtype="int8")}, "'model' is not one of"),
         ({"slice": AxisRule(comm_dtype="int3")}, "comm_dtype='int3'"),
         ({"slice": AxisRule(rule="max")}, "rule='max'"),
-        ({"slice": "int8"}, "must be an xshard.config.axis_rules.AxisRule"),
+        ({"slice": "int8"}, "must be an xshard.config.axes.AxisRule"),
         ({"slice": INT8_EF, "data": AxisRule(rule="sum")}, "at most one axis"),
     ],
 )

@@ -16,7 +16,7 @@ from tests.cross_shard_helpers import (
     make_slice_mesh,
     per_replica,
 )
-from xshard.config.axis_rules import CODEC_NAMES
+from xshard.config.axes import CODEC_NAMES
 from xshard.reduce.codecs import CODECS, block_absmax, get_codec
 from xshard.reduce.compressed import (
     bytes_sent,

@@ -44,7 +44,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.step import TrainState
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation, over_axes
 from xshard.optim.schedule_free import eval_params

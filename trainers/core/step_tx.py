@@ -12,7 +12,7 @@ from jax.sharding import Mesh
 
 from trainers.core.periodic import Periodic
 from trainers.core.step import StepSpec
-from xshard.config.axis_rules import AxisRule, inner_data_axes
+from xshard.config.axes import AxisRule, inner_data_axes
 from xshard.config.reduction import Reduction
 from xshard.errors import ConfigError
 from xshard.mesh.build import check_batch_divisible
@@ -24,7 +24,7 @@ def periodic_inner_axes(
     data_axes: tuple[str, ...], periodic: tuple[str, AxisRule] | None
 ) -> tuple[str, ...]:
     """The data axes a step reduces over: all of them, but a periodic one
-    (`xshard.config.axis_rules.inner_data_axes`).
+    (`xshard.config.axes.inner_data_axes`).
 
     Raises:
       ConfigError: for a periodic axis that is not a data axis, or the only one.

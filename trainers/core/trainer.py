@@ -33,7 +33,7 @@ from trainers.core.step_tx import as_cross_shard, periodic_inner_axes, step_spec
 from trainers.core.step_types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
 
 __all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]

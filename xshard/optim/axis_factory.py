@@ -11,13 +11,13 @@ every optax optimizer shares (``learning_rate``, ``momentum``, ``b1``, ...) obey
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optax
 
-from xshard.config.axes import AxisReductionConf
-from xshard.config.axis_rules import AxisRule, inner_data_axes
+from xshard.config.axes import AxisReductionConf, AxisRule, inner_data_axes
 from xshard.config.optimizers import OPTIMIZER_RULES
 from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
@@ -95,15 +95,8 @@ def axis_rules(
         if shape is not None:
             _check_on_mesh(name, conf, shape, data_axes)
         outer = conf.outer_optimizer
-        rules[name] = AxisRule(
-            every_steps=conf.every_steps,
-            outer_optimizer=None
-            if outer is None
-            else outer_optimizer(outer, f"{KEY}.{name}.outer_optimizer", allowed),
-            comm_dtype=conf.comm_dtype,
-            error_feedback=conf.error_feedback,
-            fragments=conf.fragments,
-            rule=conf.rule,
-            warmup_steps=conf.warmup_steps,
-        )
+        if outer is not None:
+            outer = outer_optimizer(outer, f"{KEY}.{name}.outer_optimizer", allowed)
+        fields = {f.name: getattr(conf, f.name) for f in dataclasses.fields(AxisRule)}
+        rules[name] = AxisRule(**(fields | {"outer_optimizer": outer}))
     return rules

@@ -38,7 +38,7 @@ from typing import Any
 
 import optax
 
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
 from xshard.guard.update import guarded_update
 from xshard.optim.cross_shard_types import (
@@ -97,7 +97,7 @@ def cross_shard(
         local gradients their norms before clipping and the noise-scale terms
         (``state.shards``, `xshard.stats.shards.ShardStats`) and, with `clip_per_shard`, the
         share of shards clipped (``state.clip``).
-      axes: per mesh axis of `axis_name`, how it reduces (`xshard.config.axis_rules.AxisRule`;
+      axes: per mesh axis of `axis_name`, how it reduces (`xshard.config.axes.AxisRule`;
         None: every axis by `reduction`, as before). The gradient is reduced by `reduction`
         over the axes without a rule, then over the axis with an every-step rule (at most
         one) by its rule (mean, sum, Adasum) and codec, with its error-feedback residual in
@@ -177,7 +177,7 @@ def over_axes(
     guard, statistics and every-step axis rules (its periodic axes are left out: name one in
     `axis_name` to reduce over it every step). Its state has the structure of `tx`'s, so the
     two can take turns on one state: a periodic axis's synchronous warm-up steps
-    (`xshard.config.axis_rules.AxisRule.warmup_steps`) run this over the periodic axis too.
+    (`xshard.config.axes.AxisRule.warmup_steps`) run this over the periodic axis too.
 
     Args:
       tx: a `cross_shard` optimizer.

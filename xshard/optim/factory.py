@@ -40,7 +40,7 @@ import optax
 from omegaconf import DictConfig
 
 from xshard.config import read_node
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.config.optimizers import check_optimizer_args
 from xshard.config.schedules import check_schedule_args
 from xshard.config.schemas import ReductionConf, reduction_kwargs

@@ -1,5 +1,5 @@
 """The every-step reduction of `xshard.cross_shard` per mesh axis: which axes reduce by the
-reduction's mode, which by their own `xshard.config.axis_rules.AxisRule`, and the state they keep.
+reduction's mode, which by their own `xshard.config.axes.AxisRule`, and the state they keep.
 
 With ``cross_shard(..., axes={"slice": AxisRule(...)})`` the per-shard gradient is reduced in
 one step as follows:
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from xshard.config.axis_rules import AxisRule, check_rules
+from xshard.config.axes import AxisRule, check_rules
 from xshard.config.reduction import Reduction
 from xshard.reduce.adasum import adasum_all_reduce, adasum_bytes_sent
 from xshard.reduce.compressed import tree_size
@@ -77,12 +77,10 @@ class AxisCommState:
 
 def _check_axes(axes: Mapping[str, AxisRule], data_axes: tuple[str, ...]) -> None:
     """Refuses rules `cross_shard` cannot run, naming ``axes.<axis>`` (the config names the
-    same keys ``reduction.axes.<axis>``: `xshard.config.axis_rules.check_rules`)."""
+    same keys ``reduction.axes.<axis>``: `xshard.config.axes.check_rules`)."""
     for axis, rule in axes.items():
         if not isinstance(rule, AxisRule):
-            raise ValueError(
-                f"axes.{axis} must be an xshard.config.axis_rules.AxisRule, got {rule!r}."
-            )
+            raise ValueError(f"axes.{axis} must be an xshard.config.axes.AxisRule, got {rule!r}.")
         if axis not in data_axes:
             raise ValueError(
                 f"axes.{axis}: {axis!r} is not one of the reduction's axes {list(data_axes)}."

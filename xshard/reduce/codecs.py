@@ -31,7 +31,7 @@ non-finite guard after the reduction sees it. XLA:CPU's collectives carry no 4-b
 (`Codec.to_carrier`): the compiled HLO shows ``u8`` collectives of half as many elements as
 ``int8``'s ``s8`` ones.
 
-`CODECS` maps each name of `xshard.config.axis_rules.CODEC_NAMES` to its codec (a test checks that
+`CODECS` maps each name of `xshard.config.axes.CODEC_NAMES` to its codec (a test checks that
 the two name the same codecs).
 """
 
@@ -52,7 +52,7 @@ class Codec:
     """How a block of float32 values is sent over an axis.
 
     Attributes:
-      name: its name (one of `xshard.config.axis_rules.CODEC_NAMES`).
+      name: its name (one of `xshard.config.axes.CODEC_NAMES`).
       wire_dtype: the dtype that crosses the axis.
       qmax: the largest magnitude a scaled value may take (127 for int8, 448 for e4m3); None:
         no scales, the codec is a cast.

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.reduce.compressed import tree_size
 from xshard.reduce.hierarchical import hierarchical_all_reduce, share_size, slow_bytes_sent
 from xshard.stats.tree import tree_sq_norm

@@ -12,7 +12,7 @@ import xshard
 from benchmarks.axis_traffic import collectives_by_axis, traffic
 from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.reduce.compressed import tree_size
 from xshard.reduce.periodic import due_fragment, fragment_leaves
 

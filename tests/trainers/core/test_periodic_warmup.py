@@ -11,7 +11,7 @@ import pytest
 from benchmarks.axis_traffic import collectives_by_axis, traffic
 from tests.trainers.core.test_periodic import BATCH, make, outer_tree
 from trainers.core.step import PLAIN
-from xshard.config.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
 from xshard.reduce.periodic import due_fragment
 

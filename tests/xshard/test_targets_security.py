@@ -158,7 +158,7 @@ def test_builtins_and_foreign_modules_are_refused_by_name():
 
 
 def test_reexport_of_a_project_function_outside_the_defaults_is_refused():
-    # trainers.tasks.sharding imports path_str from xshard.stats: allowed by name, not by home.
+    # trainers.tasks.sharding imports path_str from xshard.stats.tree: allowed by name, not by home.
     with pytest.raises(ConfigError, match="'xshard.stats.tree.path_str', defined outside"):
         resolve_target("trainers.tasks.sharding.path_str")
     assert resolve_target("trainers.tasks.sharding.path_str", ALLOWLISTS["whole_packages"])

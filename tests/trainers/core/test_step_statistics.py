@@ -88,7 +88,8 @@ def split(request, monkeypatch):
     """Per-leaf statistics read whole on every shard (mlp's size), or split over the shards
     (as for large models: `xshard.stats.tree.SPLIT_MIN_ELEMENTS`)."""
     if request.param == "split":
-        monkeypatch.setattr(xshard.stats, "SPLIT_MIN_ELEMENTS", {"sq_norms": 0, "histograms": 0})
+        split_all = {"sq_norms": 0, "histograms": 0}
+        monkeypatch.setattr(xshard.stats.tree, "SPLIT_MIN_ELEMENTS", split_all)
     return request.param
 
 

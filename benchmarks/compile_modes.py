@@ -31,7 +31,7 @@ def measure(mode: str, *, smoke: bool) -> dict[str, Any]:
     from benchmarks.workloads import make_workload
     from trainers.core.step_levels import levels_in_run, step_level
     from trainers.core.trainer import Trainer
-    from xshard.mesh import build_mesh
+    from xshard.mesh.build import build_mesh
 
     work = make_workload("tiny_gpt", smoke=smoke)
     mesh = build_mesh(work.cfg.mesh)

@@ -7,7 +7,7 @@ and every operand is classified:
 
 * ``gradient`` — its dimensions are those of a parameter's per-device shard (in any order:
   GSPMD may reduce a transposed gradient), or it is one flat buffer holding every parameter
-  of its dtype (`xshard.buckets.psum_tree` packs the gradient so on CPU), counted as the
+  of its dtype (`xshard.mesh.collectives.psum_tree` packs the gradient so on CPU), counted as the
   parameters it carries;
 * ``scalar`` — at most `SCALAR_MAX_ELEMENTS` elements that match no parameter: the loss,
   per-shard norm statistics, non-finite counts;
@@ -104,7 +104,7 @@ _HLO_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64"
 
 def _packed_sizes(params: Any, pmapped: bool) -> dict[str, tuple[int, int]]:
     """HLO dtype -> (elements, leaves) of the per-device parameter shards of that dtype: the
-    size of a flat buffer that packs all of them (`xshard.buckets.psum_tree`)."""
+    size of a flat buffer that packs all of them (`xshard.mesh.collectives.psum_tree`)."""
     sizes: dict[str, tuple[int, int]] = {}
     for x in jax.tree.leaves(params):
         if pmapped:

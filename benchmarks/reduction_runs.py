@@ -61,8 +61,8 @@ class Run:
 
     def __init__(self, overrides: Sequence[str]):
         from trainers.app.build import build_run, read_options
-        from xshard.mesh import build_mesh
-        from xshard.mesh_spec import data_axes
+        from xshard.mesh.build import build_mesh
+        from xshard.mesh.spec import data_axes
 
         self.cfg = compose_config(overrides)
         self.options = read_options(self.cfg)

@@ -21,8 +21,8 @@ from hydra import compose, initialize_config_module
 from jax.sharding import Mesh
 from omegaconf import DictConfig, OmegaConf
 
-from xshard.factory import build_optimizer
-from xshard.mesh import build_mesh
+from xshard.mesh.build import build_mesh
+from xshard.optim.factory import build_optimizer
 
 #: Workload name -> (the ``task`` group option, its overrides). `gpt_8x256` is tiny_gpt at
 #: 8 layers x 256 wide (6.3M params), where the state, not the per-kernel overhead, dominates;

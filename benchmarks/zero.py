@@ -107,8 +107,8 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
     from benchmarks.timing import Plan, interleave, ratio
     from trainers.app.build import build_task
     from trainers.core.trainer import Trainer
-    from xshard.factory import build_optimizer
-    from xshard.mesh import build_mesh
+    from xshard.mesh.build import build_mesh
+    from xshard.optim.factory import build_optimizer
 
     with initialize_config_module("xshard.conf", version_base="1.3"):
         cfg = compose(

@@ -7,8 +7,8 @@ import optax
 import xshard
 from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.mesh import build_mesh
-from xshard.stats import path_str
+from xshard.mesh.build import build_mesh
+from xshard.stats.tree import path_str
 
 
 def flat_params(params) -> dict:

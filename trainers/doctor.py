@@ -100,8 +100,8 @@ def _devices_and_mesh(
 ) -> list[str]:
     """Devices, mesh and batch; then the task, optimizer and trainer as the run builds them."""
     from trainers.app.build import build_run
-    from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
-    from xshard.mesh_spec import data_axes
+    from xshard.mesh.build import build_mesh, check_batch_divisible, configure_devices
+    from xshard.mesh.spec import data_axes
 
     try:
         configure_devices(cfg.mesh, num_processes=cluster.count)

@@ -12,27 +12,27 @@ from typing import TYPE_CHECKING, Any
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
     "ConfigError": "xshard.errors",
-    "CrossShardPhases": "xshard.optimizer",
-    "CrossShardSpec": "xshard.optimizer",
-    "CrossShardState": "xshard.optimizer",
-    "CrossShardTransformation": "xshard.optimizer",
-    "DoubleReductionError": "xshard.shard_context",
-    "MeshConfigError": "xshard.mesh",
-    "Reduction": "xshard.reduction_mode",
-    "build_mesh": "xshard.mesh",
-    "build_optimizer": "xshard.factory",
-    "build_schedule": "xshard.factory",
-    "check_axis_names": "xshard.mesh",
-    "check_batch_divisible": "xshard.mesh",
-    "configure_devices": "xshard.mesh",
-    "cross_shard": "xshard.optimizer",
-    "data_axes": "xshard.mesh",
-    "data_parallel_size": "xshard.mesh",
-    "get_hyperparams": "xshard.slots",
-    "get_slot": "xshard.slots",
-    "get_slot_names": "xshard.slots",
-    "inner_state": "xshard.slots",
-    "reduce_gradients": "xshard.reduce",
+    "CrossShardPhases": "xshard.optim.cross_shard",
+    "CrossShardSpec": "xshard.optim.cross_shard",
+    "CrossShardState": "xshard.optim.cross_shard",
+    "CrossShardTransformation": "xshard.optim.cross_shard",
+    "DoubleReductionError": "xshard.mesh.context",
+    "MeshConfigError": "xshard.mesh.build",
+    "Reduction": "xshard.config.reduction",
+    "build_mesh": "xshard.mesh.build",
+    "build_optimizer": "xshard.optim.factory",
+    "build_schedule": "xshard.optim.factory",
+    "check_axis_names": "xshard.mesh.build",
+    "check_batch_divisible": "xshard.mesh.build",
+    "configure_devices": "xshard.mesh.build",
+    "cross_shard": "xshard.optim.cross_shard",
+    "data_axes": "xshard.mesh.build",
+    "data_parallel_size": "xshard.mesh.build",
+    "get_hyperparams": "xshard.optim.slots",
+    "get_slot": "xshard.optim.slots",
+    "get_slot_names": "xshard.optim.slots",
+    "inner_state": "xshard.optim.slots",
+    "reduce_gradients": "xshard.reduce.gradients",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -52,25 +52,25 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
+    from xshard.config.reduction import Reduction as Reduction
     from xshard.errors import ConfigError as ConfigError
-    from xshard.factory import build_optimizer as build_optimizer
-    from xshard.factory import build_schedule as build_schedule
-    from xshard.mesh import MeshConfigError as MeshConfigError
-    from xshard.mesh import build_mesh as build_mesh
-    from xshard.mesh import check_axis_names as check_axis_names
-    from xshard.mesh import check_batch_divisible as check_batch_divisible
-    from xshard.mesh import configure_devices as configure_devices
-    from xshard.mesh import data_axes as data_axes
-    from xshard.mesh import data_parallel_size as data_parallel_size
-    from xshard.optimizer import CrossShardPhases as CrossShardPhases
-    from xshard.optimizer import CrossShardSpec as CrossShardSpec
-    from xshard.optimizer import CrossShardState as CrossShardState
-    from xshard.optimizer import CrossShardTransformation as CrossShardTransformation
-    from xshard.optimizer import cross_shard as cross_shard
-    from xshard.reduce import reduce_gradients as reduce_gradients
-    from xshard.reduction_mode import Reduction as Reduction
-    from xshard.shard_context import DoubleReductionError as DoubleReductionError
-    from xshard.slots import get_hyperparams as get_hyperparams
-    from xshard.slots import get_slot as get_slot
-    from xshard.slots import get_slot_names as get_slot_names
-    from xshard.slots import inner_state as inner_state
+    from xshard.mesh.build import MeshConfigError as MeshConfigError
+    from xshard.mesh.build import build_mesh as build_mesh
+    from xshard.mesh.build import check_axis_names as check_axis_names
+    from xshard.mesh.build import check_batch_divisible as check_batch_divisible
+    from xshard.mesh.build import configure_devices as configure_devices
+    from xshard.mesh.build import data_axes as data_axes
+    from xshard.mesh.build import data_parallel_size as data_parallel_size
+    from xshard.mesh.context import DoubleReductionError as DoubleReductionError
+    from xshard.optim.cross_shard import CrossShardPhases as CrossShardPhases
+    from xshard.optim.cross_shard import CrossShardSpec as CrossShardSpec
+    from xshard.optim.cross_shard import CrossShardState as CrossShardState
+    from xshard.optim.cross_shard import CrossShardTransformation as CrossShardTransformation
+    from xshard.optim.cross_shard import cross_shard as cross_shard
+    from xshard.optim.factory import build_optimizer as build_optimizer
+    from xshard.optim.factory import build_schedule as build_schedule
+    from xshard.optim.slots import get_hyperparams as get_hyperparams
+    from xshard.optim.slots import get_slot as get_slot
+    from xshard.optim.slots import get_slot_names as get_slot_names
+    from xshard.optim.slots import inner_state as inner_state
+    from xshard.reduce.gradients import reduce_gradients as reduce_gradients

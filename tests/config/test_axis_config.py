@@ -1,14 +1,14 @@
 """``reduction.axes.<axis>``: each bad value is one ConfigError naming the key, the value and
-what is allowed, from the schema (no mesh) or against the mesh (xshard.axis_factory)."""
+what is allowed, from the schema (no mesh) or against the mesh (xshard.optim.axis_factory)."""
 
 import re
 
 import pytest
 
-from xshard.axis_factory import axis_rules
 from xshard.config import read_node
 from xshard.config.schemas import ReductionConf
 from xshard.errors import ConfigError
+from xshard.optim.axis_factory import axis_rules
 
 AVG = {"_target_": "optax.sgd", "learning_rate": 1.0}
 
@@ -127,7 +127,7 @@ def test_library_and_config_refuse_a_rule_in_the_same_words(axes):
     import optax
 
     import xshard
-    from xshard.axis_rules import AxisRule
+    from xshard.config.axes import AxisRule
 
     with pytest.raises(ConfigError) as from_config:
         read_node(ReductionConf, {"axes": axes}, "reduction")

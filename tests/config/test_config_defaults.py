@@ -26,9 +26,9 @@ from trainers.config.loggers import TensorBoardLogger
 from trainers.core.trainer import Trainer
 from xshard.config import read_node
 from xshard.config.schemas import DEVIATIONS, SCHEMAS, MeshConf
-from xshard.factory import MASK_ARGS
-from xshard.mesh_spec import mesh_spec
-from xshard.optimizer import cross_shard
+from xshard.mesh.spec import mesh_spec
+from xshard.optim.cross_shard import cross_shard
+from xshard.optim.factory import MASK_ARGS
 
 CONF = REPO / "conf"
 
@@ -72,7 +72,7 @@ def test_reduction_schema_is_cross_shards_keyword_arguments():
     params = inspect.signature(cross_shard).parameters
     for key, value in _defaults(SCHEMAS["reduction"]["base"]).items():
         arg = "reduction" if key == "mode" else key
-        if key == "axes":  # built into AxisRules by xshard.factory.build_axis_rules
+        if key == "axes":  # built into AxisRules by xshard.optim.factory.build_optimizer_with_rules
             assert _defaults(SCHEMAS["reduction"]["base"])["axes"] == {}
             continue
         assert arg in params, f"reduction.{key} is not an argument of cross_shard"

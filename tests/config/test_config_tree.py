@@ -98,7 +98,7 @@ def run(tx, mesh, steps: int = 2):
     initial state, the learning rate read from the state after each step).
     """
 
-    from xshard.axis_reduce import state_partition_specs
+    from xshard.reduce.axes import state_partition_specs
 
     axes = tx.spec.axis_name  # a gradient per shard of the axes it reduces over
 
@@ -169,11 +169,12 @@ def test_option_composes_builds_and_runs(compose_cfg, mesh, slices_mesh, group, 
 def check_periodic_sync(cfg, mesh):
     """The preset's periodic rule syncs as it is meant to: replicas over `slice` that drifted
     apart give new outer params, the same on every replica, moved towards their mean."""
-    from xshard.axis_factory import periodic_axis
-    from xshard.factory import build_axis_rules
-    from xshard.periodic import init_outer, sync_fragment
+    from xshard.optim.factory import build_optimizer_with_rules
+    from xshard.reduce.periodic import init_outer, sync_fragment
 
-    axis, rule = periodic_axis(build_axis_rules(cfg, mesh=mesh))
+    periodic = build_optimizer_with_rules(cfg, mesh=mesh).periodic
+    assert periodic is not None
+    axis, rule = periodic
     assert axis == "slice" and rule.every_steps > 1
     leaves = jax.tree.leaves(PARAMS)
     outer = init_outer(rule, leaves, (tuple(range(len(leaves))),), 2)

@@ -1,4 +1,4 @@
-"""xshard.adasum on 8 simulated CPU devices, mesh (slice, data) = (2, 4): mean of parallel
+"""xshard.reduce.adasum on 8 simulated CPU devices, mesh (slice, data) = (2, 4): mean of parallel
 gradients, sum of orthogonal ones, a NumPy reference of the recursive formula, no NaN for a
 zero gradient, the same bits on every replica, power-of-two axes only."""
 
@@ -10,7 +10,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from tests.cross_shard_helpers import assert_same_on_every_replica, per_replica
-from xshard.adasum import adasum_all_reduce, adasum_tree, check_adasum_axis_size
+from xshard.reduce.adasum import adasum_all_reduce, adasum_tree, check_adasum_axis_size
 
 
 def _np_pair(a, b):

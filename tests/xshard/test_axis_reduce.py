@@ -22,11 +22,11 @@ from tests.xshard.test_adasum import _np_adasum
 from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
 from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.axis_reduce import AxisCommState, state_partition_specs
-from xshard.axis_rules import AxisRule
-from xshard.codecs import get_codec
-from xshard.compressed import bytes_sent, tree_size
-from xshard.hierarchical import share_size, slow_bytes_sent
+from xshard.config.axes import AxisRule
+from xshard.reduce.axes import AxisCommState, state_partition_specs
+from xshard.reduce.codecs import get_codec
+from xshard.reduce.compressed import bytes_sent, tree_size
+from xshard.reduce.hierarchical import share_size, slow_bytes_sent
 
 INT8_EF = AxisRule(comm_dtype="int8", error_feedback=True)
 
@@ -195,7 +195,7 @@ def test_axes_none_keeps_todays_state_and_reduction():
         ({"model": AxisRule(comm_dtype="int8")}, "'model' is not one of"),
         ({"slice": AxisRule(comm_dtype="int3")}, "comm_dtype='int3'"),
         ({"slice": AxisRule(rule="max")}, "rule='max'"),
-        ({"slice": "int8"}, "must be an xshard.axis_rules.AxisRule"),
+        ({"slice": "int8"}, "must be an xshard.config.axes.AxisRule"),
         ({"slice": INT8_EF, "data": AxisRule(rule="sum")}, "at most one axis"),
     ],
 )

@@ -1,5 +1,5 @@
-"""xshard.buckets on 8 simulated devices: packing a tree into one collective per dtype gives
-exactly what the per-leaf collectives give, and the compiled program holds one per dtype."""
+"""xshard.mesh.collectives on 8 simulated devices: packing a tree into one collective per dtype
+gives exactly what the per-leaf collectives give, and the compiled program holds one per dtype."""
 
 import re
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from xshard.buckets import (
+from xshard.mesh.collectives import (
     UNCOMBINED_BACKENDS,
     all_gather_tree,
     packs_by_default,

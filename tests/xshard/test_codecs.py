@@ -1,5 +1,6 @@
-"""xshard.codecs and xshard.compressed on 8 simulated CPU devices, mesh (slice, data) = (2, 4):
-error bounds, shared scales, exact round trips, the compressed all-reduce and error feedback."""
+"""xshard.reduce.codecs and xshard.reduce.compressed on 8 simulated CPU devices, mesh (slice, data)
+= (2, 4): error bounds, shared scales, exact round trips, the compressed all-reduce and error
+feedback."""
 
 import re
 
@@ -15,9 +16,9 @@ from tests.cross_shard_helpers import (
     make_slice_mesh,
     per_replica,
 )
-from xshard.axis_rules import CODEC_NAMES
-from xshard.codecs import CODECS, block_absmax, get_codec
-from xshard.compressed import (
+from xshard.config.axes import CODEC_NAMES
+from xshard.reduce.codecs import CODECS, block_absmax, get_codec
+from xshard.reduce.compressed import (
     bytes_sent,
     compressed_all_reduce,
     flatten,

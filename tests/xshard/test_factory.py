@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 import xshard
 from xshard import ConfigError
-from xshard.optimizer import CrossShardState
+from xshard.optim.cross_shard import CrossShardState
 
 
 def make_cfg(**sections):
@@ -227,7 +227,7 @@ def test_no_bias_no_norm_mask():
         "embed": jnp.ones((5, 3)),
         "scalar": jnp.ones(()),
     }
-    mask = xshard.masks.no_bias_no_norm(params)
+    mask = xshard.optim.masks.no_bias_no_norm(params)
     assert mask == {
         "dense": {"kernel": True, "bias": False},
         "layer_norm": {"scale": False, "kernel_2d": False},
@@ -293,7 +293,7 @@ def test_user_mask_by_dotted_path(user_module):
 
 
 def test_resolve_target_prefix_is_a_module_boundary():
-    from xshard.targets import is_allowed
+    from xshard.config.targets import is_allowed
 
     assert is_allowed("optax.adamw", ("optax.",))
     assert not is_allowed("optaxevil.adamw", ("optax.",))
@@ -383,7 +383,9 @@ def test_reduction_defaults_are_cross_shards():
 
     state = xshard.build_optimizer({"optimizer": OPT, "reduction": {}}).init({"w": jnp.ones(2)})
     assert isinstance(xshard.inner_state(state), tuple)
-    conf = xshard.factory._reduction(OmegaConf.create({"reduction": {}, "mesh": {"axes": ["d"]}}))
+    conf = xshard.optim.factory._reduction(
+        OmegaConf.create({"reduction": {}, "mesh": {"axes": ["d"]}})
+    )
     assert conf == ReductionConf(mode="mean", axis_name=("d",))
 
 

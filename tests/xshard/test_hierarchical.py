@@ -1,5 +1,5 @@
-"""xshard.hierarchical on 8 simulated CPU devices, mesh (slice, data) = (2, 4): each device of a
-slice reduces its share over `slice`, then the shares are gathered over `data`."""
+"""xshard.reduce.hierarchical on 8 simulated CPU devices, mesh (slice, data) = (2, 4): each device
+of a slice reduces its share over `slice`, then the shares are gathered over `data`."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.axis_traffic import collectives_by_axis
 from tests.cross_shard_helpers import make_slice_mesh
-from xshard.hierarchical import hierarchical_all_reduce, share_size, slow_bytes_sent
+from xshard.reduce.hierarchical import hierarchical_all_reduce, share_size, slow_bytes_sent
 
 SHAPES = {"w": (37, 5), "b": (11,)}  # 196 elements: shares of 49, not a multiple of anything
 SIZE = sum(int(np.prod(s)) for s in SHAPES.values())

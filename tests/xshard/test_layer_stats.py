@@ -1,4 +1,4 @@
-"""xshard.layer_stats on 8 simulated CPU devices: statistics of a tensor that every shard holds,
+"""xshard.stats.layers on 8 simulated CPU devices: statistics of a tensor that every shard holds,
 split over the shards, equal those computed whole, and both match NumPy."""
 
 import jax
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from xshard.layer_stats import Histograms, leaf_histograms
-from xshard.stats import leaf_sq_norms
+from xshard.stats.layers import Histograms, leaf_histograms
+from xshard.stats.tree import leaf_sq_norms
 
 BINS = 16
 

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 import xshard
 from tests.mesh_helpers import NUM_DEVICES, TPU_DEVICES, _run, presets
-from xshard.mesh import (
+from xshard.mesh.build import (
     MeshConfigError,
     build_mesh,
     check_axis_names,
@@ -33,7 +33,7 @@ from xshard.mesh import (
     data_parallel_size,
     mesh_shape,
 )
-from xshard.mesh_spec import mesh_spec
+from xshard.mesh.spec import mesh_spec
 
 
 def _expect(cfg: dict, shape: tuple[int, ...], names: tuple[str, ...], n: int | None) -> None:
@@ -96,7 +96,7 @@ def test_cpu_presets_shapes():
 _SUBPROCESS = textwrap.dedent(
     """
     import json, sys
-    from xshard.mesh import backends_initialized, build_mesh, configure_devices
+    from xshard.mesh.build import backends_initialized, build_mesh, configure_devices
     assert not backends_initialized()
     out = {}
     for name, cfg in json.loads(sys.argv[1]).items():

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from tests.mesh_helpers import NUM_DEVICES, _run, presets
-from xshard.mesh import (
+from xshard.mesh.build import (
     MeshConfigError,
     backends_initialized,
     build_mesh,
@@ -117,7 +117,7 @@ def test_configure_devices_in_a_multirun_like_process():
         """
         import sys
         import jax.numpy as jnp
-        from xshard.mesh import MeshConfigError, build_mesh, configure_devices
+        from xshard.mesh.build import MeshConfigError, build_mesh, configure_devices
         cpu8 = dict(name="cpu8", num_devices=8, simulate_on_cpu=True)
         assert configure_devices(cpu8) == 8
         build_mesh(cpu8); jnp.ones(3).block_until_ready()

@@ -1,5 +1,5 @@
 """optimizer=muon's rule of which parameters Muon orthogonalises (``optimizer.muon_mask``,
-xshard/muon_masks.py) on the built-in tasks' real params, and in the real optax.contrib.muon
+xshard/optim/muon_masks.py) on the built-in tasks' real params, and in the real optax.contrib.muon
 state the composed option builds: hidden matrices to Muon, the rest to its Adam fallback."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import xshard
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
 from xshard import ConfigError
-from xshard.muon_masks import hidden_matrices
-from xshard.slots import find_states
-from xshard.stats import path_str
+from xshard.optim.muon_masks import hidden_matrices
+from xshard.optim.slots import find_states
+from xshard.stats.tree import path_str
 
 GPT_BATCH = {"inputs": np.zeros((2, 16), np.int32), "targets": np.zeros((2, 16), np.int32)}
 MLP_BATCH = {"x": np.zeros((2, 16), np.float32), "y": np.zeros((2, 4), np.float32)}

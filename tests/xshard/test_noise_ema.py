@@ -8,7 +8,7 @@ fixed w = w* + delta. The per-example gradient is g = x (x.delta - e), so
 
 and B_simple = tr(Sigma) / |G|^2 = (d + 1) + d s^2 / |delta|^2. Each step draws a global batch
 split over shards, takes the per-shard and the mean gradient norms (what the trainer measures),
-turns them into the unbiased single-step estimates with `xshard.stats.noise_scale`, and feeds
+turns them into the unbiased single-step estimates with `xshard.stats.tree.noise_scale`, and feeds
 those to the trainer's `NoiseScaleEMA`.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from trainers.hooks.noise_ema import NoiseScaleEMA
-from xshard.stats import noise_scale
+from xshard.stats.tree import noise_scale
 
 D, SHARDS, PER_SHARD = 16, 8, 4
 SIGMA = 2.0

@@ -1,5 +1,5 @@
-"""optimizer=schedule_free_adamw's rules (xshard/schedule_free.py): a decaying schedule and b1=0
-refused, a constant or warmup-only one accepted; `eval_params` finds the schedule-free state
+"""optimizer=schedule_free_adamw's rules (xshard/optim/schedule_free.py): a decaying schedule and
+b1=0 refused, a constant or warmup-only one accepted; `eval_params` finds the schedule-free state
 inside the built `cross_shard` optimizer."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 
 import xshard
 from xshard import ConfigError
-from xshard.schedule_free import eval_params
+from xshard.optim.schedule_free import eval_params
 
 PARAMS = {"w": jnp.ones((4, 4)), "b": jnp.zeros((4,))}
 
@@ -73,7 +73,7 @@ def test_eval_params_of_the_built_optimizer_are_schedule_free_eval_params():
         grads = jax.tree.map(lambda x, i=i: jnp.full_like(x, 1.0 + i), params)
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
-    (sf,) = xshard.slots.find_states(state, optax.contrib.ScheduleFreeState)
+    (sf,) = xshard.optim.slots.find_states(state, optax.contrib.ScheduleFreeState)
     want = optax.contrib.schedule_free_eval_params(sf, params)
     got = eval_params(state, params)
     for a, b, raw in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(params)):

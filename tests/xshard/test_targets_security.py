@@ -28,8 +28,13 @@ from trainers.app.allowlist import (
     installed_entries,
     primary_config_entries,
 )
+from xshard.config.targets import (
+    DEFAULT_ALLOWED_TARGETS,
+    allowed_prefixes,
+    is_allowed,
+    resolve_target,
+)
 from xshard.errors import ConfigError
-from xshard.targets import DEFAULT_ALLOWED_TARGETS, allowed_prefixes, is_allowed, resolve_target
 
 #: The defaults, and the whole packages (what a user who lists them in allowed_targets gets).
 ALLOWLISTS = {
@@ -119,7 +124,7 @@ def test_no_path_through_the_allowed_packages_reaches_a_foreign_callable(allowed
 EXPLOITS = {
     "trainers.app.preflight.os.system": "is the module 'os'",
     "trainers.checkpoint.resume.shutil.rmtree": "is the module 'shutil'",
-    "xshard.targets.importlib.import_module": "is the module 'importlib'",
+    "xshard.config.targets.importlib.import_module": "is the module 'importlib'",
     "trainers.tasks.mlp.np.save": "is the module 'numpy'",
     "trainers.train.__builtins__": "'__builtins__' is a private name",
     "trainers.tasks.mlp.MLPTask.__init__.__globals__": "'__init__' is a private name",
@@ -153,8 +158,8 @@ def test_builtins_and_foreign_modules_are_refused_by_name():
 
 
 def test_reexport_of_a_project_function_outside_the_defaults_is_refused():
-    # trainers.tasks.sharding imports path_str from xshard.stats: allowed by name, not by home.
-    with pytest.raises(ConfigError, match="'xshard.stats.path_str', defined outside"):
+    # trainers.tasks.sharding imports path_str from xshard.stats.tree: allowed by name, not by home.
+    with pytest.raises(ConfigError, match="'xshard.stats.tree.path_str', defined outside"):
         resolve_target("trainers.tasks.sharding.path_str")
     assert resolve_target("trainers.tasks.sharding.path_str", ALLOWLISTS["whole_packages"])
 

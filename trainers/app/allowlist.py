@@ -1,6 +1,6 @@
 """Who may widen the ``_target_`` allowlist: sources no copied config file can write.
 
-`xshard.targets` decides what a ``_target_`` may resolve to, given the allowed entries; the
+`xshard.config.targets` decides what a ``_target_`` may resolve to, given the allowed entries; the
 config key ``allowed_targets`` adds entries. Config files are copied between repos, so an entry
 that reaches the composed config from one of them (``allowed_targets: [os.]`` in
 ``experiment/evil.yaml``) is refused. In the Hydra app, an entry counts only if it comes from:
@@ -39,8 +39,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainers.config.cli_args import argv_overrides
 from xshard.config.sections import section
+from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
 from xshard.errors import ConfigError
-from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
 
 log = logging.getLogger("trainers.app.allowlist")
 
@@ -240,7 +240,7 @@ def add_trusted_entries(cfg: DictConfig) -> None:
     packages to `cfg`.
 
     After this, ``cfg.allowed_targets`` is the run's whole list of extra entries, which every
-    builder reads (`xshard.factory`, `trainers.app.build`). The command line adds to the
+    builder reads (`xshard.optim.factory`, `trainers.app.build`). The command line adds to the
     primary config's list: ``+allowed_targets=[other.]`` (what the allowlist error suggests)
     keeps the primary config's entries, although Hydra's override replaced them.
     """

@@ -87,8 +87,8 @@ class RunParts:
 
     task: Task
     hooks: list[Any]  # the user's, from trainer.hooks
-    tx: Any  # the cross-shard optimizer (`xshard.optimizer.CrossShardTransformation`)
-    spec: Any  # its `xshard.optimizer.CrossShardSpec` (``tx.spec``)
+    tx: Any  # the cross-shard optimizer (`xshard.optim.cross_shard.CrossShardTransformation`)
+    spec: Any  # its `xshard.optim.cross_shard.CrossShardSpec` (``tx.spec``)
     trainer: Any  # a `trainers.Trainer`
 
 
@@ -107,15 +107,14 @@ def build_run(
     from trainers.core.precision import Precision
     from trainers.core.step_tx import periodic_inner_axes
     from trainers.core.trainer import Trainer
-    from xshard.axis_factory import periodic_axis
-    from xshard.factory import build_axis_rules, build_optimizer
+    from xshard.optim.factory import build_optimizer_with_rules
 
     opts, precision = options.trainer, options.precision
     task = build_task(cfg)
     check_task_remat(task, opts.remat, cfg.task.get("name", "task"))
     hooks = build_hooks(opts.hooks, allowed_targets(cfg))
-    tx = build_optimizer(cfg, mesh=mesh)
-    periodic = periodic_axis(build_axis_rules(cfg, mesh=mesh))
+    built = build_optimizer_with_rules(cfg, mesh=mesh)  # reads `reduction` once
+    tx, periodic = built.tx, built.periodic
     check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
     trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
         task,
@@ -137,7 +136,7 @@ def build_task(cfg: DictConfig) -> Task:
     """Instantiates ``cfg.task`` after checking every ``_target_`` in it against the allowlist.
 
     Nested ``_target_`` nodes (a Flax task's ``model`` and ``data``) are built too, bottom-up
-    (`xshard.targets.instantiate_nested`); each of them is checked by name before anything is
+    (`xshard.config.targets.instantiate_nested`); each of them is checked by name before anything is
     imported, so a config cannot make the run import or call anything outside the allowlist
     (``trainers.tasks.*`` and ``allowed_targets``).
 
@@ -146,8 +145,8 @@ def build_task(cfg: DictConfig) -> Task:
         the task rejects.
     """
     from xshard.config.sections import mapping, section
+    from xshard.config.targets import instantiate_nested
     from xshard.errors import ConfigError
-    from xshard.targets import instantiate_nested
 
     node = mapping(section(cfg, "task", required=True), "task")
     if node.get("_target_") is None:
@@ -196,8 +195,8 @@ def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:
     """
     from trainers.core.trainer import Hook
     from xshard.config.sections import mapping
+    from xshard.config.targets import instantiate
     from xshard.errors import ConfigError
-    from xshard.targets import instantiate
 
     hooks = []
     for i, node in enumerate(nodes):
@@ -215,7 +214,7 @@ def build_hooks(nodes: list[Any], allowed: tuple[str, ...]) -> list[Any]:
 def allowed_targets(cfg: DictConfig) -> tuple[str, ...]:
     """The run's `_target_` allowlist: the defaults plus the config's ``allowed_targets``."""
     from xshard.config.sections import section
-    from xshard.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
+    from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes
 
     return allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
 

@@ -137,7 +137,7 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
     from jax.sharding import AxisType, Mesh
 
     from trainers.core.periodic import outer_params
-    from xshard.mesh_spec import data_axes as mesh_data_axes
+    from xshard.mesh.spec import data_axes as mesh_data_axes
 
     path = checked_run_dir(run_dir)
     cfg = read_run_config(path, overrides)
@@ -154,10 +154,10 @@ def load(run_dir: str | Path, step: int | None = None, overrides: Sequence[str] 
 
 def flat_params(params: Any) -> dict[str, np.ndarray]:
     """``{parameter path: array}``, the paths as sharding rules match them
-    (``blocks/0/attn/wq``, `xshard.stats.path_str`)."""
+    (``blocks/0/attn/wq``, `xshard.stats.tree.path_str`)."""
     import jax
 
-    from xshard.stats import path_str
+    from xshard.stats.tree import path_str
 
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     return {path_str(p): np.asarray(jax.device_get(x)) for p, x in leaves}
@@ -205,8 +205,8 @@ def evaluate_checkpoint(
     from trainers.app.build import read_options
     from trainers.hooks.evaluation import build_evaluator
     from trainers.rundir.links import write_file
-    from xshard.mesh import build_mesh, configure_devices
-    from xshard.mesh_spec import data_axes as mesh_data_axes
+    from xshard.mesh.build import build_mesh, configure_devices
+    from xshard.mesh.spec import data_axes as mesh_data_axes
 
     path = checked_run_dir(run_dir)
     cfg = read_run_config(path, overrides)

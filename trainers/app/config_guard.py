@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from trainers.app.trust import ComposedFile, at_root, refusals
 from trainers.errors import UntrustedConfigError
-from xshard.targets import ALLOWED_TARGETS_KEY
+from xshard.config.targets import ALLOWED_TARGETS_KEY
 
 #: Config sources whose files come with installed packages, and so are trusted.
 TRUSTED_SCHEMES = ("pkg", "structured")

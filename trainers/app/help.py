@@ -57,7 +57,7 @@ def _exit_codes() -> str:
 
 def help_text() -> str:
     """The app's help (Hydra's ``$FLAGS_HELP`` is appended by the template)."""
-    from xshard.targets import DEFAULT_ALLOWED_TARGETS
+    from xshard.config.targets import DEFAULT_ALLOWED_TARGETS
 
     allowed = ", ".join(DEFAULT_ALLOWED_TARGETS)
     return (

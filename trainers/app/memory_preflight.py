@@ -37,8 +37,8 @@ from trainers.app.preflight import human_bytes
 from trainers.core.hook import Hook
 from trainers.core.zero import bytes_per_device
 from xshard.errors import ConfigError
-from xshard.simulated_devices import address_space_in_use
-from xshard.stats import path_str
+from xshard.mesh.simulated import address_space_in_use
+from xshard.stats.tree import path_str
 
 if TYPE_CHECKING:
     from trainers.tasks.base import Task

@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainers.errors import UntrustedConfigError
 from trainers.rundir.user_paths import user_path
+from xshard.config.targets import ALLOWED_TARGETS_KEY
 from xshard.errors import ConfigError
-from xshard.targets import ALLOWED_TARGETS_KEY
 
 #: The saved config of a run, relative to its dir (Hydra's ``hydra.output_subdir``).
 CONFIG_FILE = Path(".hydra") / "config.yaml"

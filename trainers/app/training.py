@@ -112,8 +112,8 @@ def place(cfg: DictConfig, options: RunOptions) -> Placement:
     from trainers.cluster.run_dirs import share_run_dirs
     from trainers.cluster.same_config import check_same_config
     from trainers.config.plain import flat_config
-    from xshard.mesh import build_mesh, check_batch_divisible, configure_devices
-    from xshard.mesh_spec import data_axes as mesh_data_axes
+    from xshard.mesh.build import build_mesh, check_batch_divisible, configure_devices
+    from xshard.mesh.spec import data_axes as mesh_data_axes
 
     cluster = join_cluster(options.distributed)
     dirs = share_run_dirs(options.paths, cluster)  # process 0's dirs; only it keeps train.log
@@ -263,7 +263,7 @@ def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: R
     from trainers.app.memory_preflight import check_state_memory, example_shapes
     from trainers.app.preflight import check_batch_fits
     from xshard.errors import ConfigError
-    from xshard.mesh import data_parallel_size
+    from xshard.mesh.build import data_parallel_size
 
     task, opts, seed = parts.task, options.trainer, options.seed
     shards = data_parallel_size(where.mesh, where.data_axes)

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from trainers.config.schemas import LOCATION_KEYS
 from xshard.config.nodes import shown
-from xshard.targets import ALLOWED_TARGETS_KEY
+from xshard.config.targets import ALLOWED_TARGETS_KEY
 
 #: The ``hydra`` keys a file that is not trusted may set: a sweep's search space.
 SWEEP_PARAMS = "hydra.sweeper.params"

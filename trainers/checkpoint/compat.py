@@ -16,7 +16,7 @@ from typing import Any
 from trainers.checkpoint.hook import FORMAT
 from trainers.config.schemas import LOCATION_KEYS
 from trainers.errors import CheckpointError, CorruptCheckpointError
-from xshard.targets import ALLOWED_TARGETS_KEY
+from xshard.config.targets import ALLOWED_TARGETS_KEY
 
 logger = logging.getLogger(__name__)
 

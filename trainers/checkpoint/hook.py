@@ -54,7 +54,7 @@ from trainers.config import CheckpointOptions
 from trainers.core.model_state import saved_tree
 from trainers.core.trainer import Hook, TrainState
 from trainers.errors import CheckpointWriteError, NonFiniteError
-from xshard.slots import inner_state
+from xshard.optim.slots import inner_state
 
 logger = logging.getLogger(__name__)
 

@@ -177,7 +177,7 @@ def join_cluster(opts: DistributedOptions) -> Cluster:
     """Forms the cluster (``distributed.enabled=true``) and starts the peer watchdog.
 
     Call before any JAX computation: it does not initialise JAX's backends, so the devices
-    can still be configured afterwards (`xshard.mesh.configure_devices`).
+    can still be configured afterwards (`xshard.mesh.build.configure_devices`).
 
     Args:
       opts: the ``distributed`` config node.

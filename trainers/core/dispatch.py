@@ -30,8 +30,8 @@ from trainers.core.step_levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step_types import TrainState, TrainStep
 from trainers.core.stop_vote import STOP_VOTE_KEY
 from xshard.errors import ConfigError
-from xshard.layer_stats import leaf_names
-from xshard.reduce import PerShardGradientsRequired
+from xshard.reduce.gradients import PerShardGradientsRequired
+from xshard.stats.layers import leaf_names
 
 
 class StepDispatch(Placement):
@@ -216,7 +216,7 @@ class StepDispatch(Placement):
     ) -> tuple[TrainState, StepMetrics]:
         """After update `step`: the periodic axis's program due, if any
         (`trainers.core.periodic_programs`): the switch from the warm-up after step
-        ``warmup_steps``, or the sync of a fragment (`xshard.periodic.due_fragment`), whose
+        ``warmup_steps``, or the sync of a fragment (`xshard.reduce.periodic.due_fragment`), whose
         statistics join the step's metrics; else `state` and `metrics` as they are. Donates
         `state` when a program runs. Each program is compiled when first needed.
         """

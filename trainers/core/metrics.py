@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xshard.clipping import GlobalClipState
-from xshard.layer_stats import Histograms, as_diagnostics
-from xshard.optimizer import CrossShardState
-from xshard.reduce import PerShardClipState
-from xshard.shard_stats import ShardStats
-from xshard.slots import find_states, get_hyperparams
-from xshard.stats import noise_scale
+from xshard.optim.cross_shard import CrossShardState
+from xshard.optim.slots import find_states, get_hyperparams
+from xshard.reduce.clipping import GlobalClipState
+from xshard.reduce.gradients import PerShardClipState
+from xshard.stats.layers import Histograms, as_diagnostics
+from xshard.stats.shards import ShardStats
+from xshard.stats.tree import noise_scale
 
 #: The tag of the run's compile time so far, in the metrics of each step that compiled a
 #: program (`trainers.core.trainer.Trainer` compiles each when a step first needs it).
@@ -58,7 +58,7 @@ class StepMetrics(Mapping[str, float]):
       hidden: names not computed on this step (statistics on a plain step).
       diag: on steps that log per-layer statistics, their shapes in `values` after the
         metrics (`pack_diagnostics`): ``grad_norms`` and ``param_norms`` (per leaf) and, on
-        histogram steps, ``grad_hist`` (`xshard.layer_stats.Histograms`' table); None on
+        histogram steps, ``grad_hist`` (`xshard.stats.layers.Histograms`' table); None on
         other steps.
       diag_names: the leaf names of the rows of the per-layer statistics.
       histograms: whether they hold gradient histograms.

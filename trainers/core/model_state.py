@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from xshard.vma import varying_axes
+from xshard.mesh.vma import varying_axes
 
 ModelState = Any
 InitFn = Callable[[jax.Array, Any], tuple[Any, ModelState]]

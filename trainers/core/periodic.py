@@ -4,7 +4,7 @@
 own params, so every replica array — params, the inner optimizer's state, the error-feedback
 residuals — has a **leading dimension of S sharded over the axis**: ``P(axis, *spec)`` where
 ``spec`` is the array's sharding within a replica (the task's model-axis rules, and with ZeRO
-the inner data axes). The outer state (`xshard.periodic.OuterState`: outer params and the
+the inner data axes). The outer state (`xshard.reduce.periodic.OuterState`: outer params and the
 outer optimizer's state) has no such dimension: it is the same on every replica, sharded like
 the params within a replica (over the inner data axes too with ZeRO stage >= 1). Why a leading
 dimension rather than arrays that are merely "varying" over the axis: a global ``jax.Array``
@@ -21,11 +21,11 @@ sharding constraints live inside. Nothing in it crosses the periodic axis: its m
 out per replica (a row each) and the host averages them (`trainers.core.metrics`). Only with
 several processes does the stop vote (one int) cross it.
 
-**The sync program** (one per fragment) is `xshard.periodic.sync_fragment` inside a
+**The sync program** (one per fragment) is `xshard.reduce.periodic.sync_fragment` inside a
 ``shard_map`` manual over the axis: one all-reduce over the axis per device, of its
 ``1 / F`` share of the pseudo-gradient (F: the devices of a replica, over `inner_axes`), then
-an all-gather of the shares within the replica (`xshard.hierarchical`). Two compiled programs,
-not a traced branch: the HLO of each shows what crosses the axis.
+an all-gather of the shares within the replica (`xshard.reduce.hierarchical`). Two compiled
+programs, not a traced branch: the HLO of each shows what crosses the axis.
 
 The inner optimizer's state stays per replica across syncs (DiLoCo keeps each worker's AdamW
 state); only the params restart from the outer params.
@@ -44,14 +44,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.step import TrainState
-from xshard.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
-from xshard.hierarchical import residual_spec
-from xshard.optimizer import CrossShardTransformation, over_axes
-from xshard.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
-from xshard.schedule_free import eval_params
+from xshard.optim.cross_shard import CrossShardTransformation, over_axes
+from xshard.optim.schedule_free import eval_params
+from xshard.reduce.hierarchical import residual_spec
+from xshard.reduce.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
 
-#: The TensorBoard tags of a sync step, by `xshard.periodic.SyncStats` field.
+#: The TensorBoard tags of a sync step, by `xshard.reduce.periodic.SyncStats` field.
 SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
 BYTES_TAG = "comm/{axis}/bytes_per_step"
 
@@ -94,7 +94,7 @@ class Periodic:
         self, tx: CrossShardTransformation, grad_impl: str, zero_stage: int
     ) -> CrossShardTransformation:
         """The optimizer of the warm-up steps: `tx` reducing over the periodic axis too
-        (`xshard.optimizer.over_axes`), so that a warm-up step is the synchronous step of
+        (`xshard.optim.cross_shard.over_axes`), so that a warm-up step is the synchronous step of
         ``reduction=mean`` over every data axis, and the replicas stay equal.
 
         Raises:
@@ -164,7 +164,7 @@ class Periodic:
 
     def groups(self, params: Any) -> tuple[tuple[int, ...], ...]:
         """The parameter leaves (flatten order) of each fragment."""
-        from xshard.periodic import fragment_leaves
+        from xshard.reduce.periodic import fragment_leaves
 
         sizes = [int(np.prod(np.shape(x))) for x in jax.tree.leaves(params)]
         return fragment_leaves(sizes, self.rule.fragments)
@@ -283,7 +283,7 @@ def _replace_at(items: tuple, i: int, value: Any) -> tuple:
 def outer_params(state: TrainState) -> Any:
     """The params to evaluate, load and export (the one place they are taken from a state):
     the outer params of a periodic run (the last synced), else the params; for a
-    schedule-free optimizer its evaluation params (`xshard.schedule_free.eval_params`)."""
+    schedule-free optimizer its evaluation params (`xshard.optim.schedule_free.eval_params`)."""
     if state.outer is None:
         return eval_params(state.opt_state, state.params)
     leaves, treedef = jax.tree.flatten(_squeeze_struct(state.params))
@@ -300,7 +300,7 @@ def _squeeze_struct(tree: Any) -> Any:
 
 
 def _groups_of(outer: OuterState) -> list[range]:
-    """The leaf indices of each fragment: contiguous, in order (`xshard.periodic`)."""
+    """The leaf indices of each fragment: contiguous, in order (`xshard.reduce.periodic`)."""
     out, start = [], 0
     for frag in outer.params:
         out.append(range(start, start + len(frag)))

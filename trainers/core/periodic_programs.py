@@ -1,7 +1,7 @@
 """The programs a periodic axis adds to a run's step programs (`trainers.core.periodic`):
 one sync program per fragment and the switch from the warm-up, each compiled when a step first
 needs it (as the step programs are: `trainers.core.trainer.Trainer`), then dispatched after
-the updates that call for it (`xshard.periodic.due_fragment`)."""
+the updates that call for it (`xshard.reduce.periodic.due_fragment`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from trainers.core.periodic import BYTES_TAG, Periodic
 from trainers.core.step import TrainState
 from trainers.core.zero import ZeroLayout
 from xshard.errors import ConfigError
-from xshard.periodic import due_fragment
+from xshard.reduce.periodic import due_fragment
 
 
 class AfterStep(NamedTuple):

@@ -22,8 +22,8 @@ from trainers.core.precision import Precision
 from trainers.core.step_tx import refuse_nested_cross_shard
 from trainers.core.step_types import StepSpec, TrainState
 from trainers.core.zero import ZeroLayout
-from xshard.axis_reduce import state_partition_specs
-from xshard.optimizer import CrossShardTransformation
+from xshard.optim.cross_shard import CrossShardTransformation
+from xshard.reduce.axes import state_partition_specs
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
@@ -135,7 +135,7 @@ class Placement:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
         hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`.
-        The error-feedback residuals of the axis rules (`xshard.axis_reduce`) are sharded over
+        The error-feedback residuals of the axis rules (`xshard.reduce.axes`) are sharded over
         their axis, a row per replica. Call it with the mesh in context (``jax.set_mesh``)."""
         shardings = self.layout.opt_state_shardings(
             self.tx, params, self.layout.base_shardings(params)

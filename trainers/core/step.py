@@ -18,7 +18,7 @@ program per level its run meets (one program for several levels, the differences
 `lax.cond`, was measured slower on every step: docs/benchmarks.md).
 
 There is one update path: the optimizer is a `cross_shard` (`Trainer` wraps a plain optax
-one), whose phases (`xshard.optimizer.CrossShardPhases`) the step runs: ``reduce`` where the
+one), whose phases (`xshard.optim.cross_shard.CrossShardPhases`) the step runs: ``reduce`` where the
 per-shard gradients are, ``apply`` (the guard, the inner update and its addition to the params,
 in one branch) after it.
 
@@ -55,10 +55,10 @@ from trainers.core.step_levels import (
 from trainers.core.step_types import StepResult, StepSpec, TrainState, TrainStep, step_rng
 from trainers.core.zero import ZeroLayout
 from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
-from xshard.axis_reduce import state_partition_specs
 from xshard.errors import ConfigError
-from xshard.optimizer import Applied, CrossShardTransformation, LocalReduction
-from xshard.stats import leaf_sq_norms
+from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
+from xshard.reduce.axes import state_partition_specs
+from xshard.stats.tree import leaf_sq_norms
 
 __all__ = [
     "HISTOGRAMS",
@@ -136,7 +136,7 @@ def make_train_step(
       NaN below level 1, and `TrainStep.stats_keys` (filled when the step is traced) names
       them. `diag` (from level 2) holds the per-layer statistics: ``grad_norms`` (the applied
       gradient's per-leaf norms), ``param_norms`` (the new params') and, at level 3,
-      ``grad_hist`` (`xshard.layer_stats.Histograms`).
+      ``grad_hist`` (`xshard.stats.layers.Histograms`).
 
     Raises:
       ConfigError: for a `spec.grad_impl` that is not allowed.

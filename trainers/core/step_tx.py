@@ -12,33 +12,24 @@ from jax.sharding import Mesh
 
 from trainers.core.periodic import Periodic
 from trainers.core.step import StepSpec
-from xshard.axis_rules import AxisRule
+from xshard.config.axes import AxisRule, inner_data_axes
+from xshard.config.reduction import Reduction
 from xshard.errors import ConfigError
-from xshard.mesh import check_batch_divisible
-from xshard.optimizer import CrossShardTransformation, cross_shard
-from xshard.reduction_mode import Reduction
-from xshard.slots import has_cross_shard_state
+from xshard.mesh.build import check_batch_divisible
+from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
+from xshard.optim.slots import has_cross_shard_state
 
 
 def periodic_inner_axes(
     data_axes: tuple[str, ...], periodic: tuple[str, AxisRule] | None
 ) -> tuple[str, ...]:
-    """The data axes a step reduces over: all of them, but a periodic one.
+    """The data axes a step reduces over: all of them, but a periodic one
+    (`xshard.config.axes.inner_data_axes`).
 
     Raises:
       ConfigError: for a periodic axis that is not a data axis, or the only one.
     """
-    if periodic is None:
-        return data_axes
-    axis, _ = periodic
-    inner = tuple(a for a in data_axes if a != axis)
-    if axis not in data_axes or not inner:
-        raise ConfigError(
-            f"reduction.axes.{axis}: a periodic axis must be one of the data axes and not the "
-            f"only one (mesh.data_axes={list(data_axes)}): each replica reduces its gradient "
-            "over the others every step."
-        )
-    return inner
+    return inner_data_axes(data_axes, None if periodic is None else periodic[0])
 
 
 def step_spec(

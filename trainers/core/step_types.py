@@ -23,7 +23,7 @@ class TrainState(NamedTuple):
     #: ``{}`` for a plain task (`trainers.core.model_state`).
     model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
     #: With a periodic mesh axis (local SGD, DiLoCo): the outer params and optimizer state
-    #: (`xshard.periodic.OuterState`, `trainers.core.periodic`); None otherwise.
+    #: (`xshard.reduce.periodic.OuterState`, `trainers.core.periodic`); None otherwise.
     outer: Any = None
 
 

@@ -33,8 +33,8 @@ from trainers.core.step_tx import as_cross_shard, periodic_inner_axes, step_spec
 from trainers.core.step_types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
-from xshard.axis_rules import AxisRule
-from xshard.reduction_mode import Reduction
+from xshard.config.axes import AxisRule
+from xshard.config.reduction import Reduction
 
 __all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
 
@@ -47,7 +47,7 @@ class Trainer(StepDispatch):
     Args:
       task: a `trainers.tasks.base.Task`.
       tx: the optimizer, normally from `xshard.build_optimizer` or `xshard.cross_shard` (a
-        `xshard.optimizer.CrossShardTransformation`, which reduces the gradients and records
+        `xshard.optim.cross_shard.CrossShardTransformation`, which reduces the gradients and records
         the statistics). A plain optax optimizer works too: the trainer wraps it once, in
         ``cross_shard(tx, reduction, axis_name=data_axes)``, and reports the same statistics,
         except the skip counters (it skips nothing). A transformation that holds a

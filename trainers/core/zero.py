@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 from optax.transforms import MaskedNode
 
 from trainers.tasks.sharding import param_specs
-from xshard.stats import path_str
+from xshard.stats.tree import path_str
 
 
 def _used_axes(spec: P) -> set[str]:

@@ -4,8 +4,8 @@ sharding constraints that make GSPMD run the optimizer on each device's slice.
 * ``grad_impl=manual``: the shard_map computes each shard's gradient and runs the first phase
   of the cross-shard optimizer there (per-shard clip, local statistics, the reduction: an
   all-reduce at stage 1, at stages 2 and 3 one reduce-scatter per dtype,
-  `xshard.CrossShardPhases`, `xshard.buckets`); the second phase (summary, non-finite guard,
-  inner optimizer) runs outside it, under GSPMD, on the slices. Microbatches accumulate
+  `xshard.CrossShardPhases`, `xshard.mesh.collectives`); the second phase (summary, non-finite
+  guard, inner optimizer) runs outside it, under GSPMD, on the slices. Microbatches accumulate
   locally and are reduced once.
 * ``grad_impl=gspmd``: the compiler reduces the gradient; constraining it to the sharded layout
   asks for a reduce-scatter (stages 2 and 3), or an all-reduce then a slice (stage 1).
@@ -27,9 +27,9 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.zero import ZeroLayout
-from xshard.axis_reduce import state_partition_specs
-from xshard.buckets import all_gather_tree
-from xshard.optimizer import LocalReduction
+from xshard.mesh.collectives import all_gather_tree
+from xshard.optim.cross_shard import LocalReduction
+from xshard.reduce.axes import state_partition_specs
 
 
 def _is_none(x: Any) -> bool:
@@ -68,8 +68,8 @@ def data_spec(dim: int | None, axes: tuple[str, ...]) -> P:
 
 def gather(layout: ZeroLayout, params: Any) -> Any:
     """`params`, sliced over the data axes by `layout`, all-gathered whole: one all-gather per
-    dtype (`xshard.buckets.all_gather_tree`: packed on CPU, combined by XLA elsewhere), not one
-    per parameter."""
+    dtype (`xshard.mesh.collectives.all_gather_tree`: packed on CPU, combined by XLA elsewhere), not
+    one per parameter."""
     dims = layout.data_dims(params, layout.base_shardings(params))
     specs = jax.tree.map(lambda d: data_spec(d, layout.axes), dims, is_leaf=_is_none)
     return jax.shard_map(
@@ -126,7 +126,7 @@ def manual_zero_step(
         one shard (params replicated, the gradient per shard, the new model state already
         reduced over the shards), run inside the shard_map.
       whole: reduce the gradient whole at every stage, as stage 1 does (the update's
-        constraints then slice it): for every-step axis rules (`xshard.axis_reduce`), which
+        constraints then slice it): for every-step axis rules (`xshard.reduce.axes`), which
         share their reduction out by their own shares, not by the ZeRO slices.
 
     Returns:

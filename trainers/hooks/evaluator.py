@@ -31,7 +31,7 @@ from trainers.data.padding import pad_rows, padding_like
 from trainers.hooks.eval_agreement import agreed_batches
 from trainers.hooks.eval_scoring import masked_sums, metrics_fn
 from xshard.errors import ConfigError
-from xshard.mesh import check_batch_divisible
+from xshard.mesh.build import check_batch_divisible
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import jax
 from trainers.data.batch import Batch
 from trainers.tasks.flax_common import FlaxTask
 from trainers.tasks.flax_state import manual_axes
-from xshard.stats import path_str
+from xshard.stats.tree import path_str
 
 
 class LinenTask(FlaxTask):

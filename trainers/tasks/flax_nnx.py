@@ -46,7 +46,7 @@ class NNXTask(FlaxTask):
       dtype, param_dtype, remat: passed to the model factory if it takes them (`FlaxTask`).
     """
 
-    #: ``task.model`` is passed as a factory (`xshard.targets.instantiate_nested`).
+    #: ``task.model`` is passed as a factory (`xshard.config.targets.instantiate_nested`).
     factory_args = ("model",)
 
     def __init__(

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from xshard.stats import path_str
+from xshard.stats.tree import path_str
 
 Rules = Sequence[tuple[str, PartitionSpec]]
 

@@ -1,6 +1,18 @@
-"""The ``reduction.axes.<axis name>`` schema: how one mesh axis reduces (`xshard.AxisRule`).
+"""How one mesh axis reduces (`AxisRule`), and its config node ``reduction.axes.<axis name>``.
 
-A node per axis, keyed by the mesh axis name::
+A synchronous mean over every data axis at every step is what XLA already does best. An
+`AxisRule` lets one named mesh axis (e.g. the DCN axis ``slice`` of a multi-slice mesh) choose
+otherwise:
+
+- **when**: ``every_steps`` and ``outer_optimizer`` make the axis *periodic* (local SGD,
+  DiLoCo): replicas over the axis train alone and a separate sync step reduces the
+  pseudo-gradient (outer params minus replica params) and applies the outer optax optimizer;
+- **how many bits**: ``comm_dtype`` names the codec of what crosses the axis, and
+  ``error_feedback`` keeps the codec's residual in state and adds it to the next message;
+- **by what rule**: ``rule`` is ``mean``, ``sum`` or ``adasum`` (None: the reduction's mode).
+
+In a config, a node per axis, keyed by the mesh axis name (`AxisReductionConf`, the fields of
+`AxisRule`)::
 
     reduction:
       axes:
@@ -11,74 +23,223 @@ A node per axis, keyed by the mesh axis name::
             learning_rate: 0.7
             momentum: 0.9
             nesterov: true
-          comm_dtype: int8     # the codec of what crosses the axis (xshard.axis_rules)
+          comm_dtype: int8     # the codec of what crosses the axis
           error_feedback: true # the codec's residual is kept and added to the next message
 
-Every rule that needs no mesh is checked here, once, when the node is read
-(`AxisReductionConf.check`); those that need the mesh (the axis exists, is a data axis, has a
-power-of-two size for Adasum) in `xshard.factory`, which also builds the outer optimizer. Each
-error is one line naming the key, the value and what is allowed. JAX-free, like every schema.
+Every rule that needs no mesh is written once, here (`check_rule`, `check_rules`), for
+`xshard.cross_shard(axes=...)` and the config alike, and checked when the node is read
+(`check_axes`); a periodic axis against the data axes in `inner_data_axes`. What needs the
+mesh (the axis exists, an Adasum axis has a power-of-two size) is checked in
+`xshard.optim.axis_factory`, which also builds the outer optimizer. Each error is one line
+naming the key, the value and what is allowed. JAX-free, like every schema: the codecs, Adasum
+and the periodic sync live in `xshard.reduce`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from xshard.axis_rules import check_rule, check_rules
 from xshard.config.nodes import shown
+from xshard.config.ranges import Range
 from xshard.errors import ConfigError
 
+# The codecs a rule may name (``comm_dtype``); xshard.reduce.codecs implements exactly these.
+CODEC_NAMES: tuple[str, ...] = ("float32", "bfloat16", "int8", "int4", "float8_e4m3fn")
+# The rules by which an axis combines what its replicas send.
+RULE_NAMES: tuple[str, ...] = ("mean", "sum", "adasum")
 
-@dataclass
-class AxisReductionConf:
-    """How one mesh axis reduces (the fields of `xshard.AxisRule`; docs/reductions.md).
 
-    A node with an ``outer_optimizer`` is *periodic* (local SGD, DiLoCo): replicas over the
-    axis train alone and every ``every_steps`` steps a sync step reduces the pseudo-gradient
-    (outer params minus replica params) and applies the outer optimizer. Without one the axis
-    reduces the gradient every step, by ``rule`` and in ``comm_dtype``.
+@dataclass(frozen=True)
+class AxisRule:
+    """How one mesh axis reduces: when, in how many bits, by what rule. The one declaration
+    of these fields: the config's node (`AxisReductionConf`) is a copy of it.
+
+    Attributes:
+      every_steps: steps between syncs of a periodic axis (1: every step).
+      outer_optimizer: the optax optimizer a periodic axis applies to the reduced
+        pseudo-gradient (None with ``every_steps == 1``: the axis reduces gradients every step).
+      comm_dtype: codec name of what crosses the axis (one of `CODEC_NAMES`), None for none.
+      error_feedback: keep the codec's residual in state and add it to the next message.
+      fragments: parameter fragments a periodic axis syncs on a staggered schedule.
+      rule: ``mean``, ``sum`` or ``adasum`` (one of `RULE_NAMES`); None: the reduction's mode.
+      warmup_steps: synchronous steps of a periodic axis before its replicas train alone
+        (PyTorch's ``start_localSGD_iter``): until then the gradient is reduced over the axis
+        every step too.
     """
 
-    every_steps: int = 1  # steps between syncs of a periodic axis
-    outer_optimizer: Any = None  # an optax `_target_` node; set: the axis is periodic
-    comm_dtype: str | None = None  # codec of what crosses the axis, one of CODEC_NAMES
-    error_feedback: bool = False  # keep the codec's residual and add it to the next message
-    fragments: int = 1  # Streaming DiLoCo: parameter fragments synced on a staggered schedule
-    rule: str | None = None  # mean, sum or adasum; null: the reduction's mode
-    warmup_steps: int = 0  # synchronous steps before the first local one (start_localSGD_iter)
+    every_steps: int = 1
+    outer_optimizer: Any = None
+    comm_dtype: str | None = None
+    error_feedback: bool = False
+    fragments: int = 1
+    rule: str | None = None
+    warmup_steps: int = 0
 
     @property
     def periodic(self) -> bool:
-        """Whether the axis syncs parameters in a separate step (it has an outer optimizer)."""
+        """Whether the axis syncs parameters in a separate step instead of reducing gradients
+        (it has an outer optimizer; `check_rule` refuses the periodic fields without one)."""
         return self.outer_optimizer is not None
 
-    def check(self, key: str) -> None:
-        """Checks the rules that need no mesh; `key` is the node's (``reduction.axes.slice``):
-        the outer optimizer is a node with a ``_target_``, and the rules `xshard.cross_shard`
-        checks too (`xshard.axis_rules.check_rule`, written once there).
 
-        Raises:
-          ConfigError: naming the first bad key, its value and what is allowed.
-        """
-        node = self.outer_optimizer
-        has_target = isinstance(node, dict) and isinstance(node.get("_target_"), str)
-        if node is not None and not has_target:
+#: The rules a periodic axis may reduce its pseudo-gradient by.
+PERIODIC_RULES: tuple[str, ...] = ("mean",)
+#: The fields only a periodic axis has, with the value that means "not periodic".
+_PERIODIC_ONLY = (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0))
+#: The integer fields and their ranges (bounded by the int32 step counter).
+_COUNTS = {
+    "every_steps": Range("the steps between syncs (1: every step)", 1, integer=True),
+    "fragments": Range("the parameter fragments synced in turn", 1, integer=True),
+    "warmup_steps": Range("the synchronous steps before the first local one", integer=True),
+}
+#: What the first ``outer_optimizer`` could be, for the messages.
+_AVERAGING = "{_target_: optax.sgd, learning_rate: 1.0} (parameter averaging)"
+
+
+def check_rule(rule: AxisRule, key: str) -> None:
+    """Checks one axis's rule on its own, for `xshard.cross_shard` (``axes.<axis>``) and the
+    config (``reduction.axes.<axis>``) alike: the one place these rules are written.
+
+    Args:
+      rule: the rule (or the config's node, whose ``outer_optimizer`` is still a node).
+      key: its name in the messages, e.g. ``reduction.axes.slice``.
+
+    Raises:
+      ConfigError: (a ValueError) naming ``<key>.<field>``, its value and what is allowed.
+    """
+    for name, count in _COUNTS.items():
+        count.check(getattr(rule, name), f"{key}.{name}")
+    if rule.fragments > rule.every_steps:
+        raise ConfigError(
+            f"{key}.fragments={rule.fragments}: expected at most {key}.every_steps="
+            f"{rule.every_steps} (each fragment syncs once per period, on its own step)."
+        )
+    if rule.comm_dtype is not None and rule.comm_dtype not in CODEC_NAMES:
+        raise ConfigError(
+            f"{key}.comm_dtype={shown(rule.comm_dtype)}: expected null or a codec, one of "
+            f"{list(CODEC_NAMES)}."
+        )
+    if rule.rule is not None and rule.rule not in RULE_NAMES:
+        raise ConfigError(
+            f"{key}.rule={shown(rule.rule)}: expected null or one of {list(RULE_NAMES)}."
+        )
+    if rule.error_feedback and rule.comm_dtype is None:
+        raise ConfigError(
+            f"{key}.error_feedback=true needs {key}.comm_dtype (a codec, one of "
+            f"{list(CODEC_NAMES)}): without one nothing is lost to feed back."
+        )
+    if rule.outer_optimizer is not None:
+        if rule.rule is not None and rule.rule not in PERIODIC_RULES:
             raise ConfigError(
-                f"{key}.outer_optimizer={shown(node)}: expected null or an optax optimizer "
-                "node with a _target_, e.g. {_target_: optax.sgd, learning_rate: 1.0} "
-                "(parameter averaging)."
+                f"{key}.rule={shown(rule.rule)}: a periodic axis (with {key}.outer_optimizer) "
+                f"reduces its pseudo-gradient by one of {list(PERIODIC_RULES)} or null."
             )
-        check_rule(self, key)
+        return
+    for name, default in _PERIODIC_ONLY:
+        value = getattr(rule, name)
+        if value != default:
+            raise ConfigError(
+                f"{key}.{name}={value}: only a periodic axis has it; set {key}.outer_optimizer "
+                f"(e.g. {_AVERAGING}), or {key}.{name}={default}."
+            )
+    if rule.rule == "adasum" and rule.comm_dtype not in (None, "float32"):
+        raise ConfigError(
+            f"{key}.comm_dtype={shown(rule.comm_dtype)}: rule adasum runs in float32 on the "
+            f"wire; set {key}.comm_dtype to null or float32, or {key}.rule to mean or sum."
+        )
 
 
-def check_axes(axes: Any, key: str = "reduction.axes") -> None:
+def check_rules(rules: Mapping[str, AxisRule], key: str) -> None:
+    """Checks every axis's rule (`check_rule`, as ``<key>.<axis>``) and the set of them: one
+    periodic axis at most (its replicas hold one copy of the params each), one every-step rule
+    at most (a first axis's error-feedback state would vary over the second).
+
+    Raises:
+      ConfigError: naming the first bad key.
+    """
+    for axis, rule in rules.items():
+        check_rule(rule, f"{key}.{axis}")
+    periodic = [axis for axis, rule in rules.items() if rule.outer_optimizer is not None]
+    if len(periodic) > 1:
+        raise ConfigError(
+            f"{key}: {periodic} are all periodic (have an outer_optimizer); one periodic axis "
+            "per run is supported."
+        )
+    every = [axis for axis, rule in rules.items() if rule.outer_optimizer is None]
+    if len(every) > 1:
+        raise ConfigError(
+            f"{key}: {every} all reduce by their own rule every step; at most one axis may "
+            "(the others reduce by reduction.mode; give one of them an outer_optimizer or "
+            "remove it)."
+        )
+
+
+def inner_data_axes(
+    data_axes: Sequence[str], periodic: str | None, key: str = "reduction.axes"
+) -> tuple[str, ...]:
+    """The data axes a replica reduces its gradient over every step: all of them but the
+    periodic axis (`periodic`; None: there is none). The one place a periodic axis is checked
+    against the data axes, for the config and for a `Trainer` built in Python alike.
+
+    Raises:
+      ConfigError: naming ``<key>.<periodic>``, for a periodic axis that is not a data axis or
+        is the only one.
+    """
+    data_axes = tuple(data_axes)
+    if periodic is None:
+        return data_axes
+    inner = tuple(a for a in data_axes if a != periodic)
+    if periodic not in data_axes or not inner:
+        raise ConfigError(
+            f"{key}.{periodic}: a periodic axis must be a data axis and not the only one (its "
+            "replicas train on their own data and reduce their gradient over the others every "
+            f"step), mesh.data_axes={list(data_axes)}."
+        )
+    return inner
+
+
+def _node_of(rule: type[AxisRule]) -> type:
+    """A mutable copy of the dataclass `rule` (same fields, types and defaults, and its
+    ``periodic``), for Hydra and `xshard.config.read_node` to merge a node into: OmegaConf
+    cannot write into a frozen dataclass nested in another."""
+    fields = [
+        (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(rule)
+    ]
+    node = dataclasses.make_dataclass(
+        "AxisReductionConf",
+        fields,
+        namespace={"periodic": rule.periodic, "__doc__": "The config node of an `AxisRule`."},
+    )
+    node.__module__ = __name__
+    return node
+
+
+if TYPE_CHECKING:  # to a type checker the node is the rule it is read into
+    AxisReductionConf = AxisRule
+else:
+    AxisReductionConf = _node_of(AxisRule)
+
+
+def check_axes(axes: Mapping[str, AxisReductionConf], key: str = "reduction.axes") -> None:
     """Checks every node of ``reduction.axes`` (read as `AxisReductionConf`s) by its key, and
-    the set of them (`xshard.axis_rules.check_rules`: one periodic axis, one every-step rule).
+    the set of them (`check_rules`: one periodic axis, one every-step rule). Each node's outer
+    optimizer must be a node with a ``_target_``; the rest of its rules are `check_rule`'s,
+    which `xshard.cross_shard` checks too.
 
     Raises:
       ConfigError: for the first bad node or key, naming it.
     """
     for name, conf in axes.items():
-        conf.check(f"{key}.{name}")
+        node = conf.outer_optimizer
+        has_target = isinstance(node, dict) and isinstance(node.get("_target_"), str)
+        if node is not None and not has_target:
+            raise ConfigError(
+                f"{key}.{name}.outer_optimizer={shown(node)}: expected null or an optax "
+                "optimizer node with a _target_, e.g. {_target_: optax.sgd, learning_rate: 1.0} "
+                "(parameter averaging)."
+            )
+        check_rule(conf, f"{key}.{name}")
     check_rules(axes, key)

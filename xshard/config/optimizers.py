@@ -117,7 +117,7 @@ class AdamWConf(AdamConf):
 @dataclass
 class MuonConf(OptimizerConf):
     """optax.contrib.muon: Newton-Schulz-orthogonalised momentum for the parameters
-    ``muon_mask`` names (a rule of `xshard.muon_masks`), AdamW for the others."""
+    ``muon_mask`` names (a rule of `xshard.optim.muon_masks`), AdamW for the others."""
 
     _target_: str = "optax.contrib.muon"
     ns_steps: int = 5
@@ -141,7 +141,7 @@ class MuonConf(OptimizerConf):
 class ScheduleFreeAdamWConf(OptimizerConf):
     """optax.contrib.schedule_free_adamw: evaluate (and export) its
     ``schedule_free_eval_params``, which the trainer does; `b1` must be > 0 and the schedule
-    must not decay (`xshard.schedule_free.check_schedule_free`)."""
+    must not decay (`xshard.optim.schedule_free.check_schedule_free`)."""
 
     _target_: str = "optax.contrib.schedule_free_adamw"
     warmup_steps: int | None = None

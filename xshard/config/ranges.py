@@ -77,7 +77,7 @@ class Range:
 
 
 #: Floating dtypes a state or an accumulator may be kept in (an integer one would truncate
-#: every update to zero); `xshard.reduction_args.COMM_DTYPES` is the same list.
+#: every update to zero); `xshard.config.reduction.COMM_DTYPES` is the same list.
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 

@@ -4,7 +4,7 @@ Each option names a factory of `xshard.schedules` as ``_target_``; the factory t
 optimizer's ``learning_rate`` as the peak, and every ``*_factor`` is a fraction of it, so
 changing the rate rescales the whole curve. An argument means the same in every schedule that
 has it (every ``end_factor``, every ``warmup_steps``), so its rule is written once, here, and
-read by the schemas, by `xshard.factory` (whatever the node's ``_target_``, as
+read by the schemas, by `xshard.optim.factory` (whatever the node's ``_target_``, as
 ``schedule.<arg>``) and by the factories of `xshard.schedules` (as ``<arg>``). Registered with
 the other groups' schemas by `xshard.config.schemas`. JAX-free.
 """

@@ -21,7 +21,7 @@ The schemas live in their own ConfigStore group (``xshard_schemas/...``) so they
 as options of the user-facing groups, e.g. in an ``optimizer=glob(*)`` sweep.
 
 Every default here equals the default of the function the node feeds (the optax factory,
-`xshard.schedules`, `xshard.cross_shard`, `xshard.mesh_spec.mesh_spec`), except where
+`xshard.schedules`, `xshard.cross_shard`, `xshard.mesh.spec.mesh_spec`), except where
 ``DEVIATIONS`` says why not; ``tests/config/test_config_defaults.py`` checks that. This module
 imports neither JAX nor optax: Hydra's plugin scan imports it.
 """
@@ -49,6 +49,7 @@ from xshard.config.optimizers import (
     ScheduleFreeAdamWConf,
     SGDConf,
 )
+from xshard.config.reduction import Reduction, axis_names, clip_norm, comm_dtype
 from xshard.config.schedules import (
     ConstantScheduleConf,
     CosineScheduleConf,
@@ -57,8 +58,6 @@ from xshard.config.schedules import (
     WarmupLinearScheduleConf,
 )
 from xshard.errors import ConfigError
-from xshard.reduction_args import axis_names, clip_norm, comm_dtype
-from xshard.reduction_mode import Reduction
 
 SCHEMA_GROUP = "xshard_schemas"
 
@@ -97,7 +96,7 @@ class ReductionConf:
 
 
 # --------------------------------------------------------------------------------------------
-# mesh/: read by xshard.mesh_spec.mesh_spec, whose defaults fill whatever is null here.
+# mesh/: read by xshard.mesh.spec.mesh_spec, whose defaults fill whatever is null here.
 # --------------------------------------------------------------------------------------------
 
 
@@ -127,7 +126,7 @@ class TPUMeshConf(MeshConf):
 
 def reduction_kwargs(conf: ReductionConf) -> dict[str, Any]:
     """`conf` as keyword arguments of `xshard.cross_shard` (``mode`` is its ``reduction``),
-    without ``axes``: `xshard.factory` turns those into `xshard.AxisRule`s."""
+    without ``axes``: `xshard.optim.factory` turns those into `xshard.AxisRule`s."""
     kwargs = dict(vars(conf))
     kwargs["reduction"] = kwargs.pop("mode")
     del kwargs["axes"]
@@ -150,7 +149,7 @@ DEVIATIONS: dict[str, str] = {
     "axis_name": "null: the mesh's data axes, which the library cannot know",
     "axes": (
         "per-axis rules: the every-step ones go to cross_shard, the periodic one (local SGD, "
-        "DiLoCo) to the trainer's sync step (xshard.factory.build_axis_rules)"
+        "DiLoCo) to the trainer's sync step (xshard.optim.factory.build_optimizer_with_rules)"
     ),
 }
 
@@ -184,7 +183,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
 #: The groups whose values composition leaves to the checks that read the node (one line and
 #: exit 2 naming the key, as for the trainer's nodes: ``schedule.warmup_steps=3e9``,
 #: ``mesh.num_devices=1e6``): Hydra gets permissive copies of their schemas, checked by the
-#: schedule's rules (`xshard.config.schedules`) and `xshard.mesh_spec`. The reduction stays
+#: schedule's rules (`xshard.config.schedules`) and `xshard.mesh.spec`. The reduction stays
 #: typed: a permissive copy would lose the keys and defaults of ``reduction.axes.<axis>``.
 CHECKED_WHEN_READ = ("schedule", "mesh")
 

@@ -1,6 +1,6 @@
 """Reading plain values out of config nodes, with errors that name the key.
 
-Shared by the config-driven builders (`xshard.factory`). Each helper raises `ConfigError` with
+Shared by the config-driven builders (`xshard.optim.factory`). Each helper raises `ConfigError` with
 the config key, the bad value and what is allowed.
 """
 

@@ -22,7 +22,7 @@ from trainers.config import TrainerOptions
 from trainers.train import train
 from xshard.config import read_node
 from xshard.errors import ConfigError
-from xshard.mesh_spec import mesh_spec
+from xshard.mesh.spec import mesh_spec
 
 LONG = "x" * 5000
 #: A periodic axis: DiLoCo over the slices of 8 CPU devices.

@@ -21,8 +21,8 @@ from trainers.core.trainer import Trainer
 from trainers.core.zero import bytes_per_device
 from trainers.tasks.mlp import MLPTask
 from trainers.tasks.tiny_gpt import TinyGPTTask
-from xshard.factory import build_optimizer
-from xshard.simulated_devices import MAX_SIMULATED_CPU_DEVICES
+from xshard.mesh.simulated import MAX_SIMULATED_CPU_DEVICES
+from xshard.optim.factory import build_optimizer
 
 BATCH = 16
 
@@ -130,7 +130,7 @@ def _bound_in_child(limit: int | None) -> str:
     cap = f"resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))" if limit else ""
     code = (
         f"import resource; {cap}\n"
-        "from xshard.simulated_devices import simulated_device_bound as b; print(b().limit)"
+        "from xshard.mesh.simulated import simulated_device_bound as b; print(b().limit)"
     )
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import refused
-from xshard.simulated_devices import MAX_SIMULATED_CPU_DEVICES
+from xshard.mesh.simulated import MAX_SIMULATED_CPU_DEVICES
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,8 @@ from trainers.core.trainer import Hook, Trainer
 from trainers.errors import PeerError
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
-from xshard.mesh import build_mesh, configure_devices
-from xshard.mesh_spec import MeshConfigError
+from xshard.mesh.build import build_mesh, configure_devices
+from xshard.mesh.spec import MeshConfigError
 
 pytestmark = pytest.mark.multiprocess
 

@@ -12,9 +12,9 @@ import xshard
 from benchmarks.axis_traffic import collectives_by_axis, traffic
 from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.axis_rules import AxisRule
-from xshard.compressed import tree_size
-from xshard.periodic import due_fragment, fragment_leaves
+from xshard.config.axes import AxisRule
+from xshard.reduce.compressed import tree_size
+from xshard.reduce.periodic import due_fragment, fragment_leaves
 
 BATCH = 32
 AXES = ("slice", "data")

@@ -11,9 +11,9 @@ import pytest
 from benchmarks.axis_traffic import collectives_by_axis, traffic
 from tests.trainers.core.test_periodic import BATCH, make, outer_tree
 from trainers.core.step import PLAIN
-from xshard.axis_rules import AxisRule
+from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
-from xshard.periodic import due_fragment
+from xshard.reduce.periodic import due_fragment
 
 WARMUP, EVERY = 3, 4
 DILOCO = optax.sgd(0.7, momentum=0.9, nesterov=True)

@@ -10,13 +10,13 @@ from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
 import xshard
-import xshard.stats
+import xshard.stats.tree
 from benchmarks.compile_events import CompileEvents
 from tests.cross_shard_helpers import make_problem, mse
 from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
-from xshard.clipping import clip_by_global_norm
-from xshard.stats import path_str
+from xshard.reduce.clipping import clip_by_global_norm
+from xshard.stats.tree import path_str
 
 BATCH = 32
 N = 8
@@ -86,9 +86,10 @@ def leaf_norms(tree):
 @pytest.fixture(params=["whole", "split"])
 def split(request, monkeypatch):
     """Per-leaf statistics read whole on every shard (mlp's size), or split over the shards
-    (as for large models: `xshard.stats.SPLIT_MIN_ELEMENTS`)."""
+    (as for large models: `xshard.stats.tree.SPLIT_MIN_ELEMENTS`)."""
     if request.param == "split":
-        monkeypatch.setattr(xshard.stats, "SPLIT_MIN_ELEMENTS", {"sq_norms": 0, "histograms": 0})
+        split_all = {"sq_norms": 0, "histograms": 0}
+        monkeypatch.setattr(xshard.stats.tree, "SPLIT_MIN_ELEMENTS", split_all)
     return request.param
 
 

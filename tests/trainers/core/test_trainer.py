@@ -118,7 +118,7 @@ def test_logging_step_gives_per_parameter_norms_and_histograms(mlp):
     assert vector.ndim == 1 and vector.size > len(dict(metrics))
     diag = metrics.diagnostics
     expected = {
-        xshard.stats.path_str(k): np.linalg.norm(v)
+        xshard.stats.tree.path_str(k): np.linalg.norm(v)
         for k, v in jax.tree_util.tree_leaves_with_path(grads)
     }
     assert diag["grad_norms"].keys() == expected.keys()
@@ -130,7 +130,7 @@ def test_logging_step_gives_per_parameter_norms_and_histograms(mlp):
 
 def grads_size(grads, name):
     return {
-        xshard.stats.path_str(k): v.size for k, v in jax.tree_util.tree_leaves_with_path(grads)
+        xshard.stats.tree.path_str(k): v.size for k, v in jax.tree_util.tree_leaves_with_path(grads)
     }[name]
 
 

@@ -21,8 +21,8 @@ from trainers.core.trainer import Trainer
 from trainers.core.zero import state_report, zero_dim
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
-from xshard.factory import build_optimizer
-from xshard.slots import get_slot
+from xshard.optim.factory import build_optimizer
+from xshard.optim.slots import get_slot
 
 pytestmark = pytest.mark.long
 
@@ -322,7 +322,7 @@ def test_zero1_all_reduces_the_gradient_and_all_gathers_the_params():
     ops = collectives(trainer)
     assert not [op for op, _ in ops if op == "reduce-scatter"]
     reduced = {s for op, shapes in ops if op == "all-reduce" for s in shapes}
-    # The whole gradient in one all-reduce, packed on CPU (xshard.buckets.psum_tree).
+    # The whole gradient in one all-reduce, packed on CPU (xshard.mesh.collectives.psum_tree).
     total = sum(x.size for x in jax.tree.leaves(state.params))
     assert (total,) in reduced
     sliced, _ = sliced_elements(state)

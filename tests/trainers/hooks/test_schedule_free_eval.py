@@ -35,7 +35,7 @@ def test_evaluation_scores_the_schedule_free_eval_params(stage):
     state, _ = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=5)
     got = evaluator.evaluate(state)
 
-    (sf,) = xshard.slots.find_states(
+    (sf,) = xshard.optim.slots.find_states(
         jax.device_get(state.opt_state), optax.contrib.ScheduleFreeState
     )
     raw = jax.device_get(state.params)

@@ -1,0 +1,209 @@
+"""The types of a `cross_shard` optimizer: its settings, its state, its phases and the
+transformation that carries them (moved out of `xshard.optim.cross_shard`, which builds and runs
+them, to keep that module to the update's steps).
+
+`xshard.optim.cross_shard` re-exports every name here; import them from either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple, Self
+
+import jax
+import optax
+
+from xshard.config.reduction import Reduction
+from xshard.guard.update import SkipIfNonFiniteState
+from xshard.reduce.axes import AxisCommState, AxisReductions
+from xshard.reduce.gradients import PerShardClipState, divide
+from xshard.stats.layers import Histograms
+from xshard.stats.shards import LocalNorms, ShardStats
+from xshard.stats.tree import GradSummary, tree_max_abs, tree_sq_norm
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossShardSpec:
+    """The settings of a `cross_shard` optimizer, checked and parsed, for code that runs it
+    (the trainer reads them from `CrossShardTransformation.spec`)."""
+
+    reduction: Reduction
+    axis_name: tuple[str, ...]
+    clip_per_shard: float | None
+    comm_dtype: Any
+    skip_nonfinite: bool
+    track_stats: bool
+    num_shards: int | None = None
+    #: The per-axis rules (`xshard.reduce.axes`): none by default.
+    axes: AxisReductions = AxisReductions()
+    #: The inner optimizer, as given (`xshard.optim.cross_shard.over_axes` rebuilds around it).
+    inner: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def step_axes(self) -> tuple[str, ...]:
+        """The axes the step's collectives cross: `axis_name` less the periodic ones."""
+        return self.axes.step_axes(self.axis_name)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LocalReduction:
+    """What the first phase of a `cross_shard` update leaves for the second (`CrossShardPhases`).
+
+    Attributes:
+      updates: the reduced gradient (whole on every shard, or its slice after a scatter), or,
+        where `mean_over` > 1, the sum whose mean it is.
+      clip: the per-shard clip's new state (`optax.EmptyState()` without one).
+      shards: the local gradients' norms (`xshard.stats.shards.local_norms`; None where no
+        per-shard gradients existed).
+      parts: the buffers holding `updates`, packed per dtype (`xshard.reduce.gradients.Reduced`), or
+        None: its leaves.
+      comm: the new state of the every-step axis rules (`xshard.reduce.axes.AxisCommState` by
+        axis), or None without them.
+      mean_over: the shard count MEAN still divides `updates` by (static; 1: reduced).
+      unpack: ``unpack(parts) -> updates`` where `parts` is set (static): `gradient` slices
+        the leaves out of the buffers where it is called, so that the slices fuse into the
+        consumers (inside the guard's branch, not before it as the branch's operands).
+    """
+
+    updates: Any
+    clip: PerShardClipState | optax.EmptyState
+    shards: LocalNorms | None
+    parts: tuple[jax.Array, ...] | None = None
+    comm: dict[str, AxisCommState] | None = None
+    mean_over: int = dataclasses.field(default=1, metadata={"static": True})
+    unpack: Callable[[Any], Any] | None = dataclasses.field(default=None, metadata={"static": True})
+
+    def gradient(self) -> Any:
+        """The reduced gradient, divided where it is read (``pmean``'s arithmetic): call it in
+        the computation that consumes it, so that XLA fuses the slicing and the division
+        there."""
+        if self.parts is None or self.unpack is None:
+            return divide(self.updates, self.mean_over)
+        return self.unpack(divide(list(self.parts), self.mean_over))
+
+    def sq_norm(self) -> jax.Array:
+        """The squared global norm of `gradient` (float32), read from the packed buffers."""
+        if self.parts is None:
+            return tree_sq_norm(self.gradient())
+        return tree_sq_norm(divide(list(self.parts), self.mean_over))
+
+    def max_abs(self) -> jax.Array:
+        """max |`gradient`| (float32, NaN-propagating), read from the packed buffers: one
+        reduction over them, not one per leaf."""
+        if self.parts is None:
+            return tree_max_abs(self.gradient())
+        return tree_max_abs(list(self.parts)) / self.mean_over
+
+
+class Applied(NamedTuple):
+    """`CrossShardPhases.apply`'s result."""
+
+    params: Any  # the new params
+    state: CrossShardState  # the optimizer's new state
+    measured: Any  # the caller's measurements (NaN off statistics steps; None without)
+
+
+class CrossShardPhases(NamedTuple):
+    """A `cross_shard` update in two phases, for trainers that run them in different places.
+
+    ``reduce(grads, params, *, shard_weight=None, with_stats=None, scatter_dims=None)`` runs
+    where the per-shard gradients are (inside ``shard_map``): per-shard clip, the local
+    statistics and the reduction, optionally a reduce-scatter
+    (`xshard.reduce.gradients.all_reduce`'s ``scatter_dims``); it returns a `LocalReduction`.
+    ``finish(local, state, params, *, with_stats=None, layer_norms=None, histograms=None, **extra)``
+    runs the summary, the guard and the inner optimizer on the reduced gradient, anywhere (e.g.
+    under GSPMD on sharded slices, where norms over a sharded tensor are global): it returns
+    ``(updates, new state)``. Their composition is the optimizer's ``update``. ``apply(local, state,
+    params,
+    *, with_stats=None, layer_norms=None, histograms=None, measure=None, **extra)`` is
+    ``finish`` followed by `optax.apply_updates`, the addition done in the branch that
+    computes the updates (`xshard.guard.update.GuardedUpdate`), so that XLA fuses it with the inner
+    update: it returns `Applied`, whose ``measured`` is ``measure(new_params, updates,
+    summary)`` (optional) computed in that branch on statistics steps (NaN on the others;
+    None without `measure`).
+    """
+
+    reduce: Callable[..., LocalReduction]
+    finish: Callable[..., tuple[Any, CrossShardState]]
+    apply: Callable[..., Applied]
+
+
+class CrossShardState(NamedTuple):
+    """State of `cross_shard`, in the order of the update's steps.
+
+    The statistics fields hold `optax.EmptyState()` when the optimizer does not record them
+    (no per-shard clipping; ``track_stats=False``).
+    """
+
+    clip: PerShardClipState | optax.EmptyState  # share of shards clipped (clip_per_shard)
+    shards: ShardStats | optax.EmptyState  # per-shard norms before clipping, noise-scale terms
+    reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
+    histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
+    guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
+    #: Per every-step axis rule: residual, compression error norm, bytes (`xshard.reduce.axes`).
+    comm: dict[str, AxisCommState] | optax.EmptyState = optax.EmptyState()
+
+    @property
+    def inner_state(self) -> optax.OptState:
+        """The inner optimizer's state."""
+        return self.guard.inner_state
+
+    @property
+    def skipped_steps(self) -> jax.Array:
+        """int32: steps skipped because the reduced gradient was not finite."""
+        return self.guard.total_notfinite
+
+    @property
+    def consecutive_skipped(self) -> jax.Array:
+        """int32: skipped steps in a row, reset by a finite step."""
+        return self.guard.notfinite_count
+
+
+class CrossShardTransformation(optax.GradientTransformationExtraArgs):
+    """What `cross_shard` returns: an `optax.GradientTransformationExtraArgs` that also says
+    how it was built (`spec`) and splits its update in two (`phases`).
+
+    It is optax's pair ``(init, update)``, so optax takes it wherever it takes a
+    transformation (``optax.chain``, ``optax.apply_if_finite``, ``optax.partition``,
+    ``isinstance(tx, optax.GradientTransformationExtraArgs)``); `spec` and `phases` are
+    attributes, not fields, for code that runs the phases in different places
+    (`trainers.Trainer`). A copy made with ``_replace`` has another update: it is a plain
+    `optax.GradientTransformationExtraArgs`.
+    """
+
+    def __new__(
+        cls,
+        init: optax.TransformInitFn,
+        update: optax.TransformUpdateExtraArgsFn,
+        spec: CrossShardSpec,
+        phases: CrossShardPhases,
+    ) -> Self:
+        self = super().__new__(cls, init, update)
+        self.__dict__.update(_spec=spec, _phases=phases)
+        return self
+
+    @property
+    def spec(self) -> CrossShardSpec:
+        """The settings it was built with, checked and parsed."""
+        return self.__dict__["_spec"]
+
+    @property
+    def phases(self) -> CrossShardPhases:
+        """Its update in two phases: `CrossShardPhases`."""
+        return self.__dict__["_phases"]
+
+    def _replace(self, /, **fields: Any) -> optax.GradientTransformationExtraArgs:
+        return optax.GradientTransformationExtraArgs(**(self._asdict() | fields))
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy.copy, pickle
+        return (*self, self.spec, self.phases)
+
+
+# A pytree like optax's pair (its two functions), `spec` and `phases` its static data.
+jax.tree_util.register_pytree_node(
+    CrossShardTransformation,
+    lambda tx: (tuple(tx), (tx.spec, tx.phases)),
+    lambda static, pair: CrossShardTransformation(*pair, *static),  # type: ignore[call-arg]
+)

@@ -1,0 +1,376 @@
+"""Config -> optimizer: the inner optax optimizer, its schedule, clipping and `cross_shard`.
+
+`build_optimizer` reads the ``optimizer``, ``schedule``, ``reduction`` and ``clip`` nodes of a
+composed config (a ``DictConfig`` or a plain dict) and returns::
+
+    cross_shard(                      # per-shard clip -> reduce -> non-finite guard
+        chain(xshard.reduce.clipping.clip_by_global_norm(clip),   # only if clip is set
+              inject_hyperparams(optax.<optimizer>)(learning_rate=<schedule>, ...)),
+        reduction.mode, axis_name=..., clip_per_shard=..., comm_dtype=..., skip_nonfinite=...,
+        axes={<axis>: AxisRule(...)})  # the every-step rule of reduction.axes, if any
+
+The global clip sits inside `cross_shard`, so the non-finite guard covers it. It clips as
+`optax.clip_by_global_norm` does and records the norms and whether it fired in its state
+(`xshard.reduce.clipping.GlobalClipState`), for the trainer's clipping statistics. Only
+``learning_rate`` is injected as a hyperparameter (every other argument is passed statically),
+so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learning_rate")`` or
+``xshard.get_hyperparams(state)["learning_rate"]``.
+
+Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are resolved by
+`xshard.config.targets.resolve_target`: a public class or function defined under ``optax.``,
+``xshard.schedules.``, ``trainers.tasks.`` or an entry of ``allowed_targets``. Every bad value
+raises `ConfigError` naming the key, the value and what is allowed.
+
+``reduction.axes`` (`build_optimizer_with_rules` returns their rules too): the every-step
+rule (Adasum, a codec with error feedback) goes to ``cross_shard(axes=...)``; the periodic one
+(local SGD, DiLoCo) is left out of the step (``axis_name`` leaves its axis out) and runs in the
+trainer's sync step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from omegaconf import DictConfig
+
+from xshard.config import read_node
+from xshard.config.axes import AxisRule
+from xshard.config.optimizers import check_optimizer_args
+from xshard.config.schedules import check_schedule_args
+from xshard.config.schemas import ReductionConf, reduction_kwargs
+from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
+from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
+from xshard.errors import ConfigError
+from xshard.mesh.build import check_axis_names
+from xshard.mesh.spec import data_axes as mesh_data_axes
+from xshard.optim.axis_factory import axis_rules
+from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
+from xshard.optim.masks import resolve_mask
+from xshard.optim.schedule_free import check_schedule_free
+from xshard.reduce.clipping import clip_by_global_norm
+
+#: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`;
+#: optax.contrib.muon's rule of which parameters it orthogonalises is a mask too).
+MASK_ARGS = {
+    "weight_decay_mask": ("weight_decay_mask", "mask"),
+    "trust_ratio_mask": ("trust_ratio_mask",),
+    "muon_mask": ("muon_weight_dimension_numbers",),
+}
+
+# --------------------------------------------------------------------------------------------
+# Config values
+# --------------------------------------------------------------------------------------------
+
+
+def _learning_rate(opt: dict[str, Any]) -> float:
+    if "learning_rate" not in opt:
+        raise ConfigError(
+            "optimizer.learning_rate is required: the base (peak) learning rate, a number > 0."
+        )
+    check_optimizer_args({"learning_rate": opt["learning_rate"]})
+    return opt["learning_rate"]
+
+
+def _required_target(node: dict[str, Any], prefix: str) -> str:
+    if node.get("_target_") is None:
+        raise ConfigError(
+            f"{prefix}._target_ is required: the dotted path of the factory to call, e.g. "
+            f"{'optax.adamw' if prefix == 'optimizer' else 'xshard.schedules.warmup_cosine'}. "
+            f"Or choose an option of the '{prefix}' group ({prefix}=<name>)."
+        )
+    return node["_target_"]
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule
+# --------------------------------------------------------------------------------------------
+
+
+def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> optax.Schedule | None:
+    if node is None:
+        return None
+    kwargs = mapping(node, "schedule")
+    target = _required_target(kwargs, "schedule")
+    fn = resolve_target(target, allowed, key="schedule._target_")
+    kwargs.pop("_target_")
+    # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
+    first = next(iter(inspect.signature(fn).parameters), None)
+    check_kwargs(fn, kwargs, "schedule", target, supplied=() if first is None else (first,))
+    check_schedule_args(kwargs)  # decay_steps, end_factor, ...: the schemas' rules, by name
+    try:
+        schedule = fn(learning_rate, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"schedule ({target}): {e}") from e
+    return _check_schedule(schedule, target)
+
+
+def _check_schedule(schedule: Any, target: str) -> optax.Schedule:
+    """A schedule maps a step count to one learning rate: check that on an abstract step."""
+    wrong = f"schedule._target_={target!r} did not build a schedule (step -> learning rate)"
+    if not callable(schedule) or isinstance(schedule, optax.GradientTransformation):
+        raise ConfigError(
+            f"{wrong}; it returned a {type(schedule).__name__}. Use a schedule factory, "
+            "e.g. xshard.schedules.warmup_cosine or optax.cosine_decay_schedule."
+        )
+    try:
+        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception as e:  # any failure to trace `schedule(step)` means it is not one
+        raise ConfigError(f"{wrong}: calling it on a step failed ({type(e).__name__}).") from e
+    if not (
+        isinstance(out, jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    ):
+        raise ConfigError(f"{wrong}: schedule(step) gave {out}, not a scalar float.")
+    return schedule
+
+
+def build_schedule(cfg: Any) -> optax.Schedule:
+    """Builds the learning-rate schedule: the ``schedule`` node applied to the base rate.
+
+    Args:
+      cfg: a config node with an ``optimizer`` child (for ``optimizer.learning_rate``) and an
+        optional ``schedule`` child (``_target_`` plus its arguments; null: constant rate).
+
+    Returns:
+      An optax schedule, ``step -> learning rate``.
+
+    Raises:
+      ConfigError: for a missing or bad learning rate or schedule value, naming the key.
+    """
+    cfg = as_config(cfg)
+    lr = _learning_rate(mapping(section(cfg, "optimizer", required=True), "optimizer"))
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    return optax.constant_schedule(lr) if schedule is None else schedule
+
+
+# --------------------------------------------------------------------------------------------
+# Inner optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def _inner_optimizer(
+    node: dict[str, Any],
+    learning_rate: float | optax.Schedule,
+    allowed: tuple[str, ...],
+    schedule_target: str = "",
+) -> optax.GradientTransformationExtraArgs:
+    kwargs = dict(node)
+    target = _required_target(kwargs, "optimizer")
+    fn = resolve_target(target, allowed, key="optimizer._target_")
+    del kwargs["_target_"], kwargs["learning_rate"]
+    check_schedule_free(fn, kwargs, learning_rate, schedule_target)
+    params = inspect.signature(fn).parameters
+    if "learning_rate" not in params:
+        raise ConfigError(
+            f"optimizer._target_={target!r} has no learning_rate argument; xshard passes the "
+            "scheduled rate there. Use an optax optimizer such as optax.adamw."
+        )
+    if isinstance(kwargs.get("mask"), str):
+        raise ConfigError(
+            f"optimizer.mask={kwargs['mask']!r}: name masks with optimizer.weight_decay_mask."
+        )
+    masks = [key for key, candidates in MASK_ARGS.items() if any(c in params for c in candidates)]
+    for key, candidates in MASK_ARGS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        arg = next((c for c in candidates if c in params), None)
+        if arg is None:
+            raise ConfigError(f"optimizer.{key}: {target} takes no such mask; remove the key.")
+        if value is not None:  # null: keep optax's default, i.e. every parameter
+            kwargs[arg] = resolve_mask(value, allowed, key=f"optimizer.{key}")
+    check_kwargs(
+        fn,
+        kwargs,
+        "optimizer",
+        target,
+        supplied=("learning_rate",),
+        other_keys=("_target_", "learning_rate", *masks),
+    )
+    check_optimizer_args(kwargs)  # b1, eps, weight_decay, ...: the schemas' rules, by name
+    # Inject only the learning rate: other arguments may drive Python control flow or shapes
+    # (adafactor's min_dim_size_to_factor) and must stay static.
+    static = [
+        n
+        for n, p in params.items()
+        if n != "learning_rate"
+        and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    try:
+        return _inject_learning_rate(fn, static, learning_rate, kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer ({target}): {e}") from e
+
+
+def _inject_learning_rate(
+    fn: Callable[..., optax.GradientTransformation],
+    static: list[str],
+    learning_rate: float | optax.Schedule,
+    kwargs: dict[str, Any],
+) -> optax.GradientTransformationExtraArgs:
+    """``inject_hyperparams(fn)`` whose numeric ``learning_rate`` follows `learning_rate`.
+
+    optax's own schedule support also keeps a schedule state under the hyperparameter's name,
+    which makes ``tree_get(state, "learning_rate")`` ambiguous. Instead the rate is a plain
+    numeric hyperparameter, set from the schedule at the state's count before each update (as
+    optax documents for editing ``state.hyperparams``), so it is the only "learning_rate" leaf.
+    """
+    if not callable(learning_rate):
+        return optax.inject_hyperparams(fn, static_args=static)(
+            learning_rate=learning_rate, **kwargs
+        )
+    schedule = learning_rate
+    injected = optax.inject_hyperparams(fn, static_args=static)(learning_rate=0.0, **kwargs)
+
+    def with_scheduled_rate(state: Any) -> Any:
+        old = state.hyperparams["learning_rate"]
+        rate = jnp.asarray(schedule(state.count), dtype=jnp.result_type(old))
+        return state._replace(hyperparams={**state.hyperparams, "learning_rate": rate})
+
+    def init_fn(params: Any) -> Any:
+        return with_scheduled_rate(injected.init(params))
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        return injected.update(updates, with_scheduled_rate(state), params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------------------------
+# Reduction
+# --------------------------------------------------------------------------------------------
+
+
+def _data_axes(cfg: DictConfig) -> tuple[str, ...]:
+    """The mesh's data axes (``mesh.data_axes`` of the config, else ``data``)."""
+    mesh_node = section(cfg, "mesh", required=False)
+    return mesh_data_axes(mesh_node) if mesh_node is not None else ("data",)
+
+
+def _reduction(cfg: DictConfig) -> ReductionConf:
+    """The ``reduction`` node (`ReductionConf`); a null ``axis_name`` becomes the mesh's data
+    axes but a periodic one (``reduction.axes``): its replicas do not reduce every step."""
+    conf = read_node(ReductionConf, section(cfg, "reduction", required=True), "reduction")
+    periodic = [name for name, axis in conf.axes.items() if axis.periodic]
+    if conf.axis_name is None:
+        conf.axis_name = tuple(a for a in _data_axes(cfg) if a not in periodic)
+    elif set(periodic) & set(conf.axis_name):
+        raise ConfigError(
+            f"reduction.axis_name={list(conf.axis_name)} names the periodic axis "
+            f"{periodic[0]!r} (reduction.axes.{periodic[0]}.outer_optimizer is set), which "
+            "is synced every_steps steps, never every step; leave it out (or null)."
+        )
+    return conf
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------
+
+
+class BuiltOptimizer(NamedTuple):
+    """The optimizer a config describes and the rules of its mesh axes, from one read of it.
+
+    Attributes:
+      tx: the cross-shard optimizer (`build_optimizer`).
+      axis_rules: the `AxisRule` of every ``reduction.axes.<axis>`` node, by axis name; a
+        periodic rule holds its built outer optax optimizer (``tx`` holds the every-step one).
+    """
+
+    tx: CrossShardTransformation
+    axis_rules: dict[str, AxisRule]
+
+    @property
+    def periodic(self) -> tuple[str, AxisRule] | None:
+        """The periodic axis and its rule (at most one: `xshard.config.axes.check_axes`), or
+        None."""
+        found = [(name, rule) for name, rule in self.axis_rules.items() if rule.periodic]
+        return found[0] if found else None
+
+
+def build_optimizer(cfg: Any, mesh: Any = None) -> CrossShardTransformation:
+    """Builds the cross-shard optimizer described by a config.
+
+    Args:
+      cfg: a config node (``DictConfig`` or dict) with children ``optimizer`` (``_target_``,
+        ``learning_rate`` and the factory's arguments; ``weight_decay_mask`` /
+        ``trust_ratio_mask`` name masks such as ``no_bias_no_norm``) and ``reduction``
+        (``mode``, ``axis_name``, ``clip_per_shard``, ``comm_dtype``, ``skip_nonfinite``);
+        optional ``schedule`` (null: constant rate), ``clip`` (global-norm clip of the reduced
+        gradient; null: none) and ``allowed_targets`` (extra ``_target_`` prefixes).
+      mesh: optional ``jax.sharding.Mesh`` (or ``AbstractMesh``) the optimizer runs on. If
+        given, the reduction axes must be axes of it, and a SUM outside ``shard_map`` scales
+        by their size.
+
+    Returns:
+      The `xshard.optim.cross_shard.CrossShardTransformation` (an
+      ``optax.GradientTransformationExtraArgs``): per-shard clip -> reduce -> non-finite
+      guard -> global clip -> inner optimizer with the scheduled learning rate. Its ``spec``
+      holds the ``reduction`` node as parsed (e.g. the mode as an `xshard.Reduction`).
+
+    Raises:
+      ConfigError: for a missing required key, an unknown reduction mode, a learning rate
+        <= 0, a ``_target_`` that is not allowed or not found, an argument the target does not
+        take, or reduction axes that are not mesh axes; the message names the key, the value
+        and the allowed values.
+    """
+    return build_optimizer_with_rules(cfg, mesh).tx
+
+
+def build_optimizer_with_rules(cfg: Any, mesh: Any = None) -> BuiltOptimizer:
+    """`build_optimizer`, with the rules of ``reduction.axes`` it read on the way: the
+    ``reduction`` node is read once and each outer optimizer built once.
+
+    Args:
+      cfg, mesh: as `build_optimizer`'s; given the mesh, each ``reduction.axes`` axis must be
+        one of its axes (a periodic one a data axis, an Adasum one of power-of-two size).
+
+    Returns:
+      The optimizer and the axis rules (`BuiltOptimizer`).
+
+    Raises:
+      ConfigError: as `build_optimizer`, naming ``reduction.axes.<axis>`` or the key under
+        it for a bad axis rule.
+    """
+    cfg = as_config(cfg)
+    allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
+    opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
+    red = _reduction(cfg)
+    lr = _learning_rate(opt)
+    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    clip = section(cfg, "clip", required=False)
+    if clip is not None:
+        positive_number(clip, "clip", "null or a global norm for the reduced gradient")
+
+    shape = None if mesh is None else dict(mesh.shape)
+    rules = axis_rules(red.axes, shape, _data_axes(cfg), allowed)
+    every_step = {name: rule for name, rule in rules.items() if not rule.periodic}
+    for name in every_step:
+        if name not in red.axis_name:
+            raise ConfigError(
+                f"reduction.axes.{name}: {name!r} reduces every step by its own rule, so it "
+                f"must be one of reduction.axis_name={list(red.axis_name)}; add it there "
+                "(or leave reduction.axis_name null: the mesh's data axes)."
+            )
+    num_shards = None
+    if mesh is not None:
+        # Raises MeshConfigError, a ConfigError.
+        axes = check_axis_names(mesh, red.axis_name, key="reduction.axis_name")
+        num_shards = math.prod(mesh.shape[a] for a in axes)
+
+    schedule_node = section(cfg, "schedule", required=False)
+    schedule_target = "" if schedule_node is None else str(schedule_node.get("_target_"))
+    inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed, schedule_target)
+    if clip is not None:
+        inner = optax.chain(clip_by_global_norm(clip), inner)
+    # The periodic axis takes no part in the step (the trainer's sync step reduces over it).
+    tx = cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards, axes=every_step or None)
+    return BuiltOptimizer(tx, rules)

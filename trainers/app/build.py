@@ -101,7 +101,7 @@ def build_run(
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
     from trainers.core.precision import Precision
-    from trainers.core.step_tx import periodic_inner_axes
+    from trainers.core.step.spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
     from xshard.axis_factory import periodic_axis
     from xshard.factory import build_axis_rules, build_optimizer

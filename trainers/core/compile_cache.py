@@ -13,6 +13,7 @@ summary.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -83,9 +84,9 @@ class CacheCounts(NamedTuple):
         return CacheCounts(self.hits - earlier.hits, self.misses - earlier.misses)
 
 
+# JAX's event listeners are process-wide, so are their counts (read as differences: `since`).
 _counts = {HIT_EVENT: 0, MISS_EVENT: 0}
 _lock = threading.Lock()
-_listening = False
 
 
 def cache_counts() -> CacheCounts:
@@ -101,11 +102,7 @@ def _on_event(event: str, **kwargs: object) -> None:
             _counts[event] += 1
 
 
+@functools.cache
 def _count_events() -> None:
-    """Registers the ``jax.monitoring`` listener once per process."""
-    global _listening
-    with _lock:
-        if _listening:
-            return
-        _listening = True
+    """Registers the ``jax.monitoring`` listener, once per process (cached)."""
     jax.monitoring.register_event_listener(_on_event)

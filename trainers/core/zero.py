@@ -36,9 +36,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from optax.transforms import MaskedNode
 
-from trainers.config.sharding import check_zero_stage
 from trainers.tasks.sharding import param_specs
+from xshard.errors import ConfigError
 from xshard.stats import path_str
+
+#: The ZeRO stages (``sharding.zero_stage``): 0 replicated, 1 the optimizer state sharded over
+#: the data axes, 2 also the gradient reduce-scattered, 3 also the params at rest.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _used_axes(spec: P) -> set[str]:
@@ -87,7 +91,7 @@ class ZeroLayout:
     """The shardings of one run's arrays for a ZeRO stage.
 
     Args:
-      stage: ``sharding.zero_stage``, one of `trainers.config.sharding.ZERO_STAGES`.
+      stage: ``sharding.zero_stage``, one of `ZERO_STAGES`.
       mesh: the device mesh.
       axes: the data-parallel mesh axes the state is sharded over.
       rules: the task's model-axis sharding rules (`trainers.tasks.sharding`), or a function
@@ -263,7 +267,12 @@ def zero_layout(stage: Any, mesh: Mesh, axes: Sequence[str], rules: Any = ()) ->
     """The `ZeroLayout` of ``sharding.zero_stage=stage`` over the data `axes` of `mesh`.
 
     Raises:
-      ConfigError: for a stage not in `trainers.config.sharding.ZERO_STAGES`.
+      ConfigError: for a stage not in `ZERO_STAGES`.
     """
-    check_zero_stage(stage)
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in ZERO_STAGES:
+        raise ConfigError(
+            f"sharding.zero_stage={stage!r}: expected an integer, 0 (replicated), 1 (optimizer "
+            "state sharded over the data axes), 2 (and the gradient reduce-scattered) or 3 (and "
+            "the params: FSDP)."
+        )
     return ZeroLayout(stage, mesh, tuple(axes), rules if callable(rules) else tuple(rules))

@@ -250,9 +250,20 @@ def test_start_up_report_lists_shardings_and_replicated_leaves_with_bytes():
 
 
 def test_bad_zero_stage_is_a_config_error_naming_the_key():
-    for bad in (5, -1, "x", True, 1.5):
+    for bad in (5, -1, "x", True, 1.5, 1.0):
         with pytest.raises(ConfigError, match=r"sharding\.zero_stage="):
             zero_layout(bad, MESH8, ("data",))
+
+
+def test_core_runs_the_stages_and_gradients_the_config_allows():
+    """trainers.core never reads trainers.config (it takes plain values): the values it
+    checks are those the config nodes check, the same in both places."""
+    from trainers.config.run import GRAD_IMPLS as CONFIG_GRAD_IMPLS
+    from trainers.config.sharding import ZERO_STAGES as CONFIG_ZERO_STAGES
+    from trainers.core.step.train_step import GRAD_IMPLS
+    from trainers.core.zero import ZERO_STAGES
+
+    assert ZERO_STAGES == CONFIG_ZERO_STAGES and GRAD_IMPLS == CONFIG_GRAD_IMPLS
 
 
 # ------------------------------------------------------------------------------ collectives

@@ -29,7 +29,7 @@ def measure(mode: str, *, smoke: bool) -> dict[str, Any]:
     import jax
 
     from benchmarks.workloads import make_workload
-    from trainers.core.step_levels import levels_in_run, step_level
+    from trainers.core.step.levels import levels_in_run, step_level
     from trainers.core.trainer import Trainer
     from xshard.mesh.build import build_mesh
 

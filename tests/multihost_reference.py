@@ -45,5 +45,6 @@ def train_mlp(steps: int, batch: int):
 
     state = trainer.init(trainer.init_params(next(iter(batches(0)))))
     last = _LastLoss()
-    state, _ = trainer.fit(state, batches(0), num_steps=steps, hooks=[last])
+    result = trainer.fit(state, batches(0), num_steps=steps, hooks=[last])
+    state = result.state
     return last.loss, state.params

@@ -19,7 +19,7 @@ _EXPORTS = {
     "Hook": "trainers.core.trainer",
     "StepMetrics": "trainers.core.metrics",
     "StopTraining": "trainers.core.trainer",
-    "TrainState": "trainers.core.step_types",
+    "TrainState": "trainers.core.step.types",
     "Trainer": "trainers.core.trainer",
     "export_params": "trainers.app.checkpoint_use",
     "load": "trainers.app.checkpoint_use",
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from trainers.app.entry import run as run
     from trainers.app.main import main as main
     from trainers.core.metrics import StepMetrics as StepMetrics
-    from trainers.core.step_types import TrainState as TrainState
+    from trainers.core.step.types import TrainState as TrainState
     from trainers.core.trainer import Hook as Hook
     from trainers.core.trainer import StopTraining as StopTraining
     from trainers.core.trainer import Trainer as Trainer

@@ -39,7 +39,7 @@ from trainers.checkpoint.hook import CheckpointHook
 from trainers.config import CheckpointOptions
 from trainers.config.plain import run_config
 from trainers.core.step import STATS
-from trainers.core.step_levels import step_level
+from trainers.core.step.levels import step_level
 from trainers.core.trainer import Hook, Trainer
 from trainers.hooks.log_sink import RunInfo
 from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
@@ -115,9 +115,8 @@ class FitLoop:
 
     def run(self, steps: int) -> None:
         self.done += steps
-        self.state, reason = self.trainer.fit(
-            self.state, self.batches, num_steps=self.done, hooks=self.hooks
-        )
+        result = self.trainer.fit(self.state, self.batches, num_steps=self.done, hooks=self.hooks)
+        self.state, reason = result.state, result.reason
         if reason != "done":
             raise RuntimeError(f"fit ended with {reason!r}")
         jax.block_until_ready(self.state)

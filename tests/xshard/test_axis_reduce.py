@@ -225,7 +225,8 @@ def _train(rule, steps=3, **kwargs):
     trainer = Trainer(task, tx, mesh, **TRAINER_ARGS, **kwargs)
     state = trainer.init(trainer.init_params(next(iter(task.batches(32, seed=0)))))
     rec = Recorder()
-    state, reason = trainer.fit(state, task.batches(32, seed=0), num_steps=steps, hooks=[rec])
+    result = trainer.fit(state, task.batches(32, seed=0), num_steps=steps, hooks=[rec])
+    state, reason = result.state, result.reason
     assert reason == "done"
     return trainer, state, rec
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -25,6 +25,9 @@ from trainers.app.wiring import run_hooks
 from trainers.cluster.multihost import current, join_cluster
 from trainers.cluster.preemption import StopOnSignal, stop_signals
 from trainers.hooks.summary import RunSummary
+
+if TYPE_CHECKING:
+    from trainers.core.loop import FitResult
 
 log = logging.getLogger("trainers.train")
 
@@ -61,9 +64,13 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
 def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
     from trainers.core.compile_cache import enable_compilation_cache
+    from trainers.rundir.user_paths import launch_dir, user_path
 
     # Before the first compilation: every job of a sweep, every rerun reads what was compiled.
-    summary.use_compilation_cache(enable_compilation_cache(options.trainer.compilation_cache_dir))
+    cache_dir = options.trainer.compilation_cache_dir  # where the user typed it, not the run dir
+    summary.use_compilation_cache(
+        enable_compilation_cache(None if cache_dir is None else user_path(cache_dir, launch_dir()))
+    )
     where = place(cfg, options)
     source = prepare_dirs(where, options)
     parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
@@ -84,7 +91,7 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
         where.data_axes,
         started.start_step,
     )
-    state, reason = parts.trainer.fit(
+    result = parts.trainer.fit(
         started.state,
         started.data,
         num_steps=opts.steps,
@@ -95,7 +102,7 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
         should_stop=stop,
     )
     own_stop = any(h.wants_stop() for h in hooks)  # early stopping decides alike everywhere
-    check_end(state, reason, options, where, parts, started.start_step, stop, own_stop)
+    check_end(result, options, where, started.start_step, stop, own_stop)
     return monitor.last_loss
 
 
@@ -314,16 +321,14 @@ def check_start_up_stop(where: Placement, stop: StopOnSignal, start_step: int) -
 
 
 def check_end(
-    state: Any,
-    reason: str,
+    result: FitResult,
     options: RunOptions,
     where: Placement,
-    parts: RunParts,
     start_step: int,
     stop: StopOnSignal,
     own_stop: bool = False,
 ) -> None:
-    """Says how `Trainer.fit` ended: a clean end returns; a stop raises.
+    """Says how `Trainer.fit` ended (its `result`): a clean end returns; a stop raises.
 
     `own_stop`: whether a hook of this process asked to stop too (early stopping, whose
     decision every process makes alike): then another process's vote is no peer's failure.
@@ -337,6 +342,7 @@ def check_end(
     from trainers.errors import PeerError, Preempted
 
     num_steps, ckpt, cluster = options.trainer.steps, options.checkpoint, where.cluster
+    state, reason = result.state, result.reason
     step = int(jax.device_get(state.step))
     if stop() and step == start_step < num_steps:  # the signal came before the first step
         raise stop.stopped_during_start_up(start_step)
@@ -352,10 +358,11 @@ def check_end(
             num_steps,
             saved,
         )
-    agreed = parts.trainer.agreed_stop  # multi-process: whose vote stopped the run
+    agreed = result.agreed_stop  # multi-process: whose vote stopped the run
     by_peer = reason == "stopped" and agreed is not None and agreed.signal
     if step < num_steps and (stop() or by_peer):
-        by = stop.signal_name if stop() else f"a stop signal to {cluster.name(agreed.process)}"
+        peer = None if agreed is None else cluster.name(agreed.process)  # by_peer: not None
+        by = stop.signal_name if stop() else f"a stop signal to {peer}"
         raise Preempted(
             f"Stopped by {by} at step {step} of {num_steps}; {saved}. Rerun the same command "
             "(same hydra.run.dir, every process) to resume from the latest checkpoint."

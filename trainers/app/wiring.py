@@ -87,13 +87,13 @@ def evaluation_hook(
 
     if started.evaluator is None:
         return None
-    opts, trainer = options.trainer, parts.trainer  # agreed_stop: a signal stopped every process
+    opts = options.trainer  # a signal to another process: `EvalHook.on_stop_agreed`
     return EvalHook(
         started.evaluator,
         every=opts.eval_every or 0,  # null was read as 0 (`TrainerOptions`)
         num_steps=opts.steps,
         sinks=sinks,
-        preempted=lambda: stop() or bool(trainer.agreed_stop and trainer.agreed_stop.signal),
+        preempted=stop,
     )
 
 

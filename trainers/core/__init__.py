@@ -1,13 +1,18 @@
-"""The training loop itself, JAX only: it never reads a config.
+"""The training loop itself, JAX only: it never reads a config (it takes plain values).
 
-The train state and step (`step`: gradients, the cross-shard update, statistics; its types
-`step_types`, its loss and gradient `grads`; the ZeRO variants in `zero` and `zero_step`), the
-step levels (`step_levels`), the `Trainer` (`trainer`: init, step, fit; its set-up `step_tx`,
-its placement on the mesh `placement`, its compiling and dispatching `dispatch`, its compiled
-programs `programs`, its loop `loop`), a periodic mesh axis (`periodic`, its programs
-`periodic_programs`), the `Hook` protocol (`hook`), the step's metrics (`metrics`), the model
-state of non-trained variables (`model_state`), the agreed stop vote (`stop_vote`).
+The `Trainer` (`trainer`: init, step, fit) holds its parts: the placement of the arrays on the
+mesh and the initial state (`placement.DevicePlacement`), the step programs (`step`, a
+sub-package: the step's data `step.types`, its levels `step.levels`, its static description
+`step.spec`, the optimizer as it runs it `step.optimizer`, the loss and gradient `step.grads`,
+the step function of one level `step.train_step` with its ZeRO variants `step.zero_update`,
+its programs, lowered, compiled and dispatched by `step.programs.StepPrograms`) and a periodic
+mesh axis's programs (`periodic`, a sub-package: the axis `periodic.axis`, its sync programs
+`periodic.sync`). `fit`'s loop is `loop` (its result `loop.FitResult`). Besides: the `Hook`
+protocol (`hook`), the step's metrics (`metrics`), the model state of non-trained variables
+(`model_state`), the ZeRO layout (`zero`), the dtypes (`precision`), the agreed stop vote
+(`stop_vote`), JAX's persistent compilation cache (`compile_cache`).
 
-May import: `xshard`, `trainers.tasks` (sharding rules), `trainers.errors`. Never
-`trainers.config`, `trainers.app`, the hooks, checkpoints or the cluster: those build on it.
+May import: `xshard`, `trainers.tasks` (sharding rules), `trainers.rundir` (user paths),
+`trainers.errors`. Never `trainers.config` (an import contract checks it), `trainers.app`, the
+hooks, checkpoints or the cluster: those build on it.
 """

@@ -13,14 +13,13 @@ summary.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from pathlib import Path
 from typing import NamedTuple
 
 import jax
-
-from trainers.rundir.user_paths import launch_dir, user_path
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +28,15 @@ HIT_EVENT = "/jax/compilation_cache/cache_hits"
 MISS_EVENT = "/jax/compilation_cache/cache_misses"
 
 
-def enable_compilation_cache(path: str | None) -> Path | None:
-    """Points JAX's persistent compilation cache at `path` (``~`` expanded), or turns it off.
+def enable_compilation_cache(directory: Path | None) -> Path | None:
+    """Points JAX's persistent compilation cache at `directory`, or turns it off.
 
     Call before the run's first compilation. A dir that cannot be created leaves the cache off
     with a warning: a run never fails for want of a cache.
 
     Args:
-      path: the cache dir; None: no persistent cache.
+      directory: the cache dir (``trainer.compilation_cache_dir`` as the app resolved it:
+        `trainers.rundir.user_paths`); None: no persistent cache.
 
     Returns:
       The dir in use, or None.
@@ -44,16 +44,15 @@ def enable_compilation_cache(path: str | None) -> Path | None:
     from jax.experimental.compilation_cache import compilation_cache
 
     _count_events()
-    if path is None:
+    if directory is None:
         _set_dir(None, compilation_cache)
         return None
-    directory = user_path(path, launch_dir())  # where the user typed it, not the run dir
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         log.warning(
             "trainer.compilation_cache_dir=%s cannot be used (%s): compiling without a cache.",
-            path,
+            directory,
             e.strerror or e,
         )
         _set_dir(None, compilation_cache)
@@ -83,9 +82,9 @@ class CacheCounts(NamedTuple):
         return CacheCounts(self.hits - earlier.hits, self.misses - earlier.misses)
 
 
+# JAX's event listeners are process-wide, so are their counts (read as differences: `since`).
 _counts = {HIT_EVENT: 0, MISS_EVENT: 0}
 _lock = threading.Lock()
-_listening = False
 
 
 def cache_counts() -> CacheCounts:
@@ -101,11 +100,7 @@ def _on_event(event: str, **kwargs: object) -> None:
             _counts[event] += 1
 
 
+@functools.cache
 def _count_events() -> None:
-    """Registers the ``jax.monitoring`` listener once per process."""
-    global _listening
-    with _lock:
-        if _listening:
-            return
-        _listening = True
+    """Registers the ``jax.monitoring`` listener, once per process (cached)."""
     jax.monitoring.register_event_listener(_on_event)

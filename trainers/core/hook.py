@@ -6,7 +6,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainers.core.step import TrainState
+from trainers.core.step.types import TrainState
+from trainers.core.stop_vote import StopVote
 
 logger = logging.getLogger("trainers.core.trainer")
 
@@ -49,6 +50,11 @@ class Hook:
     def wants_stop(self) -> bool:
         """Whether the run should end cleanly after the current step (polled like a signal)."""
         return False
+
+    def on_stop_agreed(self, vote: StopVote) -> None:
+        """With stops agreed between processes (``Trainer(agree_stop=...)``): the vote that
+        ends the run after the next step (whose process, whether a signal or a hook cast it),
+        as soon as this process knows it, before that step's `on_state` and the `on_end`."""
 
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
         """Once, when the loop ends: "done", "data_exhausted", "stopped" (a stop signal, a

@@ -10,6 +10,9 @@ processes each one casts a vote into the step it dispatches; the step reduces th
 all devices and returns the result with its metrics (`STOP_VOTE_KEY`), which the loop fetches
 anyway. Every process so learns of a stop voted at step k from the same metrics and ends after
 step k + 1: no host synchronisation beyond the existing metrics fetch.
+
+`FitLoop.run` returns a `FitResult`: what a caller reads of the run, rather than attributes
+set on the trainer.
 """
 
 from __future__ import annotations
@@ -21,18 +24,26 @@ from typing import Any, Protocol
 import jax
 
 from trainers.core.hook import Hook, StopTraining, end_hooks
-from trainers.core.metrics import StepMetrics
-from trainers.core.step import HISTOGRAMS, LAYERS, STATS, TrainState
-from trainers.core.step_levels import step_level
+from trainers.core.metrics import COMPILE_TIME, StepMetrics
+from trainers.core.step.levels import HISTOGRAMS, LAYERS, STATS, step_level
+from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 
 
 class Stepper(Protocol):
     """What the loop needs of a `trainers.core.trainer.Trainer`."""
 
-    periodic: Any  # a `trainers.core.periodic.Periodic`, or None
-    agree_stop: bool
-    agreed_stop: StopVote | None
+    @property
+    def periodic(self) -> Any:
+        """The periodic axis (`trainers.core.periodic.axis.Periodic`), or None."""
+
+    @property
+    def agree_stop(self) -> bool:
+        """Whether the steps take the processes' stop votes."""
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """The seconds spent compiling the run's programs so far (None: none yet)."""
 
     def step(
         self,
@@ -50,8 +61,6 @@ class Stepper(Protocol):
         self, state: TrainState, step: int, metrics: StepMetrics
     ) -> tuple[TrainState, StepMetrics]: ...
 
-    def with_compile_time(self, metrics: StepMetrics) -> StepMetrics: ...
-
     def compile_run(
         self,
         state: TrainState,
@@ -64,12 +73,32 @@ class Stepper(Protocol):
     def executables(self) -> dict[int, Any]: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """How `Trainer.fit` ended.
+
+    Attributes:
+      state: the final state.
+      reason: why the loop ended: "done", "data_exhausted", "stopped", or a `StopTraining`'s
+        message.
+      agreed_stop: with agreed stops (several processes), the vote that stopped the run, or
+        None.
+      compile_seconds: the trainer's compile seconds so far (`Trainer.compile_seconds`), or
+        None if nothing was compiled.
+    """
+
+    state: TrainState
+    reason: str
+    agreed_stop: StopVote | None = None
+    compile_seconds: float | None = None
+
+
 @dataclasses.dataclass
 class FitLoop:
     """One `Trainer.fit`: its settings and where it is (`Trainer.fit` documents them).
 
     Attributes:
-      trainer: the trainer whose steps run (its ``agreed_stop`` is kept up to date).
+      trainer: the trainer whose steps run.
       hooks: receive each step's metrics one step late, diagnostics, states and the end.
       num_steps: the run's total number of updates.
       periods: ``stats_every``, ``layer_stats_every``, ``histogram_every`` (`step_level`).
@@ -78,6 +107,10 @@ class FitLoop:
       should_stop: this process's stop request, polled after every step.
       state: the current state.
       pending: the last dispatched step and its metrics, not yet given to the hooks.
+      agreed: with agreed stops, the vote that stops the run once known, else None.
+      reported_compile: the compile seconds the last step's metrics reported (`COMPILE_TIME`)
+        or that were known when the loop started: a step whose programs compiled anew reports
+        the new total.
     """
 
     trainer: Stepper
@@ -88,21 +121,23 @@ class FitLoop:
     state: TrainState
     compile_ahead: bool = True
     pending: tuple[int, StepMetrics] | None = None
+    agreed: StopVote | None = None
+    reported_compile: float | None = None
 
     @property
     def agree(self) -> bool:
         """Whether the processes agree on stops within the steps (`Trainer.agree_stop`)."""
         return self.trainer.agree_stop
 
-    def run(self, batches: Iterable[dict[str, Any]]) -> tuple[TrainState, str]:
+    def run(self, batches: Iterable[dict[str, Any]]) -> FitResult:
         """Steps until `num_steps`, the data's end or a stop; then every hook's `on_end`.
 
         Returns:
-          (final state, reason the loop ended).
+          The `FitResult`.
         """
         step = int(jax.device_get(self.state.step))
         first = step + 1
-        self.trainer.agreed_stop = None
+        self.reported_compile = self.trainer.compile_seconds
         reason = "done"
         try:
             if not self.agree and self.stop_requested():  # e.g. a signal during start-up
@@ -128,7 +163,7 @@ class FitLoop:
             end_hooks(self.hooks, step, self.state, "error")
             raise
         end_hooks(self.hooks, int(jax.device_get(self.state.step)), self.state, reason)
-        return self.state, reason
+        return FitResult(self.state, reason, self.agreed, self.trainer.compile_seconds)
 
     def one_step(self, step: int, local: dict[str, Any]) -> bool:
         """Update `step` (and its sync), the previous step's metrics to the hooks, the state
@@ -146,13 +181,12 @@ class FitLoop:
             warmup=periodic is not None and periodic.in_warmup(step),
         )
         self.state, metrics = trainer.sync(self.state, step, metrics)
-        metrics = trainer.with_compile_time(metrics)
+        metrics = self.with_compile_time(metrics)
         if self.pending is not None:  # waits for step - 1 only: two steps in flight at most
             self.emit(self.pending)
         self.pending = (step, metrics)
         if self.agree:  # a vote cast at step k - 1 is known now on every process
-            agreed = trainer.agreed_stop
-            stop = agreed is not None and step > agreed.step
+            stop = self.agreed is not None and step > self.agreed.step
         else:
             stop = self.stop_requested()
         if stop or any(h.wants_state(step) for h in self.hooks):
@@ -161,6 +195,15 @@ class FitLoop:
             for h in self.hooks:
                 h.on_state(step, self.state)
         return stop
+
+    def with_compile_time(self, metrics: StepMetrics) -> StepMetrics:
+        """`metrics` with `COMPILE_TIME` (the run's compile seconds so far) if programs were
+        compiled since the last step that reported it: once per compiling step."""
+        seconds = self.trainer.compile_seconds
+        if seconds is None or seconds == self.reported_compile:
+            return metrics
+        self.reported_compile = seconds
+        return metrics.with_host_values(**{COMPILE_TIME: seconds})
 
     def stop_requested(self) -> bool:
         """This process's stop request: `should_stop` or a hook's `wants_stop`."""
@@ -173,7 +216,7 @@ class FitLoop:
 
     def emit(self, pending: tuple[int, StepMetrics]) -> None:
         """A step's metrics (and diagnostics) to the hooks; with agreed stops, the vote they
-        carry to the trainer's ``agreed_stop``."""
+        carry, once it says stop, to `agreed` and every hook's `on_stop_agreed`."""
         step, metrics = pending
         host = metrics.host_values()  # waits for this step only
         for h in self.hooks:
@@ -182,5 +225,8 @@ class FitLoop:
         if diag is not None:
             for h in self.hooks:
                 h.on_diagnostics(step, diag)
-        if self.agree and self.trainer.agreed_stop is None:
-            self.trainer.agreed_stop = StopVote.decode(step, metrics.device_value(STOP_VOTE_KEY))
+        if self.agree and self.agreed is None:
+            self.agreed = StopVote.decode(step, metrics.device_value(STOP_VOTE_KEY))
+            if self.agreed is not None:
+                for h in self.hooks:
+                    h.on_stop_agreed(self.agreed)

@@ -1,13 +1,13 @@
 """Where a `Trainer`'s arrays live on the mesh: the params (the task's sharding rules, and the
 data axes with ``zero_stage=3``), the optimizer state, the batches; and the initial state,
-initialised from the seed and placed there (with a periodic axis, replicated over it).
-
-`Placement` is a base class of `trainers.core.trainer.Trainer`, whose ``__init__`` sets the
-attributes it reads.
+initialised from the seed and placed there: `DevicePlacement`, a part of
+`trainers.core.trainer.Trainer` (which replicates the state over a periodic axis,
+`trainers.core.periodic.sync.PeriodicPrograms.replicate`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -17,10 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.model_state import init_fn
-from trainers.core.periodic_programs import PeriodicPrograms
 from trainers.core.precision import Precision
-from trainers.core.step_tx import refuse_nested_cross_shard
-from trainers.core.step_types import StepSpec, TrainState
+from trainers.core.step.optimizer import refuse_nested_cross_shard
+from trainers.core.step.types import TrainState, state_shardings
 from trainers.core.zero import ZeroLayout
 from xshard.optim.cross_shard import CrossShardTransformation
 from xshard.reduce.axes import state_partition_specs
@@ -38,29 +37,39 @@ class StateShapes(NamedTuple):
     opt_shardings: Any
 
 
-class Placement:
-    """The shardings of a `Trainer`'s params, optimizer state and batches, and its initial state.
+class DevicePlacement:
+    """The shardings of a run's params, optimizer state and batches, and its initial state.
 
-    Attributes (set by `Trainer.__init__`):
+    Args:
       task: the task (`trainers.tasks.base.Task`).
       tx: the optimizer as the step runs it.
       mesh: the device mesh.
-      spec: the step's static description (its seed seeds the params).
+      data_axes: the data-parallel mesh axes (a batch is split over them).
+      seed: the run's seed (it seeds the params).
       layout: the ZeRO layout (`trainers.core.zero`).
       precision: the dtypes of the params and of the step's computation.
+
+    Attributes:
       batch_sharding: a batch's sharding: split over the data axes.
-      periodic_programs: the periodic axis's programs, or None.
+      replicated: the sharding of what every device holds whole (the step counter, the model
+        state).
     """
 
-    task: Any
-    tx: CrossShardTransformation
-    mesh: Mesh
-    spec: StepSpec
-    layout: ZeroLayout
-    precision: Precision
-    batch_sharding: NamedSharding
-    periodic_programs: PeriodicPrograms | None
-    _replicated: NamedSharding
+    def __init__(
+        self,
+        task: Any,
+        tx: CrossShardTransformation,
+        mesh: Mesh,
+        *,
+        data_axes: Sequence[str],
+        seed: int,
+        layout: ZeroLayout,
+        precision: Precision,
+    ):
+        self.task, self.tx, self.mesh = task, tx, mesh
+        self.seed, self.layout, self.precision = seed, layout, precision
+        self.batch_sharding = NamedSharding(mesh, P(tuple(data_axes)))
+        self.replicated = NamedSharding(mesh, P())
 
     def param_shardings(self, params: Any) -> Any:
         """NamedShardings of `params` at rest: the task's sharding rules, and with
@@ -73,7 +82,7 @@ class Placement:
         ``{}`` for a plain task)."""
         init, rng, example = self._variables_init(first_batch)
         shapes = jax.eval_shape(init, rng, example)
-        shardings = (self.param_shardings(shapes[0]), self._replicated)
+        shardings = (self.param_shardings(shapes[0]), self.replicated)
         with jax.set_mesh(self.mesh):
             return jax.jit(init, out_shardings=shardings)(rng, example)
 
@@ -88,7 +97,7 @@ class Placement:
             ),
             batch,
         )
-        rng = jax.random.fold_in(jax.random.key(self.spec.seed), _INIT_STREAM)
+        rng = jax.random.fold_in(jax.random.key(self.seed), _INIT_STREAM)
         task_init, master = init_fn(self.task), self.precision.master
 
         def init(rng, example):
@@ -114,22 +123,21 @@ class Placement:
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """Returns the initial `TrainState` for `params` and `model_state` (placed on the
-        mesh; None: the empty model state of a plain task)."""
+        mesh; None: the empty model state of a plain task), of one replica with a periodic
+        axis.
+
+        Raises:
+          ValueError: for an optimizer holding a `cross_shard` inside another transformation.
+        """
         shardings = self.param_shardings(params)
         params = jax.device_put(params, shardings)
         with jax.set_mesh(self.mesh):  # the axis rules size their state from the mesh
             refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
             opt_shardings = self.opt_state_shardings(params)
             opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
-        step = jax.device_put(jnp.zeros((), jnp.int32), self._replicated)
-        model_state = jax.device_put({} if model_state is None else model_state, self._replicated)
-        state = TrainState(step, params, opt_state, model_state)
-        if self.periodic_programs is None:
-            return state
-        with jax.set_mesh(self.mesh):  # the replicas and the outer state
-            return self.periodic_programs.replicate(
-                state, self.layout, self.param_shardings, self.opt_state_shardings
-            )
+        step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        model_state = jax.device_put({} if model_state is None else model_state, self.replicated)
+        return TrainState(step, params, opt_state, model_state)
 
     def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
@@ -147,7 +155,7 @@ class Placement:
 
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""
-        return jax.tree.map(lambda x: x.sharding, state)
+        return state_shardings(state)
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host-local NumPy arrays -> global arrays sharded over the data axes."""
@@ -155,3 +163,10 @@ class Placement:
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
             local_batch,
         )
+
+    def as_global(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """`batch` as global arrays: host-local NumPy ones placed (`global_batch`), global ones
+        as they are."""
+        if isinstance(next(iter(jax.tree.leaves(batch))), np.ndarray):
+            return self.global_batch(batch)
+        return batch

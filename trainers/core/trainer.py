@@ -1,47 +1,45 @@
 """The generic pjit trainer: `init` / `step` / `fit`, over any task and any cross-shard optimizer.
 
-`Trainer` sets a run up; the placement of params and batches on the mesh and the initial
-state are its base `trainers.core.placement.Placement`, the step programs (compiled per kind of
-step by `trainers.core.programs`) and a periodic axis's programs
-(`trainers.core.periodic_programs`) its base `trainers.core.dispatch.StepDispatch`. `fit`'s
-loop lives in `trainers.core.loop` (two steps in flight at most, lag-one metrics, stops agreed
-between processes).
+`Trainer` sets a run up from its parts: the placement of params and batches on the mesh and
+the initial state (`trainers.core.placement.DevicePlacement`), the step programs (compiled per
+kind of step, `trainers.core.step.programs.StepPrograms`) and a periodic axis's programs
+(`trainers.core.periodic.sync.PeriodicPrograms`). `fit`'s loop lives in `trainers.core.loop`
+(two steps in flight at most, lag-one metrics, stops agreed between processes) and returns a
+`FitResult`.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from trainers.core.dispatch import StepDispatch
 from trainers.core.hook import Hook, StopTraining
-from trainers.core.loop import FitLoop
-from trainers.core.periodic import Periodic
-from trainers.core.periodic_programs import PeriodicPrograms
+from trainers.core.loop import FitLoop, FitResult
+from trainers.core.metrics import StepMetrics
+from trainers.core.periodic.axis import Periodic
+from trainers.core.periodic.sync import PeriodicPrograms
+from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
-from trainers.core.programs import StepPrograms
-from trainers.core.step import make_train_step
-from trainers.core.step_levels import LEVELS
-from trainers.core.step_tx import as_cross_shard, periodic_inner_axes, step_spec
-from trainers.core.step_types import TrainState
+from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
+from trainers.core.step.optimizer import as_cross_shard
+from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
+from trainers.core.step.spec import periodic_inner_axes, step_spec
+from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
 from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
 
-__all__ = ["Hook", "StopTraining", "StopVote", "Trainer"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["FitResult", "Hook", "StopTraining", "StopVote", "TrainState", "Trainer"]
 
 
-class Trainer(StepDispatch):
+class Trainer:
     """Trains `task` with the optimizer `tx` on `mesh`.
 
     Args:
@@ -74,12 +72,26 @@ class Trainer(StepDispatch):
         forward and backward passes (`trainers.core.precision`; default: float32 for both).
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
-    `trainers.core.step_levels`) has its own compiled program (docs/benchmarks.md measured the
+    `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
     alternatives slower). `fit` compiles those its run will meet before the first step,
     concurrently (`compile_run`), so that no statistics step stops the run in its middle to
     compile; ``fit(compile_ahead=False)`` compiles each when a step first needs it instead (a
     faster first step, measured in docs/benchmarks.md). `compile_levels` compiles chosen
     levels ahead of time.
+
+    Its parts, each built and usable alone:
+
+    Attributes:
+      placement: where the params, optimizer state and batches live, and the initial state
+        (`trainers.core.placement.DevicePlacement`).
+      programs: the step programs, lowered, compiled and dispatched by kind of step
+        (`trainers.core.step.programs.StepPrograms`).
+      periodic: the periodic axis (`trainers.core.periodic.axis.Periodic`), or None.
+      periodic_programs: its sync and warm-up switch programs
+        (`trainers.core.periodic.sync.PeriodicPrograms`), or None.
+      tx: the optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
+      spec: the step's static description (`trainers.core.step.types.StepSpec`).
+      layout: the ZeRO layout of the whole mesh (`trainers.core.zero.ZeroLayout`).
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
@@ -107,11 +119,9 @@ class Trainer(StepDispatch):
         data_axes = tuple(data_axes)
         self.precision = Precision() if precision is None else precision
         self.task, self.mesh = task, mesh
-        #: The periodic axis (`trainers.core.periodic`), or None.
         self.periodic = None if periodic is None else Periodic(mesh, *periodic)
-        #: The data axes each replica reduces over every step (all without a periodic axis).
+        # The data axes each replica reduces over every step (all without a periodic axis).
         inner_axes = periodic_inner_axes(data_axes, periodic)
-        #: The optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
         self.tx = as_cross_shard(tx, reduction, inner_axes)
         self.spec = step_spec(
             mesh,
@@ -124,36 +134,213 @@ class Trainer(StepDispatch):
             seed=seed,
         )
         # The rules are read once the params exist (a Flax task's come from its model).
-        self.layout = zero_layout(zero_stage, mesh, inner_axes, lambda: task.sharding_rules)
-        self.batch_sharding = NamedSharding(mesh, P(data_axes))
-        # A replica's step sees the mesh with the periodic axis manual.
-        step_mesh = mesh if self.periodic is None else self.periodic.replica_mesh()
-        step_layout = zero_layout(zero_stage, step_mesh, inner_axes, lambda: task.sharding_rules)
-        # A step function per level. Validates grad_impl now (ConfigError), not at the first
-        # step. A periodic axis's warm-up steps: the same step reducing over that axis too.
-        build = lambda tx: {  # noqa: E731
-            lv: make_train_step(task, tx, step_mesh, self.spec, lv, step_layout, self.precision)
-            for lv in LEVELS
-        }
-        self._step_fns = build(self.tx)
-        self._warmup_fns = {}
-        if self.periodic is not None and self.periodic.rule.warmup_steps:
-            self._warmup_fns = build(self.periodic.warmup_tx(self.tx, grad_impl, zero_stage))
-        #: The periodic axis's sync and warm-up switch programs, or None.
+        rules: Callable[[], Any] = lambda: task.sharding_rules
+        self.layout = zero_layout(zero_stage, mesh, inner_axes, rules)
+        self.placement = DevicePlacement(
+            task,
+            self.tx,
+            mesh,
+            data_axes=data_axes,
+            seed=seed,
+            layout=self.layout,
+            precision=self.precision,
+        )
+        agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
+        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree)
         self.periodic_programs = None if self.periodic is None else PeriodicPrograms(self.periodic)
-        #: The compiled step programs, each compiled when a step first needs it.
-        self.programs = StepPrograms()
-        self._replicated = NamedSharding(mesh, P())
-        self.agree_stop = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
-        # One vote per device, each process filling its own devices (`_votes`).
-        self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-        self._vote_arrays: dict[int, jax.Array] = {}
-        self.compile_seconds: float | None = None
-        self._report_compile = False
-        #: After `fit` with agreed stops: the vote that stopped it, or None.
-        self.agreed_stop: StopVote | None = None
 
-    # --------------------------------------------------------------------- loop
+    def _step_programs(
+        self, zero_stage: int, inner_axes: tuple[str, ...], rules: Callable[[], Any], agree: bool
+    ) -> StepPrograms:
+        """The step programs: a step function per level (validating ``grad_impl`` now, not at
+        the first step), and a periodic axis's warm-up ones (the same step reducing over that
+        axis too). A replica's step sees the mesh with the periodic axis manual."""
+        periodic = self.periodic
+        step_mesh = self.mesh if periodic is None else periodic.replica_mesh()
+        build = functools.partial(
+            step_functions,
+            self.task,
+            mesh=step_mesh,
+            spec=self.spec,
+            layout=zero_layout(zero_stage, step_mesh, inner_axes, rules),
+            precision=self.precision,
+        )
+        step_fns, warmup_fns = build(self.tx), {}
+        if periodic is not None and periodic.rule.warmup_steps:
+            warmup_fns = build(periodic.warmup_tx(self.tx, self.spec.grad_impl, zero_stage))
+        return StepPrograms(
+            step_fns,
+            warmup_fns,
+            mesh=self.mesh,
+            batch_sharding=self.placement.batch_sharding,
+            periodic=periodic,
+            agree_stop=agree,
+            grad_impl=self.spec.grad_impl,
+        )
+
+    @property
+    def agree_stop(self) -> bool:
+        """Whether the processes agree on stops within the steps (their programs take votes)."""
+        return self.programs.agree_stop
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """The seconds spent compiling the step programs and a periodic axis's so far; None
+        before the first compilation."""
+        periodic = self.periodic_programs
+        times = [self.programs.compile_seconds]
+        times += [] if periodic is None else [periodic.compile_seconds]
+        known = [t for t in times if t is not None]
+        return sum(known) if known else None
+
+    # ------------------------------------------------------------------ state (placement)
+
+    def init_variables(self, first_batch: dict[str, np.ndarray]) -> tuple[Any, Any]:
+        """`DevicePlacement.init_variables`: the params and model state from the seed."""
+        return self.placement.init_variables(first_batch)
+
+    def init_params(self, first_batch: dict[str, np.ndarray]) -> Any:
+        """Initialises the task's params from the seed, placed with their shardings."""
+        return self.placement.init_params(first_batch)
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """Returns the initial `TrainState` for `params` and `model_state` (placed on the
+        mesh; None: the empty model state of a plain task); with a periodic axis, replicated
+        over it with the outer state (`PeriodicPrograms.replicate`)."""
+        state = self.placement.init(params, model_state)
+        if self.periodic_programs is None:
+            return state
+        placement = self.placement
+        with jax.set_mesh(self.mesh):  # the replicas and the outer state
+            return self.periodic_programs.replicate(
+                state, self.layout, placement.param_shardings, placement.opt_state_shardings
+            )
+
+    def state_shapes(self, batch: Any) -> StateShapes:
+        """`DevicePlacement.state_shapes`: the state of `batch` as shapes, nothing allocated."""
+        return self.placement.state_shapes(batch)
+
+    def state_shardings(self, state: TrainState) -> Any:
+        """The shardings every `TrainState` of this run has (what the step keeps)."""
+        return self.placement.state_shardings(state)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host-local NumPy arrays -> global arrays sharded over the data axes."""
+        return self.placement.global_batch(local_batch)
+
+    # ------------------------------------------------------------------ programs
+
+    def lower(self, level: int, state: TrainState, batch: dict[str, Any]) -> jax.stages.Lowered:
+        """Traces and lowers the program of `level` for `state` and batches like `batch`
+        (global arrays), without compiling it: its StableHLO (`Lowered.as_text`) says which
+        dtypes the step computes in, before the compiler's rewrites."""
+        return self.programs.lower(ProgramKey(level), state, batch).lowered
+
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The compiled step of the lowest level compiled so far (plain steps, the most
+        frequent: for HLO, cost and memory analysis); None before the first compilation."""
+        return next(iter(self.programs.compiled.by_level().values()), None)
+
+    def executable_for(self, level: int, warmup: bool = False) -> jax.stages.Compiled | None:
+        """The compiled step that runs (warm-up) steps of `level` (None: not compiled yet)."""
+        return self.programs.compiled.get(ProgramKey(level, warmup))
+
+    def executables(self) -> dict[int, jax.stages.Compiled]:
+        """Every compiled step so far, by the level it serves, lowest first."""
+        return self.programs.compiled.by_level()
+
+    def compile_levels(
+        self, state: TrainState, batch: dict[str, Any], levels: Iterable[int]
+    ) -> None:
+        """Compiles, ahead of time, the programs that run steps of `levels` (those not
+        compiled yet), for `state` and batches like `batch` (host-local or global)."""
+        keys = [ProgramKey(lv) for lv in levels]
+        self.programs.compile_missing(keys, state, self.placement.as_global(batch))
+
+    def compile_run(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        first: int,
+        num_steps: int,
+        periods: dict[str, int],
+    ) -> None:
+        """Compiles, concurrently, the step programs that steps `first` .. `num_steps` will run
+        (`StepPrograms.compile_run`: the levels of `step_level` from the `periods`, the
+        periodic axis's warm-up ones for its warm-up steps), those not compiled yet: no
+        statistics step compiles in the middle of the run. The seconds join
+        `compile_seconds`."""
+        self.programs.compile_run(state, self.placement.as_global(batch), first, num_steps, periods)
+
+    def sync_executable(self, fragment: int = 0) -> jax.stages.Compiled | None:
+        """The compiled sync program of `fragment` (None: not compiled yet, or no periodic
+        axis)."""
+        programs = self.periodic_programs
+        return None if programs is None else programs.sync_executable(fragment)
+
+    # ------------------------------------------------------------------ steps
+
+    def step(
+        self,
+        state: TrainState,
+        batch: dict[str, Any],
+        *,
+        with_stats: bool = True,
+        layer_stats: bool = False,
+        histograms: bool = False,
+        stop_vote: int = 0,
+        warmup: bool = False,
+    ) -> tuple[TrainState, StepMetrics]:
+        """One update on `batch` (host-local NumPy or global arrays). Donates `state`.
+
+        The step is compiled ahead of time on first use (the program of each level on the
+        first step that needs it); later calls reuse it (a batch of another shape is an
+        error, never a silent recompilation). The metrics are a
+        mapping of floats, fetched from the device on first read.
+
+        Args:
+          state: the state to update (donated).
+          batch: the step's batch.
+          with_stats: compute the update/param norms, the reduced gradient's norm and the
+            per-shard statistics (about one kernel per parameter each); without them the
+            metrics leave them out.
+          layer_stats: also the per-layer norms of the applied gradient and of the new params
+            (`StepMetrics.diagnostics`); implies `with_stats`.
+          histograms: also gradient histograms per layer; implies `layer_stats`.
+          stop_vote: with `agree_stop`, this process's `StopVote.encode`, reduced over all
+            processes into the hidden metric `STOP_VOTE_KEY`.
+          warmup: run a warm-up step of the periodic axis (its own programs: the gradient
+            reduced over that axis too, as `reduction=mean` would); `fit` passes it for
+            steps 1 to ``warmup_steps`` (`Periodic.in_warmup`).
+
+        Returns:
+          (the new state, its `StepMetrics`).
+
+        Raises:
+          ValueError: for `warmup` without a periodic axis with ``warmup_steps``.
+        """
+        level = (
+            HISTOGRAMS if histograms else LAYERS if layer_stats else STATS if with_stats else PLAIN
+        )
+        key = ProgramKey(level, warmup)
+        return self.programs.run(key, state, self.placement.as_global(batch), stop_vote)
+
+    def sync(
+        self, state: TrainState, step: int, metrics: StepMetrics
+    ) -> tuple[TrainState, StepMetrics]:
+        """After update `step`: the periodic axis's program due, if any
+        (`trainers.core.periodic.sync`): the switch from the warm-up after step
+        ``warmup_steps``, or the sync of a fragment (`xshard.reduce.periodic.due_fragment`), whose
+        statistics join the step's metrics; else `state` and `metrics` as they are. Donates
+        `state` when a program runs. Each program is compiled when first needed.
+        """
+        if self.periodic_programs is None:
+            return state, metrics
+        done = self.periodic_programs.after_step(state, step, metrics, self.state_shardings)
+        return done.state, done.metrics
+
+    # ------------------------------------------------------------------ loop
 
     def fit(
         self,
@@ -165,9 +352,9 @@ class Trainer(StepDispatch):
         layer_stats_every: int = 0,
         histogram_every: int = 0,
         stats_every: int = 1,
-        should_stop=lambda: False,
+        should_stop: Callable[[], Any] = lambda: False,
         compile_ahead: bool = True,
-    ) -> tuple[TrainState, str]:
+    ) -> FitResult:
         """Runs until `state.step == num_steps`, the data ends, or a stop is requested.
 
         Args:
@@ -186,15 +373,17 @@ class Trainer(StepDispatch):
             goes to `on_state`, then every hook sees `on_end`. Before the first step nothing
             is trained. With `agree_stop` (several processes), `should_stop` and `wants_stop`
             are this process's vote, cast into each step; a vote at step k ends the run after
-            step k + 1 on every process (`agreed_stop` says whose vote it was), and nothing is
-            checked before the first step (the caller agrees on that).
+            step k + 1 on every process (the result's `agreed_stop` says whose vote it was,
+            and every hook's `Hook.on_stop_agreed` hears it as soon as it is known), and
+            nothing is checked before the first step (the caller agrees on that).
           compile_ahead: compile every step program the run will meet (`compile_run`: the
             levels of its steps from the periods above) before the first step, concurrently,
             with their time reported at that step (`perf/compile_time_s`); False: each when a
             step first needs it.
 
         Returns:
-          (final state, reason the loop ended).
+          A `FitResult`: the final state, the reason the loop ended, the agreed stop and the
+          compile seconds.
 
         Raises:
           Whatever a hook or the step raised; every hook's `on_end` ran first. An error in an

@@ -39,6 +39,7 @@ from jax.sharding import Mesh
 from trainers.config.run import TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
 from trainers.core.step import TrainState
+from trainers.core.stop_vote import StopVote
 from trainers.hooks.evaluator import Evaluator
 from xshard.errors import ConfigError
 
@@ -65,7 +66,8 @@ class EvalHook(Hook):
       num_steps: the run's ``trainer.steps`` (the last step is always evaluated).
       sinks: called with ``(step, metrics)`` after each evaluation, in order (the other
         hooks' `Hook.on_eval`).
-      preempted: whether a stop signal ended the run (then a stopped run is not evaluated).
+      preempted: whether a stop signal to this process ended the run (then a stopped run is
+        not evaluated); one to another process comes as an agreed stop (`on_stop_agreed`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class EvalHook(Hook):
         self.sinks = tuple(sinks)
         self.preempted = preempted
         self.last_step: int | None = None  # the step of the latest evaluation
+        self.stopped_by_signal = False  # the agreed stop was a signal, here or elsewhere
 
     def wants_state(self, step: int) -> bool:
         return step == self.num_steps or (self.every > 0 and step % self.every == 0)
@@ -91,8 +94,12 @@ class EvalHook(Hook):
         if self.wants_state(step):  # on_state also comes for other hooks' steps
             self._evaluate(step, state)
 
+    def on_stop_agreed(self, vote: StopVote) -> None:
+        self.stopped_by_signal = vote.signal
+
     def on_end(self, step: int, state: TrainState, reason: str) -> None:
-        if reason != "error" and not self.preempted():  # a hook's stop evaluates too
+        preempted = self.preempted() or self.stopped_by_signal
+        if reason != "error" and not preempted:  # a hook's stop evaluates too
             self._evaluate(step, state)
 
     def _evaluate(self, step: int, state: TrainState) -> None:

@@ -31,6 +31,10 @@ class Recorder(Hook):
     def __init__(self, stop_from: int | None = None, via_hook: bool = False):
         self.metrics, self.saved, self.ended = {}, [], None
         self.stop_from, self.via_hook, self.dispatched = stop_from, via_hook, 0
+        self.agreed = None
+
+    def on_stop_agreed(self, vote):
+        self.agreed = (vote, sorted(self.metrics))  # told once, before the run's last step
 
     def on_step(self, step, metrics):
         self.metrics[step] = dict(metrics)
@@ -61,33 +65,35 @@ def fit(agree: bool, *, stop_from: int | None, via_hook: bool = False, steps: in
     state = trainer.init(trainer.init_params(next(iter(task.batches(BATCH, seed=0)))))
     rec = Recorder(stop_from, via_hook)
     should_stop = (lambda: False) if via_hook else rec._due
-    state, reason = trainer.fit(
+    result = trainer.fit(
         state,
         task.batches(BATCH, seed=0),
         num_steps=steps,
         hooks=[rec],
         should_stop=should_stop,
     )
-    return trainer, rec, reason
+    return result, rec, result.reason
 
 
 def test_an_agreed_stop_voted_at_step_k_ends_the_run_after_step_k_plus_1():
-    trainer, rec, reason = fit(True, stop_from=3)
+    result, rec, reason = fit(True, stop_from=3)
     assert reason == "stopped" and rec.ended == (4, "stopped") and rec.saved == [4]
-    assert trainer.agreed_stop == StopVote(step=3, process=0, signal=True, hook=False)
+    assert result.agreed_stop == StopVote(step=3, process=0, signal=True, hook=False)
+    assert rec.agreed == (result.agreed_stop, [1, 2, 3])  # the hooks heard it at step 3's metrics
     assert sorted(rec.metrics) == [1, 2, 3, 4]
     assert all(STOP_VOTE_KEY not in m for m in rec.metrics.values())  # hidden from hooks
 
 
 def test_a_hook_vote_is_agreed_too_and_says_so():
-    trainer, rec, reason = fit(True, stop_from=2, via_hook=True)
+    result, rec, reason = fit(True, stop_from=2, via_hook=True)
     assert reason == "stopped" and rec.ended == (3, "stopped")
-    assert trainer.agreed_stop == StopVote(step=2, process=0, signal=False, hook=True)
+    assert result.agreed_stop == StopVote(step=2, process=0, signal=False, hook=True)
 
 
 def test_without_agreement_a_stop_ends_the_run_after_the_current_step():
-    trainer, rec, reason = fit(False, stop_from=3)
-    assert reason == "stopped" and rec.ended[1] == "stopped" and trainer.agreed_stop is None
+    result, rec, reason = fit(False, stop_from=3)
+    assert reason == "stopped" and rec.ended[1] == "stopped" and result.agreed_stop is None
+    assert rec.agreed is None
 
 
 def test_no_vote_trains_every_step_and_the_same_numbers():

@@ -55,7 +55,8 @@ def trainer_and_state(task, precision=None, lr=3e-3):
 def train(task, steps, precision=None):
     trainer, state, _ = trainer_and_state(task, precision)
     rec = Losses()
-    state, _ = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps, hooks=[rec])
+    result = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps, hooks=[rec])
+    state = result.state
     return np.array(rec.losses), jax.device_get(state)
 
 

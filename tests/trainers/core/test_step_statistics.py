@@ -262,7 +262,7 @@ def fit(task, mesh, tx, steps=6, **kwargs):
     state = trainer.init(trainer.init_params(first))
     rec = Recorder(trainer)
     with CompileEvents() as events:
-        state, reason = trainer.fit(
+        result = trainer.fit(
             state,
             task.batches(BATCH, seed=0),
             num_steps=steps,
@@ -271,6 +271,7 @@ def fit(task, mesh, tx, steps=6, **kwargs):
             layer_stats_every=3,
             histogram_every=4,
         )
+        state, reason = result.state, result.reason
     assert reason == "done"
     return jax.device_get(state.params), rec, trainer, events
 

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import xshard
 from tests.cli import load_events
-from trainers.core.step_levels import LAYERS, PLAIN, STATS
+from trainers.core.step.levels import LAYERS, PLAIN, STATS
 from trainers.core.trainer import Hook, Trainer
 from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
 from trainers.hooks.run_logger import LoggerHook, RunInfo
@@ -48,9 +48,10 @@ def train(task, mesh, *, steps=8, reduction="mean", batch=BATCH, stats_every=1, 
     first = next(iter(task.batches(batch, seed=0)))
     state = trainer.init(trainer.init_params(first))
     rec = Recorder()
-    state, reason = trainer.fit(
+    result = trainer.fit(
         state, task.batches(batch, seed=0), num_steps=steps, hooks=[rec], stats_every=stats_every
     )
+    state, reason = result.state, result.reason
     assert reason == "done"
     losses = np.array([rec.metrics[s]["train/loss"] for s in range(1, steps + 1)])
     return jax.device_get(state.params), losses, rec, trainer
@@ -223,7 +224,7 @@ def test_tensorboard_gets_every_tag_of_each_logging_step_in_one_event(mlp, tmp_p
     trainer = Trainer(mlp, tx, mesh_of((8,), ("data",)), global_batch_size=BATCH)
     first = next(iter(mlp.batches(BATCH, seed=0)))
     rec = Recorder()
-    _, reason = trainer.fit(
+    result = trainer.fit(
         trainer.init(trainer.init_params(first)),
         mlp.batches(BATCH, seed=0),
         num_steps=steps,
@@ -231,6 +232,7 @@ def test_tensorboard_gets_every_tag_of_each_logging_step_in_one_event(mlp, tmp_p
         stats_every=2,
         layer_stats_every=every,
     )
+    reason = result.reason
     assert reason == "done"
     events = load_events(tmp_path)
     logged = (3, 6, 8)  # every 3rd step and the last

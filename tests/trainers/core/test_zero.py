@@ -254,7 +254,7 @@ def test_start_up_report_lists_shardings_and_replicated_leaves_with_bytes():
 
 def test_bad_zero_stage_is_a_config_error_naming_the_key():
     # Checked once, where the node is read (trainers/config/zero_options.py).
-    for bad in (5, -1, "x", True, 1.5):
+    for bad in (5, -1, "x", True, 1.5, 1.0):
         with pytest.raises(ConfigError, match=r"sharding\.zero_stage="):
             ShardingOptions.from_config({"zero_stage": bad})
 

@@ -93,7 +93,8 @@ def fit(task, mesh, *, steps, eval_every=None, record=None):
         )
         sinks = [record.on_eval] if record is not None else []
         hooks.append(EvalHook(evaluator, every=eval_every, num_steps=steps, sinks=sinks))
-    state, reason = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps, hooks=hooks)
+    result = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps, hooks=hooks)
+    state, reason = result.state, result.reason
     assert reason == "done"
     return jax.device_get(state), evaluator
 
@@ -145,7 +146,8 @@ def test_eval_at_the_end_when_the_data_runs_out():
         task, mesh, state, data_axes=("data",), opts=options(eval_batches=1), seed=0
     )
     hook = EvalHook(evaluator, every=0, num_steps=10, sinks=[lambda s, m: seen.append(s)])
-    _, reason = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=10, hooks=[hook])
+    result = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=10, hooks=[hook])
+    reason = result.reason
     assert reason == "data_exhausted" and seen == [3]
 
 

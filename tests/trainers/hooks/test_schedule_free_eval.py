@@ -32,7 +32,8 @@ def test_evaluation_scores_the_schedule_free_eval_params(stage):
     evaluator = build_evaluator(
         task, mesh, state, data_axes=("data",), opts=options(eval_batches=2), seed=0
     )
-    state, _ = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=5)
+    result = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=5)
+    state = result.state
     got = evaluator.evaluate(state)
 
     (sf,) = xshard.optim.slots.find_states(

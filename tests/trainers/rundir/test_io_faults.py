@@ -248,13 +248,14 @@ def test_a_stop_requested_before_the_first_step_trains_and_writes_nothing(
     rec = Recorder()
     ckpt = CheckpointHook(tmp_path, CheckpointOptions(every_steps=1, async_save=False), {})
     hooks = [rec, ckpt] if via == "should_stop" else [StopNow(), rec, ckpt]
-    state, reason = trainer.fit(
+    result = trainer.fit(
         init(),
         task.batches(16, seed=0),
         num_steps=5,
         hooks=hooks,
         should_stop=(lambda: True) if via == "should_stop" else (lambda: False),
     )
+    state, reason = result.state, result.reason
     assert reason == "stopped" and int(state.step) == 0
     assert rec.steps == [] and rec.ends == ["stopped"]
     assert complete_steps(tmp_path) == []

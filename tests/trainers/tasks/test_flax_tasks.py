@@ -60,7 +60,8 @@ def make_trainer(task, mesh, **kwargs):
 
 
 def fit(trainer, task, state, steps):
-    state, reason = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps)
+    result = trainer.fit(state, task.batches(BATCH, seed=0), num_steps=steps)
+    state, reason = result.state, result.reason
     assert reason == "done"
     return state
 

@@ -2,7 +2,7 @@
 meets.
 
 A step's *level* (plain, statistics, per-layer norms, histograms: `LEVELS`) is what it computes
-besides the update (`trainers.core.step`), and `LevelFlags` which statistics that takes.
+besides the update (`trainers.core.step.train_step`), and `LevelFlags` which statistics that takes.
 `step_level` is the schedule `Trainer.fit` follows, from the periods of ``trainer.stats_every``,
 ``trainer.layer_stats_every`` and ``trainer.histogram_every``; `levels_in_run` the levels a run
 will meet, so that their programs (one per level, `trainers.Trainer`) are compiled before its

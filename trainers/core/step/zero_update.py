@@ -120,11 +120,12 @@ def manual_zero_step(
       mesh: the mesh.
       axes: its data axes (manual in the shard_map).
       with_stats: whether the step's level takes the statistics
-        (`trainers.core.step_levels.LevelFlags`).
+        (`trainers.core.step.levels.LevelFlags`).
       reduce_fn: the first phase of the cross-shard optimizer (`CrossShardPhases.reduce`).
-      shard_grads: ``(params, model_state, batch, rng) -> trainers.core.grads.LossAndGrads`` for
-        one shard (params replicated, the gradient per shard, the new model state already
-        reduced over the shards), run inside the shard_map.
+      shard_grads: ``(params, model_state, batch, rng) -> LossAndGrads``
+        (`trainers.core.step.grads`) for one shard (params replicated, the gradient per
+        shard, the new model state already reduced over the shards), run inside the
+        shard_map.
       whole: reduce the gradient whole at every stage, as stage 1 does (the update's
         constraints then slice it): for every-step axis rules (`xshard.reduce.axes`), which
         share their reduction out by their own shares, not by the ZeRO slices.

@@ -1,7 +1,7 @@
 """The train step's data: the state it updates (`TrainState`), its static description
 (`StepSpec`), its result (`StepResult`, and `TrainStep`: the step function and what its metrics
-mean), and its RNG, a pure function of (seed, step) (`step_rng`). The step itself is
-`trainers.core.step`."""
+mean), its RNG, a pure function of (seed, step) (`step_rng`), and the shardings a state's
+arrays keep (`state_shardings`). The step itself is `trainers.core.step.train_step`."""
 
 from __future__ import annotations
 
@@ -65,3 +65,8 @@ class StepSpec:
 def step_rng(seed: int, step: jax.Array) -> jax.Array:
     """The step's RNG key: a pure function of (seed, step), so a resumed run draws the same."""
     return jax.random.fold_in(jax.random.key(seed), step)
+
+
+def state_shardings(state: TrainState) -> Any:
+    """The shardings of `state`'s arrays (what a step program keeps them in)."""
+    return jax.tree.map(lambda x: x.sharding, state)

@@ -43,7 +43,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.core.step import TrainState
+from trainers.core.step.types import TrainState
 from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation, over_axes

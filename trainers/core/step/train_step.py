@@ -23,8 +23,9 @@ per-shard gradients are, ``apply`` (the guard, the inner update and its addition
 in one branch) after it.
 
 The step's data (`TrainState`, `StepSpec`, `StepResult`, `TrainStep`) live in
-`trainers.core.step_types` and the levels in `trainers.core.step_levels`, both importable from
-here; the loss and gradient over microbatches in `trainers.core.grads`.
+`trainers.core.step.types` and the levels in `trainers.core.step.levels`; the loss and gradient
+over microbatches in `trainers.core.step.grads`, the ZeRO variants in
+`trainers.core.step.zero_update`.
 """
 
 from __future__ import annotations
@@ -38,42 +39,21 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from trainers.config.run import GRAD_IMPLS
-from trainers.core.grads import LossAndGrads, loss_and_grads
-from trainers.core.metrics import StepMetrics, stack_metrics, state_metrics
+from trainers.core.metrics import state_metrics
 from trainers.core.model_state import LossFn, loss_fn, reduce_over_shards
 from trainers.core.precision import Precision
-from trainers.core.step_levels import (
-    HISTOGRAMS,
-    LAYERS,
+from trainers.core.step.grads import LossAndGrads, loss_and_grads
+from trainers.core.step.levels import (
     LEVELS,
-    PLAIN,
-    STATS,
     LevelFlags,
     level_flags,
 )
-from trainers.core.step_types import StepResult, StepSpec, TrainState, TrainStep, step_rng
+from trainers.core.step.types import StepResult, StepSpec, TrainState, TrainStep, step_rng
+from trainers.core.step.zero_update import constrain_for_update, gathered, manual_zero_step, updated
 from trainers.core.zero import ZeroLayout
-from trainers.core.zero_step import constrain_for_update, gathered, manual_zero_step, updated
-from xshard.errors import ConfigError
 from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
 from xshard.reduce.axes import state_partition_specs
 from xshard.stats.tree import leaf_sq_norms
-
-__all__ = [
-    "HISTOGRAMS",
-    "LAYERS",
-    "LEVELS",
-    "PLAIN",
-    "STATS",
-    "StepMetrics",
-    "StepResult",
-    "StepSpec",
-    "TrainState",
-    "TrainStep",
-    "make_train_step",
-    "stack_metrics",
-]
 
 
 class Trained(NamedTuple):
@@ -126,7 +106,8 @@ def make_train_step(
       spec: the static description of the step.
       level: the level the program computes (`LEVELS`).
       layout: with a ZeRO stage >= 1, where the gradient is reduced and the update runs
-        (`trainers.core.zero_step`); None or stage 0: everything replicated over the data axes.
+        (`trainers.core.step.zero_update`); None or stage 0: everything replicated over the
+        data axes.
       precision: the dtypes of the params and of the loss's computation
         (`trainers.core.precision`): the task's loss runs on params cast to the compute dtype;
         None: float32 throughout.
@@ -139,13 +120,8 @@ def make_train_step(
       ``grad_hist`` (`xshard.stats.layers.Histograms`).
 
     Raises:
-      ConfigError: for a `spec.grad_impl` that is not allowed.
       ValueError: for a level that is not one of `LEVELS`.
     """
-    if spec.grad_impl not in GRAD_IMPLS:
-        raise ConfigError(
-            f"trainer.grad_impl={spec.grad_impl!r} is not allowed; choose one of {GRAD_IMPLS}."
-        )
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}.")
     task_loss = (precision or Precision()).loss_fn(loss_fn(task))
@@ -286,7 +262,7 @@ class _StepProgram:
 
     def manual_zero(self, state: TrainState, batch: Any) -> StepResult:
         """``grad_impl=manual`` with ZeRO: the reduction in a shard_map, the update on the
-        slices outside it (`trainers.core.zero_step`)."""
+        slices outside it (`trainers.core.step.zero_update`)."""
         reduce = manual_zero_step(
             self.zero_layout,
             self.mesh,

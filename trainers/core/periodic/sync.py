@@ -1,4 +1,4 @@
-"""The programs a periodic axis adds to a run's step programs (`trainers.core.periodic`):
+"""The programs a periodic axis adds to a run's step programs (`trainers.core.periodic.axis`):
 one sync program per fragment and the switch from the warm-up, each compiled when a step first
 needs it (as the step programs are: `trainers.core.trainer.Trainer`), then dispatched after
 the updates that call for it (`xshard.reduce.periodic.due_fragment`)."""
@@ -14,8 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
-from trainers.core.periodic import BYTES_TAG, Periodic
-from trainers.core.step import TrainState
+from trainers.core.periodic.axis import BYTES_TAG, Periodic
+from trainers.core.step.types import TrainState
 from trainers.core.zero import ZeroLayout
 from xshard.errors import ConfigError
 from xshard.reduce.periodic import due_fragment
@@ -37,6 +37,7 @@ class PeriodicPrograms:
       periodic: the axis.
       groups: the parameter leaves of each fragment (set by `prepare`).
       bytes_per_step: bytes a device sends over the axis per step, over a period.
+      compile_seconds: the seconds spent compiling its programs so far; None before the first.
     """
 
     def __init__(self, periodic: Periodic):
@@ -45,6 +46,7 @@ class PeriodicPrograms:
         self.bytes_per_step = 0.0
         self._syncs: dict[int, jax.stages.Compiled] = {}
         self._start: jax.stages.Compiled | None = None
+        self.compile_seconds: float | None = None
 
     def prepare(self, params: Any) -> None:
         """Splits one replica's `params` into the fragments and measures the bytes sent.
@@ -135,4 +137,6 @@ class PeriodicPrograms:
                 .lower(state)
                 .compile()
             )
-        return compiled, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        return compiled, seconds

@@ -1,6 +1,6 @@
 """The loss and gradient of one shard's batch: means over its microbatches (`loss_and_grads`),
-accumulated in float32 and nothing reduced across shards; the step (`trainers.core.step`)
-reduces them."""
+accumulated in float32 and nothing reduced across shards; the step
+(`trainers.core.step.train_step`) reduces them."""
 
 from __future__ import annotations
 

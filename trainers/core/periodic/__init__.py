@@ -1,0 +1,16 @@
+"""A periodic mesh axis (local SGD, DiLoCo): its replicas, inner and sync programs (`axis`:
+`Periodic`, and the params to evaluate of a periodic run, `outer_params`), and the programs it
+adds after the steps that call for them (`sync`: `PeriodicPrograms`). Importable from here."""
+
+from trainers.core.periodic.axis import BYTES_TAG, SYNC_TAGS, Periodic, is_sync_tag, outer_params
+from trainers.core.periodic.sync import AfterStep, PeriodicPrograms
+
+__all__ = [
+    "BYTES_TAG",
+    "SYNC_TAGS",
+    "AfterStep",
+    "Periodic",
+    "PeriodicPrograms",
+    "is_sync_tag",
+    "outer_params",
+]

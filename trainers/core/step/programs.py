@@ -1,0 +1,305 @@
+"""A run's step programs: one per kind of step (`ProgramKey`: its level, and whether it is a
+periodic axis's warm-up step), lowered, compiled and dispatched by `StepPrograms`; the kinds a
+run will meet (`keys_in_run`); the compiled executables with what tracing recorded to read
+their results (the metric names, the per-layer statistics' layouts: `CompiledSteps`).
+
+A level's step function (`trainers.core.step.train_step`) becomes one jitted program that
+donates the state, packs the metrics and per-layer statistics into one vector (one transfer to
+the host), takes the highest stop vote of all devices (`trainers.core.stop_vote`) and, with a
+periodic axis, runs every replica alone. The programs a run will meet are compiled together
+before its first step (`StepPrograms.compile_run`; `compile_missing` for chosen kinds), any
+other when a step first needs it, then dispatched by `StepPrograms.run`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
+from trainers.core.periodic.axis import Periodic
+from trainers.core.precision import Precision
+from trainers.core.step.levels import HISTOGRAMS, LAYERS, LEVELS, PLAIN, levels_in_run
+from trainers.core.step.train_step import make_train_step
+from trainers.core.step.types import StepSpec, TrainState, TrainStep, state_shardings
+from trainers.core.stop_vote import STOP_VOTE_KEY
+from trainers.core.zero import ZeroLayout
+from xshard.errors import ConfigError
+from xshard.optim.cross_shard import CrossShardTransformation
+from xshard.reduce.gradients import PerShardGradientsRequired
+from xshard.stats.layers import leaf_names
+
+logger = logging.getLogger(__name__)
+
+
+class Traced(NamedTuple):
+    """A lowered step program and what its tracing recorded."""
+
+    lowered: jax.stages.Lowered
+    keys: tuple[str, ...]  # the metric names, in the order of the metrics vector
+    layouts: dict[str, tuple[int, ...]]  # the per-layer statistics' shapes after them
+    stats_keys: frozenset[str]  # the metrics only statistics steps compute
+
+
+class ProgramKey(NamedTuple):
+    """Which program runs a step: its level (`trainers.core.step.levels.LEVELS`) and whether it is
+    a warm-up step of a periodic axis (`trainers.core.periodic.axis.Periodic.warmup_tx`)."""
+
+    level: int
+    warmup: bool = False
+
+
+def keys_in_run(
+    first: int, num_steps: int, warmup_steps: int, periods: dict[str, int]
+) -> frozenset[ProgramKey]:
+    """The programs that steps `first` .. `num_steps` of a run run: the levels of its steps
+    (`levels_in_run` with `periods`), as warm-up programs for steps 1 .. `warmup_steps` (a
+    periodic axis's warm-up, 0: none)."""
+    warm = levels_in_run(first, num_steps, last=warmup_steps, **periods)
+    rest = levels_in_run(max(first, warmup_steps + 1), num_steps, **periods)
+    return frozenset(ProgramKey(lv, True) for lv in warm) | {ProgramKey(lv) for lv in rest}
+
+
+class CompiledSteps:
+    """The compiled step programs of a run, by `ProgramKey`, and how to read their metrics."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[ProgramKey, jax.stages.Compiled] = {}
+        self._layouts: dict[int, dict[str, tuple[int, ...]]] = {}  # by level
+        self._metric_keys: tuple[str, ...] = ()
+        self._stats_keys: frozenset[str] = frozenset()
+        self._leaf_names: tuple[str, ...] = ()
+
+    def get(self, key: ProgramKey) -> jax.stages.Compiled | None:
+        """The compiled program of `key`, or None."""
+        return self._compiled.get(key)
+
+    def by_level(self, warmup: bool = False) -> dict[int, jax.stages.Compiled]:
+        """The compiled programs of the (warm-up) steps, by level, lowest first."""
+        return {
+            lv: self._compiled[ProgramKey(lv, warmup)]
+            for lv in LEVELS
+            if ProgramKey(lv, warmup) in self._compiled
+        }
+
+    def compile_concurrently(
+        self,
+        keys: Sequence[ProgramKey],
+        lower: Callable[[ProgramKey], Traced],
+        leaf_names: tuple[str, ...],
+    ) -> float:
+        """Lowers the programs of `keys` one after another (tracing holds the GIL), then
+        compiles them concurrently, one thread each (XLA compiles without it); returns the
+        seconds it took. `leaf_names` names the params' leaves (per-layer statistics)."""
+        start = time.perf_counter()
+        traced = {key: lower(key) for key in keys}
+        if len(traced) == 1:
+            compiled = {key: t.lowered.compile() for key, t in traced.items()}
+        else:
+            with ThreadPoolExecutor(len(traced), thread_name_prefix="xshard-compile") as pool:
+                futures = {key: pool.submit(t.lowered.compile) for key, t in traced.items()}
+                compiled = {key: future.result() for key, future in futures.items()}
+        seconds = time.perf_counter() - start
+        for key, t in traced.items():
+            if self._metric_keys and t.keys != self._metric_keys:  # one metric layout for all
+                raise AssertionError(f"metric keys differ between executables: {t.keys}")
+            self._metric_keys = t.keys
+            self._layouts[key.level] = t.layouts
+            self._stats_keys = t.stats_keys
+            self._compiled[key] = compiled[key]
+        self._leaf_names = leaf_names
+        logger.info(
+            "Compiled the %strain step for level%s %s in %.2f s.",
+            "warm-up " if any(key.warmup for key in traced) else "",
+            "s" if len(traced) > 1 else "",
+            ", ".join(str(key.level) for key in traced),
+            seconds,
+        )
+        return seconds
+
+    def metrics(self, level: int, values: Any) -> StepMetrics:
+        """The `StepMetrics` of a step of `level` from its program's metrics vector."""
+        hidden = (self._stats_keys if level == PLAIN else frozenset()) | {STOP_VOTE_KEY}
+        return StepMetrics(
+            self._metric_keys,
+            values,
+            hidden=hidden,
+            diag=self._layouts[level] if level >= LAYERS else None,
+            diag_names=self._leaf_names,
+            histograms=level == HISTOGRAMS,
+        )
+
+
+def step_functions(
+    task: Any,
+    tx: CrossShardTransformation,
+    mesh: Mesh,
+    spec: StepSpec,
+    layout: ZeroLayout,
+    precision: Precision,
+) -> dict[int, TrainStep]:
+    """A step function per level (`make_train_step`), for `StepPrograms`.
+
+    Raises:
+      ConfigError: for a `spec.grad_impl` that is not allowed.
+    """
+    return {lv: make_train_step(task, tx, mesh, spec, lv, layout, precision) for lv in LEVELS}
+
+
+class StepPrograms:
+    """The step programs of a run: one jitted program per `ProgramKey`, lowered from its step
+    function, compiled once (`CompiledSteps`), dispatched on global batches.
+
+    Args:
+      step_fns: the step function of each level.
+      warmup_fns: those of a periodic axis's warm-up steps (the gradient reduced over that
+        axis too); empty: none.
+      mesh: the device mesh.
+      batch_sharding: a global batch's sharding.
+      periodic: the periodic axis whose replicas each run the step alone, or None.
+      agree_stop: whether the programs take the processes' stop votes.
+      grad_impl: ``trainer.grad_impl``, named by the error of an optimizer that needs per-shard
+        gradients.
+
+    Attributes:
+      compiled: the compiled programs, with what their tracing recorded.
+      compile_seconds: the seconds spent compiling them so far; None before the first.
+    """
+
+    def __init__(
+        self,
+        step_fns: Mapping[int, TrainStep],
+        warmup_fns: Mapping[int, TrainStep],
+        *,
+        mesh: Mesh,
+        batch_sharding: NamedSharding,
+        periodic: Periodic | None,
+        agree_stop: bool,
+        grad_impl: str,
+    ):
+        self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
+        self.mesh, self.batch_sharding, self.periodic = mesh, batch_sharding, periodic
+        self.agree_stop, self.grad_impl = agree_stop, grad_impl
+        self.compiled = CompiledSteps()
+        self.compile_seconds: float | None = None
+        # One vote per device, each process filling its own devices (`_votes`).
+        self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+        self._vote_arrays: dict[int, jax.Array] = {}
+
+    @property
+    def has_warmup(self) -> bool:
+        """Whether there are warm-up programs (a periodic axis with ``warmup_steps``)."""
+        return bool(self._fns[True])
+
+    def lower(self, key: ProgramKey, state: TrainState, batch: dict[str, Any]) -> Traced:
+        """Traces and lowers the program of `key` for `state` and batches like `batch` (global
+        arrays), without compiling it, with what the tracing recorded.
+
+        Raises:
+          ConfigError: for ``grad_impl=gspmd`` with an optimizer that needs per-shard
+            gradients.
+        """
+        shardings = state_shardings(state)
+        keys: list[tuple[str, ...]] = []
+        layouts: list[dict[str, tuple[int, ...]]] = []
+        step_fn = self._fns[key.warmup][key.level]
+
+        def run(state, batch, vote):
+            state, metrics, diag = step_fn.fn(state, batch)
+            if vote is not None:  # agree_stop: the highest vote of all devices
+                metrics = {**metrics, STOP_VOTE_KEY: vote}
+            names, values = stack_metrics(metrics)
+            keys.append(names)  # at trace time
+            # The per-layer statistics travel in the same vector: one transfer to the host.
+            shapes, tail = pack_diagnostics(diag)
+            layouts.append(shapes)
+            return state, jnp.concatenate([values, tail])
+
+        def train_step(state, batch, *votes):
+            vote = jnp.max(votes[0]) if votes else None
+            if self.periodic is not None:  # every replica alone: a row of metrics each
+                return self.periodic.inner(run, state, batch, vote)
+            return run(state, batch, vote)
+
+        jitted = jax.jit(
+            train_step,
+            in_shardings=(shardings, self.batch_sharding)
+            + ((self._vote_sharding,) if self.agree_stop else ()),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        try:
+            with jax.set_mesh(self.mesh):
+                lowered = jitted.lower(state, batch, *self._votes(0))
+        except PerShardGradientsRequired as e:
+            raise ConfigError(
+                f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
+                f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
+                "without per-shard clipping or weights (reduction.clip_per_shard=null)."
+            ) from None
+        return Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
+
+    def compile_missing(
+        self, keys: Iterable[ProgramKey], state: TrainState, batch: dict[str, jax.Array]
+    ) -> None:
+        """Compiles, concurrently, the programs of `keys` not compiled yet, for `state` and
+        batches like `batch` (global arrays); their seconds join `compile_seconds`."""
+        missing = sorted(key for key in set(keys) if self.compiled.get(key) is None)
+        if not missing:
+            return
+        seconds = self.compiled.compile_concurrently(
+            missing, lambda key: self.lower(key, state, batch), tuple(leaf_names(state.params))
+        )
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+
+    def compile_run(
+        self,
+        state: TrainState,
+        batch: dict[str, jax.Array],
+        first: int,
+        num_steps: int,
+        periods: dict[str, int],
+    ) -> None:
+        """`compile_missing` of the programs that steps `first` .. `num_steps` will run
+        (`keys_in_run` from the `periods` of `step_level`, the periodic axis's warm-up ones
+        for its warm-up steps)."""
+        periodic = self.periodic
+        warmup_steps = periodic.rule.warmup_steps if periodic and self.has_warmup else 0
+        self.compile_missing(keys_in_run(first, num_steps, warmup_steps, periods), state, batch)
+
+    def run(
+        self, key: ProgramKey, state: TrainState, batch: dict[str, jax.Array], stop_vote: int
+    ) -> tuple[TrainState, StepMetrics]:
+        """One update by the program of `key` (compiled first if it is not yet), on a global
+        `batch`, with this process's `stop_vote`. Donates `state`.
+
+        Raises:
+          ValueError: for a warm-up step without warm-up programs.
+        """
+        if key.warmup and not self.has_warmup:
+            raise ValueError("warmup=True needs a periodic axis with warmup_steps > 0.")
+        self.compile_missing([key], state, batch)
+        executable = self.compiled.get(key)
+        assert executable is not None
+        state, values = executable(state, batch, *self._votes(stop_vote))
+        return state, self.compiled.metrics(key.level, values)
+
+    def _votes(self, vote: int) -> tuple[jax.Array, ...]:
+        """The step's vote input: this process's `vote` on each of its devices (cached); none
+        without `agree_stop`."""
+        if not self.agree_stop:
+            return ()
+        if vote not in self._vote_arrays:
+            self._vote_arrays[vote] = jax.make_array_from_callback(
+                (self.mesh.size,), self._vote_sharding, lambda _: np.full((1,), vote, np.int32)
+            )
+        return (self._vote_arrays[vote],)

@@ -40,7 +40,7 @@ def big(collectives):
     [("slice", ("slice",), 2), ("data", ("data",), 4), (("slice", "data"), ("slice", "data"), 8)],
 )
 def test_psum_is_placed_on_the_axes_it_reduces_over(mesh, axes, spanned, n):
-    body = lambda v: jax.lax.psum(v, axes)  # noqa: E731
+    body = lambda v: jax.lax.psum(v, axes)
     other = tuple(a for a in SHAPE if a not in spanned)
     text = compiled_text(mesh, body, out_specs=P(other) if other else P())
     (c,) = big(collectives_by_axis(text, SHAPE))
@@ -54,7 +54,7 @@ def test_psum_is_placed_on_the_axes_it_reduces_over(mesh, axes, spanned, n):
 
 
 def test_int8_all_gather_over_slice_counts_one_byte_an_element(mesh):
-    body = lambda v: jax.lax.all_gather(v.astype(jnp.int8), "slice", tiled=True, to="invarying")  # noqa: E731
+    body = lambda v: jax.lax.all_gather(v.astype(jnp.int8), "slice", tiled=True, to="invarying")
     text = compiled_text(mesh, body, out_specs=P("data"))
     (c,) = big(collectives_by_axis(text, SHAPE))
     assert c.op == "all-gather" and c.axes == ("slice",)
@@ -63,7 +63,7 @@ def test_int8_all_gather_over_slice_counts_one_byte_an_element(mesh):
 
 
 def test_a_permute_within_a_slice_never_counts_on_slice(mesh):
-    body = lambda v: jax.lax.ppermute(v, "data", [(i, (i + 1) % 4) for i in range(4)])  # noqa: E731
+    body = lambda v: jax.lax.ppermute(v, "data", [(i, (i + 1) % 4) for i in range(4)])
     text = compiled_text(mesh, body, out_specs=P(("slice", "data")))
     found = big(collectives_by_axis(text, SHAPE))
     assert [c.op for c in found] == ["collective-permute"] and found[0].axes == ("data",)

@@ -61,7 +61,7 @@ def _shape_change(bench: Bench, task: str) -> dict[str, Any]:
     with CompileEvents() as events:
         try:
             jax.block_until_ready(trainer.step(state, half))
-        except Exception as e:  # noqa: BLE001 - the error type is what we report
+        except Exception as e:  # the error type is what we report
             lines = str(e).strip().splitlines() or [""]
             error = f"{type(e).__name__}: {lines[-1][:200]}"  # the last line names the mismatch
     return {

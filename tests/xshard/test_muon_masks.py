@@ -72,7 +72,7 @@ def built_muon_state(params, *overrides):
 
 def unmasked(tree) -> set[str]:
     """The paths of a partitioned state's slot that hold an array (not `optax.MaskedNode`)."""
-    is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    is_masked = lambda x: isinstance(x, optax.MaskedNode)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)[0]
     return {path_str(p) for p, x in leaves if not is_masked(x)}
 

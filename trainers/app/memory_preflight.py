@@ -206,7 +206,7 @@ def _int_keys(node: Any, prefix: str) -> list[tuple[str, Any]]:
     """``(key, value)`` of every integer or list of integers under `node`."""
     if isinstance(node, dict):
         return [kv for k, v in node.items() for kv in _int_keys(v, f"{prefix}.{k}")]
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     if is_int(node) or (isinstance(node, list) and node and all(is_int(v) for v in node)):
         return [(prefix, node)]
     return []

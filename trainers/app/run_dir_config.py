@@ -73,7 +73,7 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
     path = run_dir / CONFIG_FILE
     try:
         content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception as e:  # noqa: BLE001 - a broken file is bad input, one line
+    except Exception as e:  # a broken file is bad input, one line
         raise ConfigError(f"{path}: not a readable YAML config ({type(e).__name__}).") from None
     if not isinstance(content, dict):
         raise ConfigError(f"{path}: expected a mapping of config keys.")

@@ -143,7 +143,7 @@ def finish_job(
             tb = cfg.paths.tb_dir
             log.info("TensorBoard logs: %s  (view: tensorboard --logdir %s)", tb, Path(tb).parent)
         write_result(cfg.paths.output_dir, record)
-    except Exception as e:  # noqa: BLE001 - a full disk or a bad path must not hide the outcome
+    except Exception as e:  # a full disk or a bad path must not hide the outcome
         # One line on stderr (scripts look for result.json), before the run's error line.
         reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(str(e))
         message = (
@@ -265,7 +265,7 @@ class SweepSummary(Callback):
                     path.name,
                     PLOTS_EXTRA,
                 )
-        except Exception as e:  # noqa: BLE001 - a figure is an extra; the table is written
+        except Exception as e:  # a figure is an extra; the table is written
             log.warning("Could not write %s: %s", path, e)
         return None
 

@@ -120,7 +120,7 @@ def restore_data_state(step_dir: Path, iterator: Any) -> bool:
                     **{DATA_ITEM: grain.checkpoint.CheckpointRestore(_item(iterator))}
                 ),
             )
-    except Exception as e:  # noqa: BLE001 - one line naming the checkpoint
+    except Exception as e:  # one line naming the checkpoint
         text = (str(e).strip().splitlines() or [""])[0][:300]
         raise CheckpointError(
             f"Checkpoint {step_dir}: the data iterator's saved state cannot be restored "

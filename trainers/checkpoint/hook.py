@@ -318,7 +318,7 @@ class CheckpointHook(Hook):
         """`close`, logging its error in one line: the run is failing already, never mask that."""
         try:
             self.close()
-        except Exception as e:  # noqa: BLE001 - never mask the run's own error
+        except Exception as e:  # never mask the run's own error
             logger.error("Waiting for the last checkpoint save failed: %s", _one_line(e))
 
     @contextlib.contextmanager

@@ -168,7 +168,7 @@ def _join(
     def join() -> None:
         try:
             jax.distributed.initialize(**kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        except BaseException as e:  # handed to the main thread
             outcome.append(e)
         else:
             outcome.append(None)

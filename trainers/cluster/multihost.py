@@ -130,7 +130,7 @@ class Cluster:
         error: Exception | None = None
         try:
             yield
-        except Exception as e:  # noqa: BLE001 - re-raised below, after the others know
+        except Exception as e:  # re-raised below, after the others know
             error = e
         problems = self.all_gather(f"agree/{name}", None if error is None else _one_line(error))
         if error is not None:

@@ -287,7 +287,7 @@ class RollCall:
             if self.reply is not None:
                 for conn in list(self.answers):
                     _send(conn, self.reply)
-        except Exception as e:  # noqa: BLE001 - the roll call must never end the process
+        except Exception as e:  # the roll call must never end the process
             logger.error("The roll call on the coordinator's port failed: %r", e)
         finally:
             for conn in [*self.unread, *self.answers]:

@@ -92,7 +92,7 @@ class PeerWatchdog:
             self._thread.join(timeout=5 * self.poll_s)
         try:
             self.client.key_value_set(self._key(self.index), f"{_EXIT}{code}", allow_overwrite=True)
-        except Exception as e:  # noqa: BLE001 - the coordinator may be gone already
+        except Exception as e:  # the coordinator may be gone already
             logger.debug("Could not announce exit %d: %s", code, e)
 
     def wait_for_exits(self, timeout_s: float) -> None:
@@ -101,7 +101,7 @@ class PeerWatchdog:
         while time.monotonic() < deadline:
             try:
                 entries = dict(self.client.key_value_dir_get(HEARTBEAT_PREFIX))
-            except Exception:  # noqa: BLE001 - nothing left to wait for
+            except Exception:  # nothing left to wait for
                 return
             peers = [self._key(i) for i in range(self.count) if i != self.index]
             if all(str(entries.get(k, "")).startswith(_EXIT) for k in peers):
@@ -128,7 +128,7 @@ class PeerWatchdog:
             try:
                 self._beat(n)
                 entries = dict(self.client.key_value_dir_get(HEARTBEAT_PREFIX))
-            except Exception as e:  # noqa: BLE001 - the coordinator is unreachable
+            except Exception as e:  # the coordinator is unreachable
                 if self._stop.is_set():
                     return
                 self._lost(
@@ -178,7 +178,7 @@ class PeerWatchdog:
         if self._checkpoint_dir is not None:
             try:
                 done = complete_steps(self._checkpoint_dir)
-            except Exception:  # noqa: BLE001 - the message matters more
+            except Exception:  # the message matters more
                 done = []
             where = (
                 f" Last complete checkpoint: step {done[-1]} in {self._checkpoint_dir}."

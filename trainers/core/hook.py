@@ -78,7 +78,7 @@ def end_hooks(hooks: Sequence[Hook], step: int, state: TrainState, reason: str) 
     for h in hooks:
         try:
             h.on_end(step, state, reason)
-        except Exception as e:  # noqa: BLE001 - each hook must get its on_end
+        except Exception as e:  # each hook must get its on_end
             if first is None and reason != "error":
                 first = e
             else:

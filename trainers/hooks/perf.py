@@ -30,7 +30,7 @@ def step_flops(compiled: Any) -> float | None:
         return None
     try:
         costs = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - some backends do not implement it
+    except Exception:  # some backends do not implement it
         return None
     if isinstance(costs, list | tuple):  # older JAX: one dict per device program
         costs = costs[0] if costs else None

@@ -139,7 +139,7 @@ class LoggerHook(Hook):
             self._failed(sink, e)
             if self.on_error == "stop":
                 raise LoggerError(self._stopped(sink, "before training")) from e
-        except Exception as e:  # noqa: BLE001 - whatever the package raises, one line
+        except Exception as e:  # whatever the package raises, one line
             text = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise LoggerError(
                 f"logger={sink.name} could not start the run: {type(e).__name__}: {text}"

@@ -196,7 +196,7 @@ def sync_fragment(
     ok = jnp.isfinite(tree_sq_norm(mean))  # the same on every replica: after the reduction
     updates, new_opt = rule.outer_optimizer.update(mean, opt_state, outer_params)
     new_params = optax.apply_updates(outer_params, updates)
-    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     new_params, new_opt = keep(new_params, outer_params), keep(new_opt, opt_state)
     if residual is not None:
         new_residual = keep(new_residual, residual)

@@ -115,12 +115,12 @@ def listening_server() -> Iterator[tuple[str, list[str]]]:
     requests: list[str] = []
 
     class Record(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
+        def do_GET(self):  # the stdlib's name
             requests.append(self.path)
             self.send_response(404)
             self.end_headers()
 
-        do_POST = do_GET  # noqa: N815
+        do_POST = do_GET
 
         def log_message(self, *args):
             pass

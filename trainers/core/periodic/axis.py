@@ -183,7 +183,7 @@ class Periodic:
         """
         groups = self.groups(params)
         leaves = jax.tree.leaves(params)
-        frag = lambda xs: tuple([xs[i] for i in g] for g in groups)  # noqa: E731
+        frag = lambda xs: tuple([xs[i] for i in g] for g in groups)
         outer_tx = self.rule.outer_optimizer
         out_shardings = OuterState(
             frag(jax.tree.leaves(shardings)),

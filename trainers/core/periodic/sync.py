@@ -108,7 +108,7 @@ class PeriodicPrograms:
         if step == periodic.rule.warmup_steps:
             seconds = 0.0
             if self._start is None:
-                start = lambda s: periodic.start(s, self.groups)  # noqa: E731
+                start = lambda s: periodic.start(s, self.groups)
                 self._start, seconds = self._compile(start, state, shardings(state), False)
             return AfterStep(self._start(state), metrics, seconds)
         fragment = due_fragment(step, periodic.rule)
@@ -116,7 +116,7 @@ class PeriodicPrograms:
             return AfterStep(state, metrics, 0.0)
         seconds = 0.0
         if fragment not in self._syncs:
-            sync = lambda s: periodic.sync(s, fragment, self.groups)  # noqa: E731
+            sync = lambda s: periodic.sync(s, fragment, self.groups)
             self._syncs[fragment], seconds = self._compile(sync, state, shardings(state), True)
         state, values = self._syncs[fragment](state)
         metrics = metrics.with_device_values(periodic.sync_keys(), values)

@@ -21,7 +21,7 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     #: Variables that change but are not trained (BatchNorm statistics, RNG counters):
     #: ``{}`` for a plain task (`trainers.core.model_state`).
-    model_state: Any = {}  # noqa: RUF012 - never mutated; a NamedTuple default
+    model_state: Any = {}  # never mutated; a NamedTuple default
     #: With a periodic mesh axis (local SGD, DiLoCo): the outer params and optimizer state
     #: (`xshard.reduce.periodic.OuterState`, `trainers.core.periodic`); None otherwise.
     outer: Any = None

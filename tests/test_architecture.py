@@ -4,9 +4,12 @@ same check `make lint` runs), and the library never imports the trainer."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -65,8 +68,46 @@ def test_no_two_modules_import_each_other():
 def test_each_wing_says_what_lives_there_and_what_it_may_import(wing):
     doc = importlib.import_module(f"trainers.{wing}").__doc__ or ""
     assert len(doc.split()) > 15, f"trainers.{wing} has no docstring worth the name"
-    if wing not in ("data", "tasks"):
-        assert "May import" in doc or "may import" in doc, f"trainers.{wing}: {doc!r}"
+    assert "May import" in doc, f"trainers.{wing}: {doc!r}"
+
+
+def may_import(wing: str) -> set[str]:
+    """The modules trainers.<wing>'s docstring names after "May import:" (`xshard` standing
+    for each of its parts), up to the end of that sentence."""
+    doc = importlib.import_module(f"trainers.{wing}").__doc__ or ""
+    sentence = re.search(r"May import:(.*?)(?:\.\s|\.$|;)", doc, re.S)
+    assert sentence, f"trainers.{wing}: no 'May import: ...' sentence"
+    names = set(re.findall(r"`([\w.]+)`", sentence.group(1)))
+    if "xshard" in names:
+        names = (names - {"xshard"}) | set(XSHARD_PARTS)
+    return names
+
+
+#: The parts of xshard a wing's docstring may name (`xshard` stands for all of them).
+XSHARD_PARTS = sorted(
+    f"xshard.{p.stem if p.suffix else p.name}"
+    for p in (REPO / "xshard").iterdir()
+    if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()
+)
+
+
+@pytest.mark.parametrize("wing", [w for w in WINGS if w != "app"])
+def test_what_a_wing_may_import_is_an_import_contract(wing):
+    """The docs cannot drift from the code: each wing's "May import" sentence and its
+    `forbidden` contract in pyproject.toml (run by lint-imports) split the other wings and
+    xshard's parts between them, with nothing left over."""
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [
+        c
+        for c in contracts["contracts"]
+        if c["type"] == "forbidden"
+        and c["source_modules"] == [f"trainers.{wing}"]
+        and c.get("allow_indirect_imports")
+    ]
+    others = {f"trainers.{w}" for w in WINGS if w != wing} | {"trainers.errors", *XSHARD_PARTS}
+    allowed, forbidden = may_import(wing), set(contract["forbidden_modules"])
+    assert not allowed & forbidden, sorted(allowed & forbidden)
+    assert allowed | forbidden == others, sorted(others ^ (allowed | forbidden))
 
 
 def test_the_layering_contract_holds():
@@ -108,3 +149,34 @@ def test_tests_mirror_the_wings():
         "test_zero_bench_smoke.py",
     }
     assert set(top) <= project_wide, f"put these in the folder of what they test: {top}"
+
+
+#: The longest function body the house allows (lines of code: no docstring, blank lines or
+#: comments); docs/architecture.md, "Rules of the house".
+MAX_FUNCTION_LINES = 60
+
+
+def code_lines(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of code of a function: its lines less its docstring, blank lines and comments."""
+    first = node.body[0]
+    doc = (
+        range(first.lineno, (first.end_lineno or first.lineno) + 1)
+        if ast.get_docstring(node) is not None
+        else range(0)
+    )
+    body = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+    return sum(1 for i in body if i not in doc and lines[i - 1].strip()[:1] not in ("", "#"))
+
+
+def test_no_function_is_longer_than_the_house_allows():
+    long = []
+    for package in ("xshard", "trainers"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            source = path.read_text()
+            lines = source.splitlines()
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    n = code_lines(lines, node)
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
+    assert not long, f"split these (at most {MAX_FUNCTION_LINES} lines of code): {long}"

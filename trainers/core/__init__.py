@@ -12,7 +12,7 @@ protocol (`hook`), the step's metrics (`metrics`), the model state of non-traine
 (`model_state`), the ZeRO layout (`zero`), the dtypes (`precision`), the agreed stop vote
 (`stop_vote`), JAX's persistent compilation cache (`compile_cache`).
 
-May import: `xshard`, `trainers.tasks` (sharding rules), `trainers.rundir` (user paths),
+May import: `xshard`, `trainers.tasks` (sharding rules),
 `trainers.errors`. Never `trainers.config` (an import contract checks it), `trainers.app`, the
 hooks, checkpoints or the cluster: those build on it.
 """

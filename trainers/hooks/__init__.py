@@ -7,6 +7,7 @@ and non-finite monitor (`monitor`), profiling and throughput (`perf`), evaluatio
 (`evaluation`: the hook; `evaluator`, `eval_agreement`, `eval_scoring`: the eval step) and the
 run's summary (`summary`).
 
-May import: `trainers.core`, `trainers.checkpoint` (what was saved), `trainers.rundir`,
-`trainers.config`, `trainers.tasks`, `trainers.errors`, `xshard`. Never `trainers.app`.
+May import: `trainers.core`, `trainers.checkpoint` (what was saved), `trainers.tasks`,
+`trainers.data` (eval batches and their padding), `trainers.rundir`, `trainers.config`,
+`trainers.errors`, `xshard`. Never `trainers.app` or the cluster.
 """

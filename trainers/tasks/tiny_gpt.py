@@ -128,9 +128,7 @@ class TinyGPTTask(CorpusWindows):
         self.n_layers = int(n_layers)
         self.d_ff = int(d_ff)
         self.seq_len = int(seq_len)
-        self.tokens_per_example = (
-            self.seq_len
-        )  # predicted tokens per sequence (perf/tokens_per_sec)
+        self.tokens_per_example = self.seq_len  # predicted per sequence (perf/tokens_per_sec)
         self.tie_embeddings = bool(tie_embeddings)
         self.init_std = non_negative_number(init_std, "task.init_std")
         self.corpus_max_chars = int(corpus_max_chars)
@@ -141,6 +139,17 @@ class TinyGPTTask(CorpusWindows):
             raise ValueError(
                 f"corpus has {len(self.tokens)} tokens, too few for task.seq_len={seq_len}"
             )
+        self._set_eval_split(eval_fraction)
+        self._sample_step: Callable[..., Any] | None = None
+
+    def _set_eval_split(self, eval_fraction: Any) -> None:
+        """Sets ``eval_fraction`` and ``eval_start`` (tokens before it are for training; the
+        rest is the eval split) from ``task.eval_fraction``.
+
+        Raises:
+          ValueError: naming the key, for a fraction outside [0, 0.5] or one that leaves too
+            few tokens for a window on either side.
+        """
         if (
             isinstance(eval_fraction, bool)
             or not isinstance(eval_fraction, int | float)
@@ -155,15 +164,14 @@ class TinyGPTTask(CorpusWindows):
         if self.data is None and self.eval_start < self.seq_len + 2:
             raise ValueError(
                 f"task.eval_fraction={eval_fraction} leaves {self.eval_start} training tokens, "
-                f"too few for task.seq_len={seq_len}"
+                f"too few for task.seq_len={self.seq_len}"
             )
         if self.has_eval_split and self._eval_windows() == 0:
             raise ValueError(
                 f"task.eval_fraction={eval_fraction} holds out "
                 f"{len(self.tokens) - self.eval_start} tokens, fewer than one window of "
-                f"task.seq_len={seq_len} + 1; use a larger fraction, or 0 for no eval split"
+                f"task.seq_len={self.seq_len} + 1; use a larger fraction, or 0 for no eval split"
             )
-        self._sample_step: Callable[..., Any] | None = None
 
     # ---------------------------------------------------------------------------------------
     # Model.

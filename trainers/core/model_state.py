@@ -18,11 +18,12 @@ Checkpoints of a state without model state keep the layout they had before model
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import jax
 import jax.numpy as jnp
 
+from trainers.tasks.base import StatefulTask, Task
 from xshard.mesh.vma import varying_axes
 
 ModelState = Any
@@ -30,21 +31,21 @@ InitFn = Callable[[jax.Array, Any], tuple[Any, ModelState]]
 LossFn = Callable[[Any, ModelState, Any, jax.Array], tuple[jax.Array, dict, ModelState]]
 
 
-def is_stateful(task: Any) -> bool:
+def is_stateful(task: Task) -> TypeGuard[StatefulTask]:
     """Whether `task` carries model state (it has ``init_with_state`` and ``loss_with_state``)."""
     return callable(getattr(task, "loss_with_state", None)) and callable(
         getattr(task, "init_with_state", None)
     )
 
 
-def init_fn(task: Any) -> InitFn:
+def init_fn(task: Task) -> InitFn:
     """``(rng, batch) -> (params, model_state)`` for any task (``{}`` for a plain one)."""
     if is_stateful(task):
         return task.init_with_state
     return lambda rng, batch: (task.init(rng, batch), {})
 
 
-def loss_fn(task: Any) -> LossFn:
+def loss_fn(task: Task) -> LossFn:
     """``(params, model_state, batch, rng) -> (loss, aux, model_state)`` for any task."""
     if is_stateful(task):
         return task.loss_with_state

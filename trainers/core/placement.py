@@ -21,6 +21,7 @@ from trainers.core.precision import Precision
 from trainers.core.step.optimizer import refuse_nested_cross_shard
 from trainers.core.step.types import TrainState, state_shardings
 from trainers.core.zero import ZeroLayout
+from trainers.tasks.base import Task
 from xshard.optim.cross_shard import CrossShardTransformation
 from xshard.reduce.axes import state_partition_specs
 
@@ -57,7 +58,7 @@ class DevicePlacement:
 
     def __init__(
         self,
-        task: Any,
+        task: Task,
         tx: CrossShardTransformation,
         mesh: Mesh,
         *,

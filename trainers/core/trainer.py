@@ -33,6 +33,7 @@ from trainers.core.step.spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
+from trainers.tasks.base import Task
 from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
 
@@ -101,7 +102,7 @@ class Trainer:
 
     def __init__(
         self,
-        task: Any,
+        task: Task,
         tx: optax.GradientTransformation,
         mesh: Mesh,
         *,

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.core.model_state import is_stateful, loss_fn
+from trainers.tasks.base import Task
 
 #: A batch's metrics: ``(params, model_state, batch[, mask=]) -> {name: scalar}``.
 MetricsFn = Callable[..., dict[str, jax.Array]]
@@ -46,7 +47,7 @@ def accepts_mask(fn: Callable[..., Any]) -> bool:
     )
 
 
-def metrics_fn(task: Any, rng: jax.Array) -> tuple[MetricsFn, bool]:
+def metrics_fn(task: Task, rng: jax.Array) -> tuple[MetricsFn, bool]:
     """The task's batch metrics as ``(params, model_state, batch[, mask=]) -> dict``, and
     whether it takes the mask.
 
@@ -78,7 +79,7 @@ def metrics_fn(task: Any, rng: jax.Array) -> tuple[MetricsFn, bool]:
     return call, accepts_mask(eval_metrics)
 
 
-def _scalars(metrics: dict[str, Any], task: Any) -> dict[str, jax.Array]:
+def _scalars(metrics: dict[str, Any], task: Task) -> dict[str, jax.Array]:
     out = {}
     for name, value in metrics.items():
         value = jnp.asarray(value, jnp.float32)
@@ -92,7 +93,7 @@ def _scalars(metrics: dict[str, Any], task: Any) -> dict[str, jax.Array]:
 
 
 def masked_sums(
-    task: Any,
+    task: Task,
     fn: MetricsFn,
     takes_mask: bool,
     variables: tuple[Any, Any],

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from jax.sharding import Mesh
 
@@ -41,6 +41,7 @@ from trainers.core.hook import Hook
 from trainers.core.step import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.hooks.evaluator import Evaluator
+from trainers.tasks.base import EvalTask, Task
 from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 EvalSink = Callable[[int, dict[str, float]], None]
 
 
-def has_eval_split(task: Any) -> bool:
+def has_eval_split(task: Task) -> TypeGuard[EvalTask]:
     """Whether `task` has an eval split: an ``eval_batches`` method, and ``has_eval_split``
     not False."""
     return callable(getattr(task, "eval_batches", None)) and bool(
@@ -119,7 +120,7 @@ class EvalHook(Hook):
 
 
 def build_evaluator(
-    task: Any,
+    task: Task,
     mesh: Mesh,
     state: TrainState,
     *,
@@ -148,9 +149,8 @@ def build_evaluator(
       ConfigError: a bad eval batch size, an empty eval split, or an ``eval/`` objective the
         run has no metric for.
     """
-    enabled = has_eval_split(task) and opts.eval_batches > 0
     objective = opts.objective
-    if not enabled:
+    if not (has_eval_split(task) and opts.eval_batches > 0):
         if objective != TRAIN_OBJECTIVE:
             why = (
                 "trainer.eval_batches=0 turns evaluation off"

@@ -30,6 +30,7 @@ from trainers.data.batch import Batch
 from trainers.data.padding import pad_rows, padding_like
 from trainers.hooks.eval_agreement import agreed_batches
 from trainers.hooks.eval_scoring import masked_sums, metrics_fn
+from trainers.tasks.base import EvalTask
 from xshard.errors import ConfigError
 from xshard.mesh.build import check_batch_divisible
 
@@ -59,7 +60,7 @@ class Evaluator:
 
     def __init__(
         self,
-        task: Any,
+        task: EvalTask,
         mesh: Mesh,
         *,
         data_axes: Sequence[str],

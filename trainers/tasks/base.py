@@ -69,7 +69,38 @@ class Task(Protocol):
         ...
 
 
-def tokens_per_example(task: Any) -> int | None:
+class StatefulTask(Task, Protocol):
+    """A task whose model carries state besides its params (batch statistics, ...):
+    `trainers.core.model_state.is_stateful` tells one apart."""
+
+    def init_with_state(self, rng: jax.Array, batch: Batch) -> tuple[Params, Any]:
+        """Returns (params, model state) for an example batch."""
+        ...
+
+    def loss_with_state(
+        self, params: Params, model_state: Any, batch: Batch, rng: jax.Array
+    ) -> tuple[jax.Array, dict, Any]:
+        """Returns (mean loss, dict of scalar aux metrics, the new model state)."""
+        ...
+
+
+class EvalTask(Task, Protocol):
+    """A task with an eval split (`trainers.hooks.evaluation.has_eval_split` tells one apart;
+    the optional members above say what the evaluation reads)."""
+
+    def eval_batches(
+        self,
+        global_batch_size: int,
+        *,
+        seed: int,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator[Batch]:
+        """This process's rows of the eval split's global batches, the same on every call."""
+        ...
+
+
+def tokens_per_example(task: Task) -> int | None:
     """The task's ``tokens_per_example`` attribute if it has a positive one, else None."""
     value = getattr(task, "tokens_per_example", None)
     return (

@@ -33,6 +33,7 @@ from trainers.core.step.train_step import make_train_step
 from trainers.core.step.types import StepSpec, TrainState, TrainStep, state_shardings
 from trainers.core.stop_vote import STOP_VOTE_KEY
 from trainers.core.zero import ZeroLayout
+from trainers.tasks.base import Task
 from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation
 from xshard.reduce.gradients import PerShardGradientsRequired
@@ -140,7 +141,7 @@ class CompiledSteps:
 
 
 def step_functions(
-    task: Any,
+    task: Task,
     tx: CrossShardTransformation,
     mesh: Mesh,
     spec: StepSpec,

@@ -51,6 +51,7 @@ from trainers.core.step.levels import (
 from trainers.core.step.types import StepResult, StepSpec, TrainState, TrainStep, step_rng
 from trainers.core.step.zero_update import constrain_for_update, gathered, manual_zero_step, updated
 from trainers.core.zero import ZeroLayout
+from trainers.tasks.base import Task
 from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
 from xshard.reduce.axes import state_partition_specs
 from xshard.stats.tree import leaf_sq_norms
@@ -87,7 +88,7 @@ def _measure(new_params: Any, updates: Any, summary: Any) -> tuple[Any, jax.Arra
 
 
 def make_train_step(
-    task: Any,
+    task: Task,
     tx: CrossShardTransformation,
     mesh: Mesh,
     spec: StepSpec,

@@ -16,7 +16,27 @@ never `trainers.tasks`, which builds on it.
 docs/tasks.md ("Data options") shows the code a user writes for each.
 """
 
-from trainers.data.arrays import ArrayData
-from trainers.data.source import DataSource, EpochData
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ArrayData", "DataSource", "EpochData"]
+#: Public name -> the module that defines it, imported on first use (a task needs `Batch`
+#: without the sources).
+_EXPORTS = {
+    "ArrayData": "trainers.data.arrays",
+    "DataSource": "trainers.data.source",
+    "EpochData": "trainers.data.source",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trainers.data' has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    from trainers.data.arrays import ArrayData as ArrayData
+    from trainers.data.source import DataSource as DataSource
+    from trainers.data.source import EpochData as EpochData

@@ -212,7 +212,10 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
         "xshard": {
             "loss": ["Multiline", ["^train/loss$"]],
             "learning rate": ["Multiline", ["^optim/learning_rate$"]],
-            "eval": ["Multiline", ["^eval/"]],
+            # one chart per eval metric: a loss near 3 and an accuracy near 0.3 share no scale
+            "eval loss": ["Multiline", ["^eval/loss$"]],
+            "eval accuracy": ["Multiline", ["^eval/accuracy$"]],
+            "eval, other metrics": ["Multiline", ["^eval/(?!loss$|accuracy$)"]],
             "gradient norms (reduced, per shard)": [
                 "Multiline",
                 ["^grad/global_norm$", "^grad/shard_norm_(mean|max|min)$"],
@@ -228,5 +231,12 @@ def custom_scalars_layout() -> dict[str, dict[str, list]]:
             "FLOP/s and MFU": ["Multiline", ["^perf/flops_per_sec$", "^perf/mfu$"]],
             "skipped steps": ["Multiline", ["^train/skipped_steps$"]],
             "update / param ratio": ["Multiline", ["^optim/update_param_ratio$"]],
+            "traffic per step, by axis": ["Multiline", ["^comm/[^/]+/bytes_per_step$"]],
+            "periodic sync: pseudo-gradient, outer update, replica drift": [
+                "Multiline",
+                ["^sync/.*/(pseudo_grad_norm|outer_update_norm|replica_drift)$"],
+            ],
+            "compression error": ["Multiline", ["^(comm|sync)/.*/compression_error_norm$"]],
+            "skipped syncs": ["Multiline", ["^sync/.*/skipped$"]],
         }
     }

@@ -1,6 +1,8 @@
 """The HParams entry: overrides first, then group choices, no schemas, null as "null"; read back
 with TensorBoard's own HParams backend (what its dashboard is served)."""
 
+import re
+
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
@@ -129,6 +131,14 @@ def test_custom_scalars_layout_is_read_by_tensorboard(tmp_path):
     assert "throughput" in titles
     loss = category.chart[0].multiline.tag
     assert list(loss) == ["^train/loss$"]
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    tags = ["eval/loss", "eval/accuracy", "eval/perplexity", "comm/slice/bytes_per_step"]
+    tags += ["sync/slice/pseudo_grad_norm", "sync/slice/fragment_1/replica_drift"]
+    tags += ["comm/slice/compression_error_norm", "sync/slice/skipped"]
+    shown = {t: [c for c, res in charts.items() if any(re.search(r, t) for r in res)] for t in tags}
+    # each of these in exactly one chart: eval loss and accuracy never share an axis
+    assert all(len(c) == 1 for c in shown.values()), shown
+    assert len({shown[t][0] for t in tags[:3]}) == 3
 
 
 def test_run_names_read_as_the_overrides_and_fit_in_a_folder_name(composed, tmp_path):

@@ -252,7 +252,7 @@ def test_trainer_step_with_int8_error_feedback(int8_run):
     size = tree_size(state.params)
     for step in (1, 2, 3):
         m = rec.metrics[step]
-        assert m["comm/slice/bytes"] == slow_bytes_sent(size, 2, 4, "int8")
+        assert m["comm/slice/bytes_per_step"] == slow_bytes_sent(size, 2, 4, "int8")
         assert m["comm/slice/compression_error_norm"] > 0
         assert np.isfinite(m["train/loss"])
 

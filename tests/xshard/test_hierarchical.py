@@ -10,7 +10,12 @@ from jax.sharding import PartitionSpec as P
 
 from benchmarks.axis_traffic import collectives_by_axis
 from tests.cross_shard_helpers import make_slice_mesh
-from xshard.reduce.hierarchical import hierarchical_all_reduce, share_size, slow_bytes_sent
+from xshard.reduce.hierarchical import (
+    all_reduce_bytes_per_axis,
+    hierarchical_all_reduce,
+    share_size,
+    slow_bytes_sent,
+)
 
 SHAPES = {"w": (37, 5), "b": (11,)}  # 196 elements: shares of 49, not a multiple of anything
 SIZE = sum(int(np.prod(s)) for s in SHAPES.values())
@@ -191,3 +196,17 @@ def test_a_model_sharded_leaf_on_a_three_axis_mesh_reduces_exactly():
     over_slice = [c for c in collectives_by_axis(hlo, dict(mesh.shape)) if "slice" in c.axes]
     assert [(c.op, c.axes) for c in over_slice] == [("all-reduce", ("slice",))]
     assert over_slice[0].result_bytes == 4 * share_size(size, 2, 4, "float32")
+
+
+def test_a_synchronous_mean_sends_a_ring_per_axis_the_outer_ones_a_share():
+    """`all_reduce_bytes_per_axis`, the traffic logged for the axes a mean reduces every step:
+    the inner axis a ring over the whole value, an outer one over what its inner axes leave."""
+    per_param = 2 * 3 * 4 // 4  # a ring of 4 sends 2 * 3/4 of the value, 4 bytes a parameter
+    assert all_reduce_bytes_per_axis([("slice", 2), ("data", 4)], SIZE) == {
+        "slice": slow_bytes_sent(SIZE, 2, 4, "float32"),  # a quarter of the value, over 2
+        "data": per_param * SIZE,
+    }
+    assert slow_bytes_sent(SIZE, 2, 4, "float32") == 4 * -(-SIZE // 4)
+    assert all_reduce_bytes_per_axis([("model", 1), ("data", 8)], SIZE) == {"data": 7 * SIZE}
+    assert all_reduce_bytes_per_axis([("data", 8)], SIZE, itemsize=2) == {"data": 7 * SIZE // 2}
+    assert all_reduce_bytes_per_axis([("data", 1)], SIZE) == {}

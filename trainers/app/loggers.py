@@ -16,23 +16,31 @@ from trainers.app.stages import Placement, Started
 from trainers.hooks.summary import RunSummary
 
 
-def _scalar_options(options: RunOptions, parts: RunParts, num_devices: int) -> Any:
+def _scalar_options(options: RunOptions, parts: RunParts, mesh: Any, params: Any) -> Any:
     """What the run's logged scalars are derived with (`trainers.hooks.logged_scalars`)."""
+    import jax
+    import numpy as np
+
     from trainers.hooks.logged_scalars import ScalarOptions
     from trainers.hooks.perf import step_flops
     from trainers.tasks.base import tokens_per_example
+    from xshard.reduce.compressed import tree_size
 
     opts, logger_opts, trainer = options.trainer, options.logger, parts.trainer
+    itemsize = np.dtype(jax.tree.leaves(params)[0].dtype).itemsize
+    traffic = parts.spec.mode_bytes_per_step(dict(mesh.shape), tree_size(params), itemsize)
     return ScalarOptions(
         log_every=opts.log_every,
         num_steps=opts.steps,
         global_batch_size=opts.batch_size,
         noise_ema_steps=logger_opts.noise_ema_steps,
         tokens_per_example=tokens_per_example(parts.task),
-        num_devices=num_devices,
+        num_devices=mesh.size,
         peak_flops_per_device=logger_opts.peak_flops_per_device,
         step_flops=lambda: step_flops(trainer.compiled),
         compile_seconds=lambda: trainer.compile_seconds,
+        periodic_axis=None if trainer.periodic is None else trainer.periodic.axis,
+        traffic=traffic,
     )
 
 
@@ -46,6 +54,7 @@ def logger_hook(
 ) -> Any:
     """The lead process's `LoggerHook` over the selected loggers; None when there is none."""
     from trainers.config.cli_args import run_overrides
+    from trainers.core.periodic import outer_params
     from trainers.hooks.hparams import hparams
     from trainers.hooks.logged_scalars import LoggedScalars
     from trainers.hooks.run_logger import LoggerHook, RunInfo
@@ -70,7 +79,8 @@ def logger_hook(
         overridden=overridden,
         eval_metrics=started.evaluator.metric_names if started.evaluator else (),
     )
-    scalars = LoggedScalars(_scalar_options(options, parts, where.mesh.size))
+    one_replica = outer_params(started.state)  # a periodic run's params have a replica axis
+    scalars = LoggedScalars(_scalar_options(options, parts, where.mesh, one_replica))
     return LoggerHook(sinks, run, scalars, summary, on_error=logger_opts.on_error)
 
 

@@ -275,6 +275,6 @@ def state_metrics(
         stats_only |= set(shard)
     if isinstance(cs.comm, dict):  # every step: the axis rules' traffic and its error
         for axis, comm in cs.comm.items():
-            metrics[f"comm/{axis}/bytes"] = comm.bytes_sent
+            metrics[f"comm/{axis}/bytes_per_step"] = comm.bytes_sent
             metrics[f"comm/{axis}/compression_error_norm"] = comm.error_norm
     return metrics, stats_only

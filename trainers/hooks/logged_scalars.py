@@ -9,9 +9,12 @@ hands to hooks: on every ``log_every``-th step and the last one, each metric (le
 `trainers.hooks.perf`); on the step that compiled, ``perf/compile_time_s`` (the run's compile
 time so far), and on a periodic axis's sync step its ``sync/<axis>/*`` and
 ``comm/<axis>/bytes_per_step`` (`on_its_step`, whatever ``log_every`` says: a sync is rarer
-than most logging periods, and each one matters). Programs compile when a step first needs them
-(`trainers.core.trainer.Trainer`): the throughput leaves the compile time inside its window
-out, so that it measures steps, not compilation.
+than most logging periods, and each one matters); with every write, the
+``comm/<axis>/bytes_per_step`` of the axes the reduction's mode reduces every step (constant:
+the synchronous baseline; an axis with an every-step rule logs its own from the step).
+Programs compile when a step first needs them (`trainers.core.trainer.Trainer`): the
+throughput leaves the compile time inside its window out, so that it measures steps, not
+compilation.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from trainers.core.metrics import COMPILE_TIME
-from trainers.core.periodic import is_sync_tag
+from trainers.core.periodic import BYTES_TAG, is_sync_tag
 from trainers.hooks.noise_ema import NoiseScaleEMA
 
 Scalars = list[tuple[str, float]]
@@ -44,6 +47,12 @@ class ScalarOptions:
         (`trainers.hooks.perf.step_flops`).
       compile_seconds: returns the run's compile time so far (`Trainer.compile_seconds`),
         read at each write: the throughput leaves what compiled within its window out.
+      periodic_axis: the reduction's periodic axis, whose sync statistics are logged on their
+        own steps; None without one.
+      traffic: ``comm/<axis>/bytes_per_step`` of each axis the reduction's mode reduces every
+        step (`xshard.optim.cross_shard.CrossShardSpec.mode_bytes_per_step`), constant over the
+        run and written with every write: the synchronous baseline a periodic axis's own
+        ``comm/<axis>/bytes_per_step`` compares with.
     """
 
     log_every: int
@@ -55,6 +64,8 @@ class ScalarOptions:
     peak_flops_per_device: float | None = None
     step_flops: Callable[[], float | None] | None = None
     compile_seconds: Callable[[], float | None] | None = None
+    periodic_axis: str | None = None
+    traffic: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class LoggedScalars:
@@ -76,7 +87,7 @@ class LoggedScalars:
     def on_its_step(self, metrics: dict[str, float]) -> Scalars:
         """The scalars logged on the step that has them, whatever the period:
         ``perf/compile_time_s`` of a step that compiled, a sync step's statistics."""
-        return [(tag, value) for tag, value in metrics.items() if _on_its_step(tag)]
+        return [(tag, value) for tag, value in metrics.items() if self._on_its_step(tag)]
 
     def __call__(self, step: int, metrics: dict[str, float]) -> Scalars | None:
         """The scalars of a logging step; None on the other steps (whose metrics still feed
@@ -95,8 +106,11 @@ class LoggedScalars:
             (tag, value)
             for tag, value in metrics.items()
             # undefined on steps where the |G|^2 estimate is <= 0
-            if (tag != "grad/noise_scale" or math.isfinite(value)) and not _on_its_step(tag)
+            if (tag != "grad/noise_scale" or math.isfinite(value)) and not self._on_its_step(tag)
         ]  # `on_its_step` logs those on every step that has them
+        scalars += [
+            (BYTES_TAG.format(axis=axis), float(b)) for axis, b in self.options.traffic.items()
+        ]
         if self._clip_fired:  # how often the global clip fired since the last write
             scalars.append(("grad/clip_fired_rate", sum(self._clip_fired) / len(self._clip_fired)))
             self._clip_fired = []
@@ -132,7 +146,7 @@ class LoggedScalars:
                 out.append(("perf/mfu", per_device / opts.peak_flops_per_device))
         return out
 
-
-def _on_its_step(tag: str) -> bool:
-    """Whether `tag` is logged on every step that has it (`LoggedScalars.on_its_step`)."""
-    return tag == COMPILE_TIME or is_sync_tag(tag)
+    def _on_its_step(self, tag: str) -> bool:
+        """Whether `tag` is logged on every step that has it (`on_its_step`)."""
+        axis = self.options.periodic_axis
+        return tag == COMPILE_TIME or (axis is not None and is_sync_tag(tag, axis))

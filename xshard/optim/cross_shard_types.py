@@ -8,16 +8,18 @@ them, to keep that module to the update's steps).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Self
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from xshard.config.reduction import Reduction
 from xshard.guard.update import SkipIfNonFiniteState
 from xshard.reduce.axes import AxisCommState, AxisReductions
 from xshard.reduce.gradients import PerShardClipState, divide
+from xshard.reduce.hierarchical import all_reduce_bytes_per_axis
 from xshard.stats.layers import Histograms
 from xshard.stats.shards import LocalNorms, ShardStats
 from xshard.stats.tree import GradSummary, tree_max_abs, tree_sq_norm
@@ -44,6 +46,17 @@ class CrossShardSpec:
     def step_axes(self) -> tuple[str, ...]:
         """The axes the step's collectives cross: `axis_name` less the periodic ones."""
         return self.axes.step_axes(self.axis_name)
+
+    def mode_bytes_per_step(
+        self, mesh_shape: Mapping[str, int], size: int, itemsize: int
+    ) -> dict[str, int]:
+        """Bytes one device sends per step over each axis the reduction's mode reduces (the
+        step axes without a rule), to reduce `size` gradient elements of `itemsize` bytes (of
+        ``comm_dtype``'s where set): `xshard.reduce.hierarchical.all_reduce_bytes_per_axis`."""
+        if self.comm_dtype is not None:
+            itemsize = jnp.dtype(self.comm_dtype).itemsize
+        axes = self.axes.mode_axes(self.axis_name)
+        return all_reduce_bytes_per_axis([(a, mesh_shape[a]) for a in axes], size, itemsize)
 
 
 @jax.tree_util.register_dataclass

@@ -21,7 +21,7 @@ Each every-step axis keeps an `AxisCommState` in the cross-shard state: its erro
 residuals (a row per device, one per share: sharded over that axis and the inner axes,
 `state_partition_specs`), the compression error norm and the bytes one device sends over the
 axis per step, which the trainer logs as ``comm/<axis>/compression_error_norm`` and
-``comm/<axis>/bytes``.
+``comm/<axis>/bytes_per_step``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ opens its own ``shard_map`` over them), or with them manual too (`reduce_shares`
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -85,6 +86,21 @@ def slow_bytes_sent(
     if codec.identity:
         return 2 * (axis_size - 1) * share * itemsize // axis_size
     return bytes_sent(share, axis_size, codec)
+
+
+def all_reduce_bytes_per_axis(
+    axis_sizes: Sequence[tuple[str, int]], size: int, itemsize: int = 4
+) -> dict[str, int]:
+    """Bytes one device sends over each axis to all-reduce `size` elements of `itemsize` bytes
+    over all of `axis_sizes` (``(name, size)``, outer axes first), hierarchically: the innermost
+    axis reduce-scatters and all-gathers the whole value, each outer axis all-reduces the share
+    its inner axes leave (`slow_bytes_sent`): what XLA runs for a synchronous mean on a
+    multi-slice mesh. Axes of size 1 send nothing and are left out."""
+    axes = [(name, n) for name, n in axis_sizes if n > 1]
+    return {
+        name: slow_bytes_sent(size, n, math.prod(m for _, m in axes[i + 1 :]), "float32", itemsize)
+        for i, (name, n) in enumerate(axes)
+    }
 
 
 def residual_spec(axis: str, inner_axes: tuple[str, ...]) -> P:

@@ -49,6 +49,11 @@ def test_300_step_run_logs_every_contract_tag_and_compiles_each_program_once(tmp
     loss = {e.step: e.value for e in events.Scalars("train/loss")}
     assert sorted(loss) == list(range(25, 301, 25))
     assert loss[300] < loss[25]
+    # A mean over the 8 shards of `data`: a ring all-reduce, 2 * 7/8 of 4 bytes per parameter,
+    # written with every write (constant).
+    sent = {e.step: e.value for e in events.Scalars("comm/data/bytes_per_step")}
+    assert sorted(sent) == sorted(loss) and len(set(sent.values())) == 1
+    assert sent[25] > 0 and sent[25] % 7 == 0
     assert {"grad/noise_scale", "grad/noise_scale_ema", "perf/compile_time_s"} <= tags
     assert [e.step for e in events.Scalars("perf/compile_time_s")] == [1]
     assert any(t.startswith("layers/grad_norm/layers/0/w") for t in tags)

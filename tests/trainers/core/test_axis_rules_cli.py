@@ -43,7 +43,10 @@ def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path, 
         "reduction.axes.slice.comm_dtype=float32",
         "reduction.axes.slice.error_feedback=false",
     )
-    sent_int8, sent_full = scalars(int8, "comm/slice/bytes"), scalars(full, "comm/slice/bytes")
+    sent_int8, sent_full = (
+        scalars(int8, "comm/slice/bytes_per_step"),
+        scalars(full, "comm/slice/bytes_per_step"),
+    )
     assert sorted(sent_int8) == sorted(sent_full) == [1, 2, 3, 4]
     # int8 plus a float32 scale per block: a little over a quarter of float32's bytes.
     assert 3.5 < sent_full[4] / sent_int8[4] < 4.0, (sent_full, sent_int8)
@@ -58,7 +61,7 @@ def test_cli_slice_int8_sends_a_quarter_of_float32_and_logs_its_error(tmp_path, 
 def test_cli_slice_int8_under_zero_2_trains_as_without(tmp_path, int8):
     plain = int8
     zero = _train(tmp_path, "zero2", *SLICES, "sharding.zero_stage=2")
-    assert scalars(zero, "comm/slice/bytes") == scalars(plain, "comm/slice/bytes")
+    assert scalars(zero, "comm/slice/bytes_per_step") == scalars(plain, "comm/slice/bytes_per_step")
     want, got = scalars(plain, "train/loss"), scalars(zero, "train/loss")
     assert sorted(got) == [1, 2, 3, 4]
     assert all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (got, want)
@@ -67,7 +70,7 @@ def test_cli_slice_int8_under_zero_2_trains_as_without(tmp_path, int8):
 @pytest.mark.slow
 def test_cli_adasum_over_data_trains_and_logs_its_bytes(tmp_path):
     tb = _train(tmp_path, "adasum", "mesh=cpu8", "reduction=adasum")
-    sent = scalars(tb, "comm/data/bytes")
+    sent = scalars(tb, "comm/data/bytes_per_step")
     assert sorted(sent) == [1, 2, 3, 4] and sent[1] > 0
     assert all(v == 0 for v in scalars(tb, "comm/data/compression_error_norm").values())
     loss = scalars(tb, "train/loss")

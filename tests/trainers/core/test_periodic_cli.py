@@ -180,8 +180,16 @@ def test_cli_sync_statistics_are_logged_at_every_sync_whatever_log_every(tmp_pat
     tb = tmp_path / "tb"
     for name in ("pseudo_grad_norm", "outer_update_norm", "replica_drift", "skipped"):
         assert sorted(scalars(tb, f"sync/slice/{name}")) == [3, 6, 9], name
-    assert sorted(scalars(tb, "comm/slice/bytes_per_step")) == [3, 6, 9]
+    slice_sent = scalars(tb, "comm/slice/bytes_per_step")
+    assert sorted(slice_sent) == [3, 6, 9]
     assert sorted(scalars(tb, "train/loss")) == [5, 9]  # the other tags keep log_every
+    # `data` is reduced every step by the mean (a ring within a replica: 2 * 3/4 of 4 bytes per
+    # parameter), written with the other tags; `slice` carries a quarter of the params, in
+    # float32, once per 3 steps: both from the same parameter count.
+    data_sent = scalars(tb, "comm/data/bytes_per_step")
+    assert sorted(data_sent) == [5, 9] and data_sent[5] == data_sent[9]
+    size = data_sent[5] / 6
+    assert size == int(size) and slice_sent[3] * 3 == pytest.approx(4 * -(-int(size) // 4))
     # The sync program compiles when the first sync needs it, and that step says so.
     compiled = scalars(tb, "perf/compile_time_s")
     assert 3 in compiled and compiled[3] > compiled[1], compiled

@@ -56,12 +56,10 @@ SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
 BYTES_TAG = "comm/{axis}/bytes_per_step"
 
 
-def is_sync_tag(tag: str) -> bool:
-    """Whether `tag` is one a sync step adds to the step's metrics (`SYNC_TAGS`, `BYTES_TAG`)."""
-    parts = tag.split("/")
-    if len(parts) != 3:
-        return False
-    return tag.startswith("sync/") or BYTES_TAG.format(axis=parts[1]) == tag
+def is_sync_tag(tag: str, axis: str) -> bool:
+    """Whether `tag` is one a sync step of the periodic `axis` adds to the step's metrics
+    (`SYNC_TAGS`, `BYTES_TAG`)."""
+    return tag.startswith(f"sync/{axis}/") or tag == BYTES_TAG.format(axis=axis)
 
 
 def _squeeze(tree: Any) -> Any:

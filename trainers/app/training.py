@@ -240,6 +240,7 @@ def start(
         opts=options.trainer,
         seed=options.seed,
         compute_dtype=trainer.precision.compute_dtype,
+        all_gather=cluster.all_gather,
     )
     return Started(state, start_step, data, evaluator, config)
 

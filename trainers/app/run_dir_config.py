@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainers.config.cli_args import override_assignment
 from trainers.errors import UntrustedConfigError
 from trainers.rundir.user_paths import user_path
 from xshard.config.targets import ALLOWED_TARGETS_KEY
@@ -89,10 +90,10 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
     check_file(saved, granted)
     cfg = OmegaConf.create(kept)
     for override in overrides:
-        key, sep, value = override.lstrip("+").partition("=")
-        if not sep or not key:
+        assigned = override_assignment(override)
+        if assigned is None:
             raise ConfigError(f"override {override!r}: expected key=value.")
-        OmegaConf.update(cfg, key, _value(value), force_add=True)
+        OmegaConf.update(cfg, *assigned, force_add=True)
     entries = list(cfg.get(ALLOWED_TARGETS_KEY) or [])
     cfg[ALLOWED_TARGETS_KEY] = entries + sorted(granted - set(entries))
     cfg.paths = {
@@ -140,10 +141,3 @@ def _drop(node: dict[Any, Any], path: list[str]) -> None:
         parent = parent.get(part) if isinstance(parent, dict) else None
     if isinstance(parent, dict):
         parent.pop(path[-1], None)
-
-
-def _value(text: str) -> object:
-    """An override's value as Hydra's parser reads it (``[a.]``, ``3``, ``null``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_override(f"k={text}").value()

@@ -7,7 +7,7 @@ it may not set ``hydra`` keys that run code, nor widen ``allowed_targets`` beyon
 user's own sources grant (the command line's ``+allowed_targets=[...]``,
 ``XSHARD_ALLOWED_TARGETS``, installed packages; `trainers.app.allowlist`). The file is read
 with OmegaConf alone, no Hydra app acts on it, and every ``_target_`` of it is then built under
-that allowlist by the same builders as training (`trainers.app.build`). Its ``paths`` are the
+that allowlist by the same builders as training (`trainers.app.builders`). Its ``paths`` are the
 run dir's own: ``<run dir>/checkpoints`` holds the checkpoints.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from trainers.config.cli_args import override_assignment
-from trainers.errors import UntrustedConfigError
+from trainers.exits import UntrustedConfigError
 from trainers.rundir.user_paths import user_path
 from xshard.config.targets import ALLOWED_TARGETS_KEY
 from xshard.errors import ConfigError

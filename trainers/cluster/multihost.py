@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from trainers.cluster import join
 from trainers.cluster.join import init_distributed
 from trainers.cluster.leaving import AGREED_EXITS, EXIT_GRACE_S, KV_PREFIX, flush_and_exit
-from trainers.errors import PeerError
+from trainers.exits import PeerError
 
 if TYPE_CHECKING:
     from trainers.cluster.watchdog import PeerWatchdog

@@ -26,8 +26,8 @@ def _run(prepare: bool, replica_parallel: bool, saves: int = 3) -> list[dict[str
     import jax
 
     from benchmarks.workloads import make_mesh, make_workload
-    from trainers.checkpoint import hook as checkpointing
-    from trainers.checkpoint.hook import CheckpointHook, CheckpointOptions
+    from trainers.checkpoint import save as checkpointing
+    from trainers.checkpoint.save import CheckpointHook, CheckpointOptions
     from trainers.core.trainer import Trainer
 
     jax.clear_caches()

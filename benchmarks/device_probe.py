@@ -142,8 +142,8 @@ def checkpoint_round_trip(smoke: bool, batch: int) -> dict[str, Any]:
     import jax
     import numpy as np
 
-    from trainers.checkpoint.hook import CheckpointHook
     from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
+    from trainers.checkpoint.save import CheckpointHook
     from trainers.config import CheckpointOptions
 
     task = _gpt(smoke)

@@ -2,7 +2,7 @@
 
 `Run` composes ``python -m trainers.train task=tiny_gpt mesh=cpu2x4_slices reduction=<preset>
 <overrides>``, builds the task, optimizer and `trainers.Trainer` with
-`trainers.app.build.build_run` (the code path of the CLI) and steps it as ``Trainer.fit`` does:
+`trainers.app.builders.build_run` (the code path of the CLI) and steps it as ``Trainer.fit`` does:
 each update, then ``Trainer.sync`` (the periodic axis's sync when due). Only the plain step
 program is used (no statistics), so each run compiles its inner program and, with a periodic
 axis, its sync program, nothing else. Every step waits for its loss: at most one step in
@@ -60,7 +60,7 @@ class Run:
     """
 
     def __init__(self, overrides: Sequence[str]):
-        from trainers.app.build import build_run, read_options
+        from trainers.app.builders import build_run, read_options
         from xshard.mesh.build import build_mesh
         from xshard.mesh.spec import data_axes
 

@@ -105,7 +105,7 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
 
     from benchmarks.hlo import memory, state_bytes
     from benchmarks.timing import Plan, interleave, ratio
-    from trainers.app.build import build_task
+    from trainers.app.builders import build_task
     from trainers.core.trainer import Trainer
     from xshard.mesh.build import build_mesh
     from xshard.optim.factory import build_optimizer

@@ -10,7 +10,7 @@ from typing import Any
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 
 
 def run_train(

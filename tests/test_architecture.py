@@ -104,7 +104,7 @@ def test_what_a_wing_may_import_is_an_import_contract(wing):
         and c["source_modules"] == [f"trainers.{wing}"]
         and c.get("allow_indirect_imports")
     ]
-    others = {f"trainers.{w}" for w in WINGS if w != wing} | {"trainers.errors", *XSHARD_PARTS}
+    others = {f"trainers.{w}" for w in WINGS if w != wing} | {"trainers.exits", *XSHARD_PARTS}
     allowed, forbidden = may_import(wing), set(contract["forbidden_modules"])
     assert not allowed & forbidden, sorted(allowed & forbidden)
     assert allowed | forbidden == others, sorted(others ^ (allowed | forbidden))
@@ -180,3 +180,27 @@ def test_no_function_is_longer_than_the_house_allows():
                     if n > MAX_FUNCTION_LINES:
                         long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n})")
     assert not long, f"split these (at most {MAX_FUNCTION_LINES} lines of code): {long}"
+
+
+def test_no_two_modules_share_a_file_name():
+    """One file name, one module (docs/architecture.md, "Rules of the house"): in `xshard/` and
+    `trainers/`, a file name appears once, but for `__init__.py` and the convention that
+    `trainers/config/<x>.py` holds the config node of the feature in `trainers/<wing>/<x>.py`."""
+    by_name: dict[str, list[str]] = {}
+    for package in ("xshard", "trainers"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            by_name.setdefault(path.name, []).append(path.relative_to(REPO).as_posix())
+    shared = {
+        name: paths
+        for name, paths in by_name.items()
+        if len(paths) > 1 and name != "__init__.py" and not is_config_node_pair(name, paths)
+    }
+    assert not shared, f"rename one of each so the name says what it holds: {shared}"
+
+
+def is_config_node_pair(name: str, paths: list[str]) -> bool:
+    """Whether `paths` are a feature's config node and the feature: ``trainers/config/<name>``
+    and one other module of a trainers wing."""
+    node = f"trainers/config/{name}"
+    others = [p for p in paths if p != node]
+    return len(paths) == 2 and node in paths and others[0].startswith("trainers/")

@@ -25,7 +25,7 @@ from tests.cli import load_events, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
 from tests.wheel_fixtures import run_app
 from trainers.checkpoint.resume import complete_steps
-from trainers.errors import EXIT_PREEMPTED
+from trainers.exits import EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.wheel]
 

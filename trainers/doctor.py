@@ -1,8 +1,8 @@
 """`python -m trainers.doctor [overrides]`: what a run would see, checked before it trains.
 
 Takes the same config and overrides as `trainers.train` and, on every process of the run,
-checks the config as the run's start-up does (the same code: `trainers.app.build.read_options`
-and `trainers.app.build.build_run`), forms the cluster, sets up the devices and builds the mesh,
+checks the config as the run's start-up does (the same code: `trainers.app.builders.read_options`
+and `trainers.app.builders.build_run`), forms the cluster, sets up the devices and builds the mesh,
 the task, the optimizer and the trainer, then prints (process 0) one report: the cluster JAX
 detected and the process count, the local and global devices, the mesh and whether the batch
 divides over its data axes, what was built, the run, checkpoint and TensorBoard directories
@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 from trainers.app.cli_overrides import check_group_overrides
 from trainers.app.main import main as xshard_main
 from trainers.cluster.multihost import Cluster, exit_process, join_cluster
-from trainers.errors import EXIT_CONFIG_ERROR, PeerError
+from trainers.exits import EXIT_CONFIG_ERROR, PeerError
 from xshard.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -56,7 +56,7 @@ def diagnose(cfg: DictConfig) -> tuple[list[tuple[str, str]], list[str], Cluster
       (report lines as (label, text), problems of every process (one line each), cluster);
       only process 0's report lines are complete.
     """
-    from trainers.app.build import read_options
+    from trainers.app.builders import read_options
     from trainers.cluster.join import detected_cluster
     from trainers.cluster.multihost import current
 
@@ -99,7 +99,7 @@ def _devices_and_mesh(
     cfg: DictConfig, cluster: Cluster, options: Any, lines: list[tuple[str, str]]
 ) -> list[str]:
     """Devices, mesh and batch; then the task, optimizer and trainer as the run builds them."""
-    from trainers.app.build import build_run
+    from trainers.app.builders import build_run
     from xshard.mesh.build import build_mesh, check_batch_divisible, configure_devices
     from xshard.mesh.spec import data_axes
 

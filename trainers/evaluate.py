@@ -13,7 +13,7 @@ and writes them to ``<run dir>/eval_step<N>.json``; ``--export`` also writes the
 config is untrusted input (`trainers.app.run_dir_config`): a ``_target_`` outside the
 allowlist is refused before anything is imported, and only the command line,
 ``XSHARD_ALLOWED_TARGETS`` or an installed package widens it. The logic is
-`trainers.app.checkpoint_use`. Exit status (`trainers.errors`): 0 done; 2 not a run dir, no
+`trainers.app.checkpoint_use`. Exit status (`trainers.exits`): 0 done; 2 not a run dir, no
 such step, a bad or untrusted config, an unusable checkpoint; 1 an unexpected error.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 
 USAGE = "usage: python -m trainers.evaluate RUN_DIR [step=N] [--export FILE.npz] [key=value ...]"
 
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns its exit status (one line on stderr for a bad input)."""
     import logging
 
-    from trainers.errors import CheckpointError
+    from trainers.exits import CheckpointError
     from xshard.config import one_line
     from xshard.errors import ConfigError
 

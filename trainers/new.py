@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 from typing import NamedTuple
 
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 
 USAGE = "usage: python -m trainers.new DIR [--package NAME]"
 

@@ -10,7 +10,7 @@ steps, final and best loss, evaluation, the checkpoint) and writes it to
 ``<output dir>/result.json``. Your own ``@hydra.main`` keeps all of this by calling
 `trainers.run` (`trainers.app.entry`); `train(cfg)` is `trainers.app.training.train`.
 
-Exit status of a single run: `trainers.errors.EXIT_STATUSES` (``--help`` prints them; docs/
+Exit status of a single run: `trainers.exits.EXIT_STATUSES` (``--help`` prints them; docs/
 reliability.md explains each): 0 done, 1 unexpected, 2 bad config or input, 3 non-finite,
 4 a lost process, 75 stopped by a signal after saving (rerun to resume).
 
@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 
 from trainers.app.cli_overrides import check_group_overrides
 from trainers.app.main import main as xshard_main
-from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
+from trainers.exits import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
 
 __all__ = ["EXIT_CONFIG_ERROR", "EXIT_NONFINITE", "EXIT_PREEMPTED", "main", "run", "train"]
 

@@ -10,7 +10,7 @@ A custom schedule for ``schedule._target_`` follows the same convention:
 ``fn(learning_rate, **schedule_cfg) -> optax.Schedule``.
 
 Each argument obeys one rule, the same whichever schedule has it, written once in
-`xshard.config.schedules.SCHEDULE_RULES`; a factory called with a value out of range raises
+`xshard.config.schedule_schemas.SCHEDULE_RULES`; a factory called with a value out of range raises
 `xshard.ConfigError` (a ValueError) naming the argument, the value and what is allowed.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import optax
 
-from xshard.config.schedules import check_schedule_args
+from xshard.config.schedule_schemas import check_schedule_args
 
 logger = logging.getLogger(__name__)
 

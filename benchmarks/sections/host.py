@@ -35,7 +35,7 @@ import jax
 
 from benchmarks.context import Bench
 from benchmarks.timing import interleave, ratio
-from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.save import CheckpointHook
 from trainers.config import CheckpointOptions
 from trainers.config.plain import run_config
 from trainers.core.step import STATS

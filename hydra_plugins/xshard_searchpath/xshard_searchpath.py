@@ -3,8 +3,8 @@
 Hydra imports every module under the ``hydra_plugins`` namespace package when it starts, so
 once xshard is installed, a user's own primary config can select ``optimizer: adamw`` or
 ``reduction: sum`` with no ``hydra.searchpath`` entry. The import also registers xshard's
-structured-config schemas (`xshard.config.schemas`, `trainers.config.schemas`), which the YAML
-options extend, and the resolvers its configs use (`trainers.config.resolvers`, and
+structured-config schemas (`xshard.config.schemas`, `trainers.config.trainer_schemas`), which
+the YAML options extend, and the resolvers its configs use (`trainers.config.resolvers`, and
 ``${xshard.help:}`` of ``hydra.help.template``, `trainers.app.help`): any Hydra app whose
 config composes ``xshard_train`` answers ``--help``. It stays cheap: neither this module nor
 `xshard.config`, `trainers.config` or `trainers.app.help` imports JAX.
@@ -17,7 +17,7 @@ from hydra.plugins.search_path_plugin import SearchPathPlugin
 
 from trainers.app.help import register_help_resolver
 from trainers.config.resolvers import register_resolvers
-from trainers.config.schemas import register_trainer_schemas
+from trainers.config.trainer_schemas import register_trainer_schemas
 from xshard.config.schemas import register_schemas
 
 XSHARD_CONFIG_PATH = "pkg://xshard.conf"

@@ -19,7 +19,7 @@ import xshard
 import xshard.schedules
 from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
 from xshard.config.ranges import FLOAT_DTYPES, MAX_STEPS, FloatDtype, OneOf, Rule
-from xshard.config.schedules import SCHEDULE_RULES
+from xshard.config.schedule_schemas import SCHEDULE_RULES
 from xshard.config.schemas import SCHEMAS
 from xshard.errors import ConfigError
 

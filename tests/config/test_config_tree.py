@@ -98,7 +98,7 @@ def run(tx, mesh, steps: int = 2):
     initial state, the learning rate read from the state after each step).
     """
 
-    from xshard.reduce.axes import state_partition_specs
+    from xshard.reduce.per_axis import state_partition_specs
 
     axes = tx.spec.axis_name  # a gradient per shard of the axes it reduces over
 

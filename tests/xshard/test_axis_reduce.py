@@ -23,10 +23,10 @@ from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
 from trainers.core.trainer import Hook, Trainer
 from trainers.tasks.mlp import MLPTask
 from xshard.config.axes import AxisRule
-from xshard.reduce.axes import AxisCommState, state_partition_specs
 from xshard.reduce.codecs import get_codec
 from xshard.reduce.compressed import bytes_sent, tree_size
 from xshard.reduce.hierarchical import share_size, slow_bytes_sent
+from xshard.reduce.per_axis import AxisCommState, state_partition_specs
 
 INT8_EF = AxisRule(comm_dtype="int8", error_feedback=True)
 

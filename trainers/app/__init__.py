@@ -2,7 +2,7 @@
 
 `main` is ``@hydra.main`` with xshard's guards (`config_guard`, `allowlist`, the signal
 latch); `entry.run` is the body of a Hydra main that trains (exit statuses, multirun
-semantics); `build` turns the config into the task, optimizer, hooks and `Trainer`; `help`
+semantics); `builders` turn the config into the task, optimizer, hooks and `Trainer`; `help`
 renders ``--help``; `preflight` checks before training; `sweep` records multirun jobs;
 `cli_overrides` refuses command lines Hydra would answer with a traceback; `scaffold` writes
 the experiment repo of ``python -m trainers.new`` (its files: ``scaffold_files/``).

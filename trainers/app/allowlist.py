@@ -240,7 +240,7 @@ def add_trusted_entries(cfg: DictConfig) -> None:
     packages to `cfg`.
 
     After this, ``cfg.allowed_targets`` is the run's whole list of extra entries, which every
-    builder reads (`xshard.optim.factory`, `trainers.app.build`). The command line adds to the
+    builder reads (`xshard.optim.factory`, `trainers.app.builders`). The command line adds to the
     primary config's list: ``+allowed_targets=[other.]`` (what the allowlist error suggests)
     keeps the primary config's entries, although Hydra's override replaced them.
     """

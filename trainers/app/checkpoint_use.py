@@ -2,7 +2,7 @@
 ``python -m trainers.evaluate``, `export_params` to a plain ``.npz``.
 
 Each reads the run's saved config as untrusted input (`trainers.app.run_dir_config`), builds
-the task, optimizer and trainer with the same builders as training (`trainers.app.build`), and
+the task, optimizer and trainer with the same builders as training (`trainers.app.builders`), and
 restores the checkpoint into them with the same checks (`trainers.checkpoint.resume`: the
 state's structure, shapes and dtypes, the checksums). The mesh is the one this process has:
 `load` uses one device and hands back host NumPy arrays (no mesh of 8 needed), `evaluate` the
@@ -72,7 +72,7 @@ def restore_run(
     """
     import jax
 
-    from trainers.app.build import build_run, read_options
+    from trainers.app.builders import build_run, read_options
     from trainers.checkpoint.io import complete_steps
     from trainers.checkpoint.resume import (
         RestoreSource,
@@ -80,7 +80,7 @@ def restore_run(
         with_saved_replica_shapes,
     )
     from trainers.config.plain import run_config
-    from trainers.errors import CheckpointError
+    from trainers.exits import CheckpointError
 
     with open_dict(cfg):
         cfg.trainer.hooks = []  # the user's hooks log training; none is needed here
@@ -202,7 +202,7 @@ def evaluate_checkpoint(
     """
     import json
 
-    from trainers.app.build import read_options
+    from trainers.app.builders import read_options
     from trainers.hooks.evaluation import build_evaluator
     from trainers.rundir.links import write_file
     from xshard.mesh.build import build_mesh, configure_devices

@@ -82,7 +82,7 @@ def check_group_overrides(argv: Sequence[str] | None = None) -> None:
     Args:
       argv: the command line's arguments; None: ``sys.argv[1:]``.
     """
-    from trainers.errors import EXIT_CONFIG_ERROR
+    from trainers.exits import EXIT_CONFIG_ERROR
 
     args = sys.argv[1:] if argv is None else argv
     error = long_name_error(args) or removed_key_error(args) or group_override_error(args)

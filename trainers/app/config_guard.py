@@ -27,7 +27,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainers.app.trust import ComposedFile, at_root, refusals
-from trainers.errors import UntrustedConfigError
+from trainers.exits import UntrustedConfigError
 from xshard.config.targets import ALLOWED_TARGETS_KEY
 
 #: Config sources whose files come with installed packages, and so are trusted.

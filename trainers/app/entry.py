@@ -13,7 +13,7 @@ import sys
 from omegaconf import DictConfig
 
 from trainers.cluster.multihost import exit_process, report_unexpected
-from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
+from trainers.exits import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
 from trainers.hooks.summary import RunSummary
 from trainers.rundir.log_file import log_to_files
 
@@ -63,7 +63,7 @@ def run(cfg: DictConfig) -> float | None:
     from trainers.app.allowlist import add_trusted_entries, check_allowlist_sources
     from trainers.app.sweep import finish_job
     from trainers.app.training import train
-    from trainers.errors import (
+    from trainers.exits import (
         EXIT_NONFINITE,
         CheckpointError,
         LoggerError,

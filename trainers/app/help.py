@@ -3,7 +3,7 @@
 Hydra prints ``hydra.help.template``; ``xshard_train.yaml`` sets it to ``${xshard.help:}``, the
 resolver `help_text` registered here. The text is built when asked for, from the sources of
 each fact: the config groups Hydra can load (without Hydra's own and the internal
-``xshard_schemas``), the exit statuses (`trainers.errors.EXIT_STATUSES`), and the default
+``xshard_schemas``), the exit statuses (`trainers.exits.EXIT_STATUSES`), and the default
 ``_target_`` allowlist.
 """
 
@@ -45,7 +45,7 @@ def _groups() -> str:
 def _exit_codes() -> str:
     import textwrap
 
-    from trainers.errors import EXIT_STATUSES
+    from trainers.exits import EXIT_STATUSES
 
     rows = []
     for code, meaning in EXIT_STATUSES:

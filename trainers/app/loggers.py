@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainers.app.build import RunOptions, RunParts
+from trainers.app.builders import RunOptions, RunParts
 from trainers.app.stages import Placement, Started
 from trainers.hooks.summary import RunSummary
 

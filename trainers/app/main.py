@@ -66,7 +66,7 @@ def main(
         def entry() -> Any:
             from trainers.app.allowlist import export_command_line_entries
             from trainers.app.config_guard import guard_compositions
-            from trainers.errors import EXIT_CONFIG_ERROR
+            from trainers.exits import EXIT_CONFIG_ERROR
 
             signal_latch.install()
             refuse_rerun(EXIT_CONFIG_ERROR)

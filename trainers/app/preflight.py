@@ -25,7 +25,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from trainers.errors import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
+from trainers.exits import EXIT_CONFIG_ERROR, LinkOutOfRunDirError
 from trainers.rundir.disk import OUTPUT_DIR_MIN_FREE, check_free_space, check_writable_dir
 from trainers.rundir.links import check_run_dir, check_sweep_dir
 from xshard.errors import ConfigError

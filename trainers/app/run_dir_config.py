@@ -7,7 +7,7 @@ it may not set ``hydra`` keys that run code, nor widen ``allowed_targets`` beyon
 user's own sources grant (the command line's ``+allowed_targets=[...]``,
 ``XSHARD_ALLOWED_TARGETS``, installed packages; `trainers.app.allowlist`). The file is read
 with OmegaConf alone, no Hydra app acts on it, and every ``_target_`` of it is then built under
-that allowlist by the same builders as training (`trainers.app.build`). Its ``paths`` are the
+that allowlist by the same builders as training (`trainers.app.builders`). Its ``paths`` are the
 run dir's own: ``<run dir>/checkpoints`` holds the checkpoints.
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainers.errors import UntrustedConfigError
+from trainers.config.cli_args import override_assignment
+from trainers.exits import UntrustedConfigError
 from trainers.rundir.user_paths import user_path
 from xshard.config.targets import ALLOWED_TARGETS_KEY
 from xshard.errors import ConfigError
@@ -89,10 +90,10 @@ def read_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> DictConfig:
     check_file(saved, granted)
     cfg = OmegaConf.create(kept)
     for override in overrides:
-        key, sep, value = override.lstrip("+").partition("=")
-        if not sep or not key:
+        assigned = override_assignment(override)
+        if assigned is None:
             raise ConfigError(f"override {override!r}: expected key=value.")
-        OmegaConf.update(cfg, key, _value(value), force_add=True)
+        OmegaConf.update(cfg, *assigned, force_add=True)
     entries = list(cfg.get(ALLOWED_TARGETS_KEY) or [])
     cfg[ALLOWED_TARGETS_KEY] = entries + sorted(granted - set(entries))
     cfg.paths = {
@@ -140,10 +141,3 @@ def _drop(node: dict[Any, Any], path: list[str]) -> None:
         parent = parent.get(part) if isinstance(parent, dict) else None
     if isinstance(parent, dict):
         parent.pop(path[-1], None)
-
-
-def _value(text: str) -> object:
-    """An override's value as Hydra's parser reads it (``[a.]``, ``3``, ``null``)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_override(f"k={text}").value()

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 
 from trainers.app.sweep_plot import PLOTS_EXTRA, SWEEP_FIGURE_FILE, write_objective_figure
 from trainers.config.cli_args import override_key
-from trainers.errors import TrialFailed
+from trainers.exits import TrialFailed
 from trainers.hooks.summary import COMPLETED, RunSummary
 from trainers.rundir.links import write_file
 from trainers.rundir.log_file import log_to_files

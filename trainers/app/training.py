@@ -2,7 +2,7 @@
 
     options -> join the cluster, build the mesh (`place`)
             -> claim and check the run's dirs, find what to resume from (`prepare_dirs`)
-            -> build the task, optimizer and trainer (`trainers.app.build.build_run`)
+            -> build the task, optimizer and trainer (`trainers.app.builders.build_run`)
             -> a new or restored state (`start`)
             -> the hooks (`run_hooks`) -> `Trainer.fit` -> how it ended (`check_end`)
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from trainers.app.build import RunOptions, RunParts, build_run, read_options
+from trainers.app.builders import RunOptions, RunParts, build_run, read_options
 from trainers.app.stages import Placement, Started
 from trainers.app.wiring import run_hooks
 from trainers.cluster.multihost import current, join_cluster
@@ -240,6 +240,7 @@ def start(
         opts=options.trainer,
         seed=options.seed,
         compute_dtype=trainer.precision.compute_dtype,
+        all_gather=cluster.all_gather,
     )
     return Started(state, start_step, data, evaluator, config)
 
@@ -339,7 +340,7 @@ def check_end(
     """
     import jax
 
-    from trainers.errors import PeerError, Preempted
+    from trainers.exits import PeerError, Preempted
 
     num_steps, ckpt, cluster = options.trainer.steps, options.checkpoint, where.cluster
     state, reason = result.state, result.reason

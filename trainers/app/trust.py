@@ -17,9 +17,9 @@ saved config) is not. Such a file may set only:
 Everything else is refused (`refusals`), among it: every other ``hydra.*`` key (Hydra acts on
 them before any task code runs), a ``hydra/*`` group or a ``@hydra...`` package chosen in the
 file's defaults list, the keys marked as locations in the schemas (where the run writes or
-connects: `trainers.config.schemas.LOCATION_KEYS`), and resolvers that read outside the config
-(``${oc.env:...}`` and every resolver but `SAFE_RESOLVERS`). The widening sources are those no
-file can write: the process's arguments, ``XSHARD_ALLOWED_TARGETS`` from the parent
+connects: `trainers.config.trainer_schemas.LOCATION_KEYS`), and resolvers that read outside the
+config (``${oc.env:...}`` and every resolver but `SAFE_RESOLVERS`). The widening sources are
+those no file can write: the process's arguments, ``XSHARD_ALLOWED_TARGETS`` from the parent
 environment and installed entry points. `trainers.app.config_guard` applies this rule inside
 every Hydra composition; `trainers.app.run_dir_config` applies it to a run dir's saved config.
 """
@@ -30,7 +30,7 @@ import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from trainers.config.schemas import LOCATION_KEYS
+from trainers.config.trainer_schemas import LOCATION_KEYS
 from xshard.config.nodes import shown
 from xshard.config.targets import ALLOWED_TARGETS_KEY
 

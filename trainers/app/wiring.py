@@ -7,7 +7,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from trainers.app.build import RunOptions, RunParts
+from trainers.app.builders import RunOptions, RunParts
 from trainers.app.loggers import logger_hook
 from trainers.app.memory_preflight import StepMemoryCheck
 from trainers.app.stages import Placement, Started
@@ -101,7 +101,7 @@ def checkpoint_hook(options: RunOptions, where: Placement, started: Started) -> 
     """The checkpoint hook, created after the restore (its manager prunes old steps when
     saving), with the data iterator's state when it has one."""
     from trainers.checkpoint.data_state import is_checkpointable
-    from trainers.checkpoint.hook import CheckpointHook
+    from trainers.checkpoint.save import CheckpointHook
 
     data = started.data if is_checkpointable(started.data) else None
     hook = CheckpointHook(where.dirs.checkpoint_dir, options.checkpoint, started.config, data)

@@ -1,10 +1,10 @@
 """Checkpoints on disk: Orbax save and restore, ownership of the dir, space checks.
 
-`hook` saves (`CheckpointHook`), `io` knows the layout and the disk (complete steps, free
+`save` saves (`CheckpointHook`), `io` knows the layout and the disk (complete steps, free
 space, one-line I/O errors), `owner` keeps one run per checkpoint dir, `resume` finds and
 restores the checkpoint to resume from.
 
-May import: `trainers.core`, `trainers.rundir`, `trainers.config`, `trainers.errors`,
+May import: `trainers.core`, `trainers.rundir`, `trainers.config`, `trainers.exits`,
 `xshard`. Never the hooks, the cluster or the app, nor omegaconf or hydra (an import
 contract): the run's config comes as plain values.
 """

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainers.checkpoint.hook import FORMAT
-from trainers.config.schemas import LOCATION_KEYS
-from trainers.errors import CheckpointError, CorruptCheckpointError
+from trainers.checkpoint.save import FORMAT
+from trainers.config.trainer_schemas import LOCATION_KEYS
+from trainers.exits import CheckpointError, CorruptCheckpointError
 from xshard.config.targets import ALLOWED_TARGETS_KEY
 
 logger = logging.getLogger(__name__)

@@ -104,7 +104,7 @@ def restore_data_state(step_dir: Path, iterator: Any) -> bool:
     import grain
     import orbax.checkpoint as ocp
 
-    from trainers.errors import CheckpointError
+    from trainers.exits import CheckpointError
 
     if not has_data_state(step_dir):
         logger.warning(

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainers.errors import CheckpointDirInUseError, ForeignCheckpointDirError
+from trainers.exits import CheckpointDirInUseError, ForeignCheckpointDirError
 from trainers.rundir.disk import check_writable_dir
 from trainers.rundir.links import write_file
 from xshard.errors import ConfigError

@@ -1,4 +1,4 @@
-"""Resuming from an Orbax checkpoint written by `trainers.checkpoint.hook.CheckpointHook`.
+"""Resuming from an Orbax checkpoint written by `trainers.checkpoint.save.CheckpointHook`.
 
 `find_resume_source` picks the run's own latest checkpoint (a rerun in the same output dir
 resumes) or else ``trainer.resume_from``; `trainers.checkpoint.owner` has made sure before that the
@@ -37,16 +37,16 @@ import jax
 import orbax.checkpoint as ocp
 
 from trainers.checkpoint.compat import check_compatible, check_metadata, listing
-from trainers.checkpoint.hook import METADATA_ITEM, STATE_ITEM, integrity, state_signature
 from trainers.checkpoint.io import (
     complete_steps,
     quiet_io_error_noise,
     read_damage,
     write_failure,
 )
+from trainers.checkpoint.save import METADATA_ITEM, STATE_ITEM, integrity, state_signature
 from trainers.core.model_state import from_saved, saved_tree
 from trainers.core.trainer import TrainState
-from trainers.errors import CheckpointError, CorruptCheckpointError
+from trainers.exits import CheckpointError, CorruptCheckpointError
 from trainers.rundir.user_paths import launch_dir, user_path
 
 logger = logging.getLogger(__name__)

@@ -5,6 +5,6 @@ agreements (`same_config`), the peer watchdog (`watchdog`), the run dirs every p
 (`run_dirs`), stop signals (`preemption` while training, `signal_latch` before and after).
 
 May import: `trainers.checkpoint`, `trainers.core`, `trainers.rundir`, `trainers.config`,
-`trainers.errors`, `xshard`. Never the hooks or the app, nor omegaconf or hydra: the app
+`trainers.exits`, `xshard`. Never the hooks or the app, nor omegaconf or hydra: the app
 hands it records and plain values (an import contract).
 """

@@ -196,7 +196,7 @@ def _join(
     _abandoned = True
     # JAX's exit-time shutdown would wait on the join (or end the process with its own abort):
     # a process that does not end through `exit_process` (a multirun's job) ends here.
-    from trainers.errors import EXIT_CONFIG_ERROR
+    from trainers.exits import EXIT_CONFIG_ERROR
 
     atexit.register(flush_and_exit, EXIT_CONFIG_ERROR)
     count = opts.num_processes or (state.num_processes if detected else None)

@@ -4,7 +4,8 @@
 other ``distributed.*`` keys null JAX detects SLURM, TPU pods and the other clusters it
 knows) and returns a `Cluster`: this process's index, the process count, and small
 collectives over JAX's distributed key-value store (`Cluster.all_gather`,
-`Cluster.broadcast`, `Cluster.agreed`), used at start-up only, never per step. It also starts
+`Cluster.broadcast`, `Cluster.agreed`), used at start-up (and by the eval step's batch count,
+`trainers.hooks.eval_agreement`), never per step. It also starts
 the `trainers.cluster.watchdog.PeerWatchdog`, so that a lost process ends the others within
 ``distributed.heartbeat_timeout_s``. The join itself is waited for in bounded time
 (`trainers.cluster.join`): a process that cannot reach the coordinator, or a cluster that does not
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from trainers.cluster import join
 from trainers.cluster.join import init_distributed
 from trainers.cluster.leaving import AGREED_EXITS, EXIT_GRACE_S, KV_PREFIX, flush_and_exit
-from trainers.errors import PeerError
+from trainers.exits import PeerError
 
 if TYPE_CHECKING:
     from trainers.cluster.watchdog import PeerWatchdog

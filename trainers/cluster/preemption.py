@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from types import FrameType, TracebackType
 from typing import Any, Self
 
-from trainers.errors import Preempted
+from trainers.exits import Preempted
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from trainers.cluster.leaving import AGREED_EXITS, EXIT_GRACE_S, KV_PREFIX, flush_and_exit
-from trainers.errors import EXIT_PEER_LOST
+from trainers.exits import EXIT_PEER_LOST
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@
 
 Each node has a dataclass here whose field types and ``__post_init__`` say what is allowed
 (`xshard.config.read_node` reads a composed node into it with one-line errors), and a
-permissive copy registered with Hydra (`trainers.config.schemas`) so that YAML options extend
-it. May import: `xshard.config`, `xshard.errors`, `trainers.errors`; nothing that imports JAX.
+permissive copy registered with Hydra (`trainers.config.trainer_schemas`) so that YAML options
+extend it. May import: `xshard.config`, `xshard.errors`, `trainers.exits`; nothing that imports JAX.
 """
 
 from trainers.config.data import DataOptions

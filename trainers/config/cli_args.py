@@ -3,8 +3,8 @@
 Read by the trust rules (`trainers.app.allowlist`: entries typed on the command line widen the
 allowlist), by run names (`trainers.config.run_names`: which keys a sweep varies), by HParams
 (`run_overrides`, handed to `trainers.hooks.hparams` by the app) and by every path a user typed
-(`launch_dir`). An override's key is read by Hydra's own parser, in one place
-(`override_key`).
+(`launch_dir`). An override's key (and value) is read by Hydra's own parser, in one place
+(`override_key`, `override_assignment`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,25 @@ def override_key(line: str) -> str:
     parsed = parsed_overrides([line])
     if not parsed:
         return line.split("=", 1)[0].lstrip("+~")
+    return _key(parsed[0])
+
+
+def override_assignment(line: str) -> tuple[str, Any] | None:
+    """The key an override sets (as `override_key` reads it) and its value, as Hydra's parser
+    reads them: ``+a.b=[1,2]`` -> ``("a.b", [1, 2])``, ``a=null`` -> ``("a", None)``; None for
+    a line that sets no one value (no ``=`` or no key, a deletion ``~a``, a sweep ``a=1,2``,
+    a line Hydra cannot parse)."""
+    parsed = parsed_overrides([line])
+    if not parsed or not parsed[0].key_or_group:
+        return None
     override = parsed[0]
+    if override.is_delete() or override.is_sweep_override():
+        return None
+    return _key(override), override.value()
+
+
+def _key(override: Any) -> str:
+    """A parsed override's key or group, with its ``@package`` if it names one."""
     package = f"@{override.package}" if override.package is not None else ""
     return f"{override.key_or_group}{package}"
 

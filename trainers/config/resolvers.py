@@ -104,7 +104,7 @@ def sweep_keys(hc: Any) -> frozenset[str]:
     ``hydra.sweeper.params``; none where neither is known (a launcher's worker process sees
     another command line), and then a job's name shows all its overrides."""
     params = hc.sweeper.get("params") or {}
-    return swept_keys() | {str(k).lstrip("+~") for k in params}
+    return swept_keys() | {override_key(f"{k}=") for k in params}
 
 
 #: The longest name of one file or folder most file systems take (bytes; Linux's NAME_MAX).

@@ -3,7 +3,7 @@
 The `Trainer` (`trainer`: init, step, fit) holds its parts: the placement of the arrays on the
 mesh and the initial state (`placement.DevicePlacement`), the step programs (`step`, a
 sub-package: the step's data `step.types`, its levels `step.levels`, its static description
-`step.spec`, the optimizer as it runs it `step.optimizer`, the loss and gradient `step.grads`,
+`step.step_spec`, the optimizer as it runs it `step.optimizer`, the loss and gradient `step.grads`,
 the step function of one level `step.train_step` with its ZeRO variants `step.zero_update`,
 its programs, lowered, compiled and dispatched by `step.programs.StepPrograms`) and a periodic
 mesh axis's programs (`periodic`, a sub-package: the axis `periodic.axis`, its sync programs
@@ -13,6 +13,6 @@ protocol (`hook`), the step's metrics (`metrics`), the model state of non-traine
 (`stop_vote`), JAX's persistent compilation cache (`compile_cache`).
 
 May import: `xshard`, `trainers.tasks` (sharding rules),
-`trainers.errors`. Never `trainers.config` (an import contract checks it), `trainers.app`, the
+`trainers.exits`. Never `trainers.config` (an import contract checks it), `trainers.app`, the
 hooks, checkpoints or the cluster: those build on it.
 """

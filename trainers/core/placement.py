@@ -23,7 +23,7 @@ from trainers.core.step.types import TrainState, state_shardings
 from trainers.core.zero import ZeroLayout
 from trainers.tasks.base import Task
 from xshard.optim.cross_shard import CrossShardTransformation
-from xshard.reduce.axes import state_partition_specs
+from xshard.reduce.per_axis import state_partition_specs
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
 _INIT_STREAM = 0x7FFFFFFF
@@ -144,7 +144,7 @@ class DevicePlacement:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model
         axes, and with ``zero_stage >= 1`` over the data axes too; everything else (counts,
         hyperparameters) is replicated. See `trainers.core.zero.ZeroLayout.opt_state_shardings`.
-        The error-feedback residuals of the axis rules (`xshard.reduce.axes`) are sharded over
+        The error-feedback residuals of the axis rules (`xshard.reduce.per_axis`) are sharded over
         their axis, a row per replica. Call it with the mesh in context (``jax.set_mesh``)."""
         shardings = self.layout.opt_state_shardings(
             self.tx, params, self.layout.base_shardings(params)

@@ -29,7 +29,7 @@ from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
 from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
-from trainers.core.step.spec import periodic_inner_axes, step_spec
+from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout

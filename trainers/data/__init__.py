@@ -10,7 +10,7 @@
 - `trainers.data.step_indexed`: data whose batch at step k is a pure function of (seed, k).
 - `trainers.data.batch`: `Batch`, what a batch is.
 
-May import: `trainers.rundir` (user paths), `trainers.config`, `trainers.errors`, `xshard`;
+May import: `trainers.rundir` (user paths), `trainers.config`, `trainers.exits`, `xshard`;
 never `trainers.tasks`, which builds on it.
 
 docs/tasks.md ("Data options") shows the code a user writes for each.

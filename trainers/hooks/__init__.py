@@ -9,5 +9,5 @@ run's summary (`summary`).
 
 May import: `trainers.core`, `trainers.checkpoint` (what was saved), `trainers.tasks`,
 `trainers.data` (eval batches and their padding), `trainers.rundir`, `trainers.config`,
-`trainers.errors`, `xshard`. Never `trainers.app` or the cluster.
+`trainers.exits`, `xshard`. Never `trainers.app` or the cluster.
 """

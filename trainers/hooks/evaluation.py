@@ -40,6 +40,7 @@ from trainers.config.run import TRAIN_OBJECTIVE, TrainerOptions
 from trainers.core.hook import Hook
 from trainers.core.step import TrainState
 from trainers.core.stop_vote import StopVote
+from trainers.hooks.eval_agreement import AllGather, one_process
 from trainers.hooks.evaluator import Evaluator
 from trainers.tasks.base import EvalTask, Task
 from xshard.errors import ConfigError
@@ -128,6 +129,7 @@ def build_evaluator(
     opts: TrainerOptions,
     seed: int,
     compute_dtype: Any = None,
+    all_gather: AllGather = one_process,
 ) -> Evaluator | None:
     """The run's prepared `Evaluator`, or None when it does not evaluate; checks
     ``trainer.objective`` against the metrics the evaluation has.
@@ -141,6 +143,8 @@ def build_evaluator(
       seed: the run's seed.
       compute_dtype: the dtype the eval step computes in (``precision.compute_dtype``,
         `Evaluator`); None: the params' own.
+      all_gather: the cluster's exchange of small values
+        (`trainers.cluster.multihost.Cluster.all_gather`); the default serves one process.
 
     Returns:
       None without an eval split or with ``trainer.eval_batches=0``.
@@ -172,6 +176,7 @@ def build_evaluator(
         seed=seed,
         batch_key="trainer.eval_batch_size" if explicit else "trainer.batch_size",
         compute_dtype=compute_dtype,
+        all_gather=all_gather,
     )
     evaluator.prepare(state)
     if objective != TRAIN_OBJECTIVE and objective not in evaluator.metric_names:

@@ -28,7 +28,7 @@ from trainers.core.precision import cast_floating
 from trainers.core.step import TrainState
 from trainers.data.batch import Batch
 from trainers.data.padding import pad_rows, padding_like
-from trainers.hooks.eval_agreement import agreed_batches
+from trainers.hooks.eval_agreement import AllGather, agreed_batches, one_process
 from trainers.hooks.eval_scoring import masked_sums, metrics_fn
 from trainers.tasks.base import EvalTask
 from xshard.errors import ConfigError
@@ -53,9 +53,12 @@ class Evaluator:
       batch_key: the config key of `global_batch_size`, for error messages.
       compute_dtype: the dtype the floating-point params are cast to in the eval step
         (``precision.compute_dtype``); None: as they are stored.
+      all_gather: how the processes exchange their batch counts
+        (`trainers.cluster.multihost.Cluster.all_gather`); the default serves one process.
 
     Raises:
       ConfigError: the batch does not split over the data shards or the processes.
+      ValueError: several processes and no `all_gather`.
     """
 
     def __init__(
@@ -69,7 +72,10 @@ class Evaluator:
         seed: int,
         batch_key: str = "trainer.eval_batch_size",
         compute_dtype: Any = None,
+        all_gather: AllGather = one_process,
     ):
+        if all_gather is one_process and jax.process_count() > 1:
+            raise ValueError("Evaluator: several processes need the cluster's all_gather.")
         check_batch_divisible(global_batch_size, mesh, tuple(data_axes), key=batch_key)
         if global_batch_size % jax.process_count():
             raise ConfigError(
@@ -83,6 +89,8 @@ class Evaluator:
         self.seed = seed
         self.batch_key = batch_key
         self.compute_dtype = compute_dtype
+        self.all_gather = all_gather
+        self._agreements = 0  # names each exchange of `agreed_batches` uniquely
         self.batch_sharding = NamedSharding(mesh, P(tuple(data_axes)))
         self._replicated = NamedSharding(mesh, P())
         self._rng = jax.random.fold_in(jax.random.key(seed), _EVAL_STREAM)
@@ -146,7 +154,9 @@ class Evaluator:
         count, first = 0, None
         for local, _ in self._batches():
             count, first = count + 1, local if first is None else first
-        self.count, template = agreed_batches(count, first)
+        self._agreements += 1
+        name = f"eval/batches/{self._agreements}"
+        self.count, template = agreed_batches(count, first, all_gather=self.all_gather, name=name)
         if template is None:
             raise ConfigError(
                 f"{self.batch_key}={self.global_batch_size}: the task's eval split yields no "

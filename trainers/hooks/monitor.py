@@ -13,7 +13,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from trainers.core.trainer import Hook, TrainState
-from trainers.errors import NonFiniteError
+from trainers.exits import NonFiniteError
 from trainers.hooks.summary import format_loss
 
 log = logging.getLogger("trainers.train")

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from trainers.config.outputs import ON_ERROR
 from trainers.core.hook import Hook
 from trainers.core.step import TrainState
-from trainers.errors import LinkOutOfRunDirError, LoggerError
+from trainers.exits import LinkOutOfRunDirError, LoggerError
 from trainers.hooks import hparams as hp
 from trainers.hooks.log_sink import DISK_ERRNOS, Histogram, LogSink, RunInfo
 from trainers.hooks.logged_scalars import LoggedScalars

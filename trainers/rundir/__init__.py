@@ -5,6 +5,6 @@ run's log file, and the checks before anything is written.
 links; `log_file` is the run's log file handler and one-line logging to it; `disk` checks that
 a dir is writable and has room.
 
-May import: `trainers.config`, `trainers.errors`, `xshard.config`, `xshard.errors`. No JAX,
+May import: `trainers.config`, `trainers.exits`, `xshard.config`, `xshard.errors`. No JAX,
 no omegaconf or hydra (an import contract).
 """

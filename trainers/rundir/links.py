@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from trainers.errors import LinkOutOfRunDirError
+from trainers.exits import LinkOutOfRunDirError
 from trainers.rundir.outputs import Outputs, check_appended
 
 #: The files of Hydra's config dump (``<output dir>/<hydra.output_subdir>/``).

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from trainers.errors import LinkOutOfRunDirError
+from trainers.exits import LinkOutOfRunDirError
 from trainers.rundir.outputs import open_appended
 
 

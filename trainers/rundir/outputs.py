@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from trainers.errors import LinkOutOfRunDirError
+from trainers.exits import LinkOutOfRunDirError
 
 #: How deep the start-up check looks into a folder by default: everything in it.
 ALL_LEVELS = 64

@@ -4,7 +4,7 @@ The `Task` protocol (`base`), the MLP teacher regression and the tiny GPT (`tiny
 block in `gpt_layers`, its data in `corpus_windows`), Flax NNX and linen adapters, and the
 sharding rules of their params (`sharding`, `logical`).
 
-May import: `trainers.data`, `trainers.config`, `trainers.errors`, `xshard`.
+May import: `trainers.data`, `trainers.config`, `trainers.exits`, `xshard`.
 """
 
 from importlib import import_module

@@ -1,7 +1,7 @@
 """What a numeric or dtype config value may be: `Range`, `FloatDtype` and `MAX_STEPS`.
 
 A rule is written once, as a value of a name-keyed table (`xshard.config.optimizers`'s
-``OPTIMIZER_RULES``, `xshard.config.schedules`'s ``SCHEDULE_RULES``), and read from there by
+``OPTIMIZER_RULES``, `xshard.config.schedule_schemas`'s ``SCHEDULE_RULES``), and read from there by
 the schemas, the config-driven builders (whatever the node's ``_target_``) and the library's
 own functions. Each check raises one `ConfigError` naming the key, the value and what is
 allowed. JAX-free, like every schema.

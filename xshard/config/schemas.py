@@ -16,7 +16,7 @@ permissive copies (`CHECKED_WHEN_READ`), whose values are checked when the node 
 line and exit 2 like the trainer's nodes (``schedule.warmup_steps=3e9``). Values out of range
 fail when the node is read: the optimizer's arguments by the rules of
 `xshard.config.optimizers` (``optimizer.b1=2``), the schedule's by those of
-`xshard.config.schedules` (``schedule.end_factor=nan``), the reduction's in `ReductionConf`.
+`xshard.config.schedule_schemas` (``schedule.end_factor=nan``), the reduction's in `ReductionConf`.
 The schemas live in their own ConfigStore group (``xshard_schemas/...``) so they never show up
 as options of the user-facing groups, e.g. in an ``optimizer=glob(*)`` sweep.
 
@@ -50,7 +50,7 @@ from xshard.config.optimizers import (
     SGDConf,
 )
 from xshard.config.reduction import Reduction, axis_names, clip_norm, comm_dtype
-from xshard.config.schedules import (
+from xshard.config.schedule_schemas import (
     ConstantScheduleConf,
     CosineScheduleConf,
     ExponentialScheduleConf,
@@ -183,7 +183,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
 #: The groups whose values composition leaves to the checks that read the node (one line and
 #: exit 2 naming the key, as for the trainer's nodes: ``schedule.warmup_steps=3e9``,
 #: ``mesh.num_devices=1e6``): Hydra gets permissive copies of their schemas, checked by the
-#: schedule's rules (`xshard.config.schedules`) and `xshard.mesh.spec`. The reduction stays
+#: schedule's rules (`xshard.config.schedule_schemas`) and `xshard.mesh.spec`. The reduction stays
 #: typed: a permissive copy would lose the keys and defaults of ``reduction.axes.<axis>``.
 CHECKED_WHEN_READ = ("schedule", "mesh")
 

@@ -10,7 +10,7 @@ order in one update:
 2. `xshard.reduce.gradients.all_reduce`: SUM = ``psum``, MEAN = ``pmean``, or a weighted mean
    (``shard_weight``); see `xshard.reduce` for where the reduction happens. MEAN's division
    is left to the consumers of the sum, where XLA fuses it (`LocalReduction.gradient`). With
-   per-axis rules (``axes``, `xshard.reduce.axes`) the mode reduces over the axes without a
+   per-axis rules (``axes``, `xshard.reduce.per_axis`) the mode reduces over the axes without a
    rule, then the every-step rule (at most one) over its axis (mean, sum or Adasum, in a
    codec, with error feedback kept in ``state.comm``); a periodic axis takes no part;
 3. statistics (``track_stats``), kept in the state for logging without a second pass: the
@@ -50,8 +50,8 @@ from xshard.optim.cross_shard_types import (
     LocalReduction,
 )
 from xshard.optim.cross_shard_update import CrossShardUpdate
-from xshard.reduce.axes import AxisReductions
 from xshard.reduce.gradients import AllReduce, AxisNames, axis_tuple, per_shard_clip
+from xshard.reduce.per_axis import AxisReductions
 
 __all__ = [
     "Applied",
@@ -101,7 +101,7 @@ def cross_shard(
         None: every axis by `reduction`, as before). The gradient is reduced by `reduction`
         over the axes without a rule, then over the axis with an every-step rule (at most
         one) by its rule (mean, sum, Adasum) and codec, with its error-feedback residual in
-        ``state.comm`` (`xshard.reduce.axes`); an axis with a periodic rule takes no part
+        ``state.comm`` (`xshard.reduce.per_axis`); an axis with a periodic rule takes no part
         in the step. Needs per-shard gradients inside shard_map, and the mesh in context at
         ``init`` (``jax.set_mesh``).
 

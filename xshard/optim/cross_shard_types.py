@@ -17,9 +17,9 @@ import optax
 
 from xshard.config.reduction import Reduction
 from xshard.guard.update import SkipIfNonFiniteState
-from xshard.reduce.axes import AxisCommState, AxisReductions
 from xshard.reduce.gradients import PerShardClipState, divide
 from xshard.reduce.hierarchical import all_reduce_bytes_per_axis
+from xshard.reduce.per_axis import AxisCommState, AxisReductions
 from xshard.stats.layers import Histograms
 from xshard.stats.shards import LocalNorms, ShardStats
 from xshard.stats.tree import GradSummary, tree_max_abs, tree_sq_norm
@@ -37,7 +37,7 @@ class CrossShardSpec:
     skip_nonfinite: bool
     track_stats: bool
     num_shards: int | None = None
-    #: The per-axis rules (`xshard.reduce.axes`): none by default.
+    #: The per-axis rules (`xshard.reduce.per_axis`): none by default.
     axes: AxisReductions = AxisReductions()
     #: The inner optimizer, as given (`xshard.optim.cross_shard.over_axes` rebuilds around it).
     inner: Any = dataclasses.field(default=None, compare=False, repr=False)
@@ -72,7 +72,7 @@ class LocalReduction:
         per-shard gradients existed).
       parts: the buffers holding `updates`, packed per dtype (`xshard.reduce.gradients.Reduced`), or
         None: its leaves.
-      comm: the new state of the every-step axis rules (`xshard.reduce.axes.AxisCommState` by
+      comm: the new state of the every-step axis rules (`xshard.reduce.per_axis.AxisCommState` by
         axis), or None without them.
       mean_over: the shard count MEAN still divides `updates` by (static; 1: reduced).
       unpack: ``unpack(parts) -> updates`` where `parts` is set (static): `gradient` slices
@@ -155,7 +155,7 @@ class CrossShardState(NamedTuple):
     reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
     histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
     guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
-    #: Per every-step axis rule: residual, compression error norm, bytes (`xshard.reduce.axes`).
+    #: Per every-step axis rule: residual, compression error norm, bytes (`xshard.reduce.per_axis`).
     comm: dict[str, AxisCommState] | optax.EmptyState = optax.EmptyState()
 
     @property

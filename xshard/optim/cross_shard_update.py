@@ -139,7 +139,7 @@ class CrossShardUpdate:
         self, updates: Any, shard_weight: jax.Array | None, scatter_dims: Any, comm: Any
     ) -> tuple[Any, Any]:
         """Step 2 with axis rules: by the mode over the other axes, then by each rule
-        (`xshard.reduce.axes`): the reduced gradient and the rules' new state."""
+        (`xshard.reduce.per_axis`): the reduced gradient and the rules' new state."""
         spec = self.spec
         ruled = tuple(a for a, _ in spec.axes.rules)
         if not axes_are_manual(ruled):

@@ -42,7 +42,7 @@ from omegaconf import DictConfig
 from xshard.config import read_node
 from xshard.config.axes import AxisRule
 from xshard.config.optimizers import check_optimizer_args
-from xshard.config.schedules import check_schedule_args
+from xshard.config.schedule_schemas import check_schedule_args
 from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
 from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target

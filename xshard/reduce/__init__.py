@@ -2,7 +2,7 @@
 
 `xshard.reduce.gradients` is the semantics of `xshard.cross_shard`'s reduction
 (`xshard.reduce_gradients`), with the per-shard clip (`xshard.reduce.shard_clip`, on
-`xshard.reduce.clipping`); `xshard.reduce.axes` reduces per mesh axis by its
+`xshard.reduce.clipping`); `xshard.reduce.per_axis` reduces per mesh axis by its
 `xshard.config.axes.AxisRule`: through a codec (`xshard.reduce.codecs`,
 `xshard.reduce.compressed`), by Adasum (`xshard.reduce.adasum`), hierarchically
 (`xshard.reduce.hierarchical`) or periodically (`xshard.reduce.periodic`: local SGD, DiLoCo).

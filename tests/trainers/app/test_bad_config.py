@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainers.errors import CheckpointError
+from trainers.exits import CheckpointError
 from trainers.train import train
 from xshard.errors import ConfigError
 

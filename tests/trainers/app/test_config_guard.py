@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from trainers.app.config_guard import check_file, guard_compositions
 from trainers.app.trust import SWEEP_SETTINGS, ComposedFile, refusals
-from trainers.config.schemas import LOCATION_KEYS
-from trainers.errors import UntrustedConfigError
+from trainers.config.trainer_schemas import LOCATION_KEYS
+from trainers.exits import UntrustedConfigError
 
 EXIT = 2
 #: What the trusted files of a typical composition declare at the top level.

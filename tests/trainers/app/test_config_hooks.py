@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from tests.cli import run_train
-from trainers.app.build import build_hooks
+from trainers.app.builders import build_hooks
 from trainers.train import train
 from xshard.config.targets import allowed_prefixes
 from xshard.errors import ConfigError

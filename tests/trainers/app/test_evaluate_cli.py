@@ -24,7 +24,7 @@ import yaml
 from tests import REPO
 from tests.cli import refused, run_train, scalars
 from trainers.app.checkpoint_use import flat_params
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 
 pytestmark = pytest.mark.slow
 STEPS = 6

@@ -12,7 +12,7 @@ import pytest
 from tests import REPO
 from tests.cli import refused
 from trainers.app.scaffold import TEMPLATE_PACKAGE, render
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 from trainers.new import main
 
 EXAMPLE = REPO / "examples" / "experiment_repo"

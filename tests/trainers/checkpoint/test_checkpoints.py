@@ -19,7 +19,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
-from trainers.checkpoint.hook import CheckpointHook
 from trainers.checkpoint.io import read_damage
 from trainers.checkpoint.resume import (
     RestoreSource,
@@ -27,10 +26,11 @@ from trainers.checkpoint.resume import (
     find_resume_source,
     restore_checkpoint,
 )
+from trainers.checkpoint.save import CheckpointHook
 from trainers.cluster.preemption import StopOnSignal
 from trainers.config import CheckpointOptions
 from trainers.core.step import TrainState
-from trainers.errors import CheckpointError, NonFiniteError
+from trainers.exits import CheckpointError, NonFiniteError
 from trainers.hooks.monitor import NonFiniteMonitor
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError

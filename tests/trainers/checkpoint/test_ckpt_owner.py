@@ -14,11 +14,11 @@ import pytest
 
 from tests.reliability_helpers import snapshot
 from tests.trainers.checkpoint.test_checkpoints import CONFIG, synthetic_state
-from trainers.checkpoint.hook import CheckpointHook
 from trainers.checkpoint.owner import LOCK_FILE, OWNER_FILE, claim_checkpoint_dir, read_owner
 from trainers.checkpoint.resume import complete_steps
+from trainers.checkpoint.save import CheckpointHook
 from trainers.config import CheckpointOptions
-from trainers.errors import CheckpointDirInUseError, ForeignCheckpointDirError
+from trainers.exits import CheckpointDirInUseError, ForeignCheckpointDirError
 
 
 def write_steps(directory: Path, *steps: int, keep: int | None = None) -> None:

@@ -19,7 +19,7 @@ from tests import REPO
 from tests.reliability_helpers import snapshot, steps_snapshot, wait_until
 from trainers.checkpoint.owner import LOCK_FILE, read_owner
 from trainers.checkpoint.resume import complete_steps
-from trainers.errors import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
+from trainers.exits import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.long
 

@@ -26,7 +26,7 @@ from tests.reliability_helpers import (
     wait_until,
 )
 from trainers.checkpoint.resume import complete_steps
-from trainers.errors import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
+from trainers.exits import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED
 
 pytestmark = pytest.mark.long
 

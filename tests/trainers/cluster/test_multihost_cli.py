@@ -36,7 +36,7 @@ from tests.multihost_cli import (
 )
 from tests.reliability_helpers import assert_bitwise_equal, wait_until
 from trainers.checkpoint.io import complete_steps
-from trainers.errors import EXIT_PEER_LOST, EXIT_PREEMPTED
+from trainers.exits import EXIT_PEER_LOST, EXIT_PREEMPTED
 
 pytestmark = [pytest.mark.long, pytest.mark.multiprocess]
 

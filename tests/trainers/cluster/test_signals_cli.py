@@ -17,7 +17,7 @@ import pytest
 
 from tests.reliability_helpers import wait_until
 from trainers.checkpoint.io import complete_steps
-from trainers.errors import EXIT_PREEMPTED
+from trainers.exits import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

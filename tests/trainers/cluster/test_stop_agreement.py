@@ -16,7 +16,7 @@ from trainers.cluster.run_dirs import separate_log
 from trainers.config import TrainerOptions
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
 from trainers.core.trainer import Hook, Trainer
-from trainers.errors import PeerError
+from trainers.exits import PeerError
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
 from xshard.mesh.build import build_mesh, configure_devices

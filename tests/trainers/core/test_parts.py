@@ -11,7 +11,7 @@ from trainers.core.placement import DevicePlacement
 from trainers.core.precision import Precision
 from trainers.core.step.levels import PLAIN, STATS
 from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
-from trainers.core.step.spec import step_spec
+from trainers.core.step.step_spec import step_spec
 from trainers.core.trainer import Hook, Trainer
 from trainers.core.zero import zero_layout
 from trainers.tasks.mlp import MLPTask

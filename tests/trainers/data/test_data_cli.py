@@ -14,7 +14,7 @@ from tests.cli import run_train, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state
 from tests.trainers.data.test_data_files import write_files
 from trainers.checkpoint.resume import complete_steps
-from trainers.errors import EXIT_PREEMPTED
+from trainers.exits import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.long
 

@@ -14,11 +14,11 @@ import pytest
 
 import xshard
 from trainers.checkpoint.data_state import has_data_state, is_checkpointable, restore_data_state
-from trainers.checkpoint.hook import CheckpointHook
+from trainers.checkpoint.save import CheckpointHook
 from trainers.config import CheckpointOptions
 from trainers.core.trainer import Trainer
 from trainers.data.stream import StreamData
-from trainers.errors import CheckpointError
+from trainers.exits import CheckpointError
 from trainers.tasks.mlp import MLPTask
 
 

@@ -4,6 +4,8 @@ against a NumPy reference of the metrics on 8 simulated CPU devices."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,8 @@ import xshard
 from trainers.config import TrainerOptions
 from trainers.core.trainer import Trainer
 from trainers.data.arrays import ArrayData
-from trainers.data.padding import empty_batch, pad_rows, padding_like, row_layout
+from trainers.data.padding import pad_rows, padding_like, row_layout
+from trainers.hooks.eval_agreement import agreed_batches, one_process
 from trainers.hooks.eval_scoring import accepts_mask
 from trainers.hooks.evaluation import build_evaluator
 
@@ -145,18 +148,26 @@ def test_padding_and_mask():
         pad_rows({"x": np.ones((6,))}, 5)
 
 
-def test_a_row_layout_travels_as_json():
-    """A process with no eval batch pads batches laid out like another process's."""
-    import json
+def test_processes_agree_on_the_most_batches_and_the_padding_layout():
+    """Each process hands `agreed_batches` its count and row layout; one with no eval batch
+    pads batches laid out like another's (the values travel as JSON, as `Cluster.all_gather`
+    carries them)."""
+    first = {"x": np.ones((3, 2, 4), np.float16), "y": np.arange(3)}
+    sent = [[5, row_layout(first)], [0, None]]  # process 0, process 1
 
-    layout = json.loads(
-        json.dumps(row_layout({"x": np.ones((3, 2, 4), np.float16), "y": np.arange(3)}))
-    )
-    empty = empty_batch(layout)
+    def all_gather(name, value):
+        assert name == "eval/batches/1" and value in sent
+        return json.loads(json.dumps(sent))
+
+    most, batch = agreed_batches(5, first, all_gather=all_gather, name="eval/batches/1")
+    assert most == 5 and batch is first
+    most, empty = agreed_batches(0, None, all_gather=all_gather, name="eval/batches/1")
+    assert most == 5 and empty is not None
     assert empty["x"].shape == (0, 2, 4) and empty["x"].dtype == np.float16
     assert empty["y"].shape == (0,) and empty["y"].dtype == np.arange(3).dtype
     padded, mask = padding_like(empty, 4)
     assert padded["x"].shape == (4, 2, 4) and not mask.any()
+    assert agreed_batches(0, None, all_gather=one_process, name="n") == (0, None)
 
 
 def test_accepts_mask():

@@ -12,7 +12,7 @@ from trainers.app.sweep import (
     sweep_table,
     write_result,
 )
-from trainers.errors import TrialFailed
+from trainers.exits import TrialFailed
 from trainers.hooks.summary import COMPLETED, DIVERGED, FAILED, RunSummary
 
 OPTUNA = "hydra_plugins.hydra_optuna_sweeper.optuna_sweeper.OptunaSweeper"

@@ -21,7 +21,6 @@ from jax.sharding import AxisType, Mesh
 
 import xshard
 from tests.cli import load_events, scalars
-from trainers.checkpoint.hook import CheckpointHook
 from trainers.checkpoint.io import (
     IOErrorsInOneLine,
     checkpoint_bytes,
@@ -29,9 +28,10 @@ from trainers.checkpoint.io import (
     quiet_io_error_noise,
     write_failure,
 )
+from trainers.checkpoint.save import CheckpointHook
 from trainers.config import CheckpointOptions, LoggerOptions
 from trainers.core.trainer import Hook, Trainer
-from trainers.errors import LoggerError
+from trainers.exits import LoggerError
 from trainers.hooks.log_sink import RunInfo
 from trainers.hooks.logged_scalars import LoggedScalars, ScalarOptions
 from trainers.hooks.run_logger import LoggerHook

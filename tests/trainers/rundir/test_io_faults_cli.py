@@ -19,7 +19,7 @@ from tests.bounded_cli import TIMEOUT, assert_one_line_error, cli
 from tests.reliability_helpers import fill, load_state, resize, tmpfs
 from trainers.app.sweep import write_result
 from trainers.checkpoint.io import complete_steps, unfinished_saves
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 from trainers.rundir.log_file import RunLogFile
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]

@@ -28,7 +28,7 @@ from tests.reliability_helpers import (
 from trainers.checkpoint.io import complete_steps
 from trainers.checkpoint.owner import LOCK_FILE
 from trainers.config.run_names import short_name
-from trainers.errors import EXIT_CONFIG_ERROR
+from trainers.exits import EXIT_CONFIG_ERROR
 from xshard.config import one_line
 
 COMMON = [

@@ -11,7 +11,7 @@ import pytest
 from tests.reliability_helpers import SECRET
 from trainers.app.sweep import write_result
 from trainers.checkpoint.owner import LOCK_FILE, claim_checkpoint_dir
-from trainers.errors import LinkOutOfRunDirError
+from trainers.exits import LinkOutOfRunDirError
 from trainers.hooks.csv_logger import CsvSink
 from trainers.hooks.log_sink import RunInfo
 from trainers.rundir.links import check_run_dir, outside_link, write_file

@@ -14,7 +14,7 @@ from tests import REPO
 from tests.bounded_cli import COMMON, TIMEOUT, assert_one_line_error, cli, sigint_handled
 from tests.reliability_helpers import wait_until
 from trainers.checkpoint.io import complete_steps
-from trainers.errors import EXIT_PREEMPTED
+from trainers.exits import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

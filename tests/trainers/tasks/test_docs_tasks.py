@@ -65,7 +65,7 @@ def test_the_documented_flax_models_follow_precision_and_remat(tmp_path, option,
     pytest.importorskip("flax")
     from hydra import compose, initialize_config_dir
 
-    from trainers.app.build import build_task
+    from trainers.app.builders import build_task
     from trainers.tasks.flax_nnx import _takes
 
     repo = _flax_repo(tmp_path, option)

@@ -248,7 +248,7 @@ def test_bad_logical_axis_rules_are_config_errors(rules):
 
 
 def test_the_model_node_is_built_under_the_allowlist(compose_config):
-    from trainers.app.build import build_task
+    from trainers.app.builders import build_task
 
     task = build_task(compose_config("task=flax_nnx", "task.model.hidden=[8]"))
     assert isinstance(task, NNXTask) and isinstance(task.model, functools.partial)
@@ -272,7 +272,7 @@ class Model:
 def test_a_nested_target_outside_the_allowlist_is_refused_before_import(
     compose_config, tmp_path, monkeypatch, node
 ):
-    from trainers.app.build import build_task
+    from trainers.app.builders import build_task
 
     marker = tmp_path / "imported.txt"
     (tmp_path / "xs_evil_models.py").write_text(EVIL.format(marker=str(marker)))

@@ -291,7 +291,7 @@ def test_sharded_loss_matches_unsharded(make_task):
 
 @pytest.mark.parametrize("name, cls", [("mlp", MLPTask), ("tiny_gpt", TinyGPTTask)])
 def test_hydra_config_instantiates_a_working_task(name, cls, compose_config):
-    from trainers.app.build import build_task
+    from trainers.app.builders import build_task
 
     # Composed as a run composes it: the task's node reads e.g. ${trainer.remat}.
     task = build_task(compose_config(f"task={name}"))

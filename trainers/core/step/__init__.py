@@ -2,7 +2,7 @@
 
 Its data (`types`: `TrainState`, `StepResult`, `TrainStep`, `StepSpec`), its levels (`levels`:
 plain, statistics, per-layer norms, histograms, and which level each step of a run has), its
-static description from a run's settings (`spec`), the optimizer as it runs it (`optimizer`),
+static description from a run's settings (`step_spec`), the optimizer as it runs it (`optimizer`),
 the loss and gradient over microbatches (`grads`), the traced step function of one level
 (`train_step`) with its ZeRO variants (`zero_update`), and the programs: one per kind of step,
 lowered, compiled and dispatched by `programs.StepPrograms`.

@@ -53,7 +53,7 @@ from trainers.core.step.zero_update import constrain_for_update, gathered, manua
 from trainers.core.zero import ZeroLayout
 from trainers.tasks.base import Task
 from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
-from xshard.reduce.axes import state_partition_specs
+from xshard.reduce.per_axis import state_partition_specs
 from xshard.stats.tree import leaf_sq_norms
 
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.core.zero import ZeroLayout
 from xshard.mesh.collectives import all_gather_tree
 from xshard.optim.cross_shard import LocalReduction
-from xshard.reduce.axes import state_partition_specs
+from xshard.reduce.per_axis import state_partition_specs
 
 
 def _is_none(x: Any) -> bool:
@@ -127,7 +127,7 @@ def manual_zero_step(
         shard, the new model state already reduced over the shards), run inside the
         shard_map.
       whole: reduce the gradient whole at every stage, as stage 1 does (the update's
-        constraints then slice it): for every-step axis rules (`xshard.reduce.axes`), which
+        constraints then slice it): for every-step axis rules (`xshard.reduce.per_axis`), which
         share their reduction out by their own shares, not by the ZeRO slices.
 
     Returns:

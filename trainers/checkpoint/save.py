@@ -53,7 +53,7 @@ from trainers.checkpoint.io import (
 from trainers.config import CheckpointOptions
 from trainers.core.model_state import saved_tree
 from trainers.core.trainer import Hook, TrainState
-from trainers.errors import CheckpointWriteError, NonFiniteError
+from trainers.exits import CheckpointWriteError, NonFiniteError
 from xshard.optim.slots import inner_state
 
 logger = logging.getLogger(__name__)

@@ -105,7 +105,7 @@ def build_run(
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
     from trainers.core.precision import Precision
-    from trainers.core.step.spec import periodic_inner_axes
+    from trainers.core.step.step_spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
     from xshard.optim.factory import build_optimizer_with_rules
 

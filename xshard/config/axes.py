@@ -118,6 +118,14 @@ RANGES = {
 _AVERAGING = "{_target_: optax.sgd, learning_rate: 1.0} (parameter averaging)"
 
 
+def _ranges(rule: AxisRule) -> dict[str, Range]:
+    """`RANGES`, ``sync_delay`` bounded by the rule's ``every_steps`` once that is valid (a
+    fragment's outer update lands before its next send)."""
+    if not RANGES["every_steps"].allows(rule.every_steps):
+        return RANGES
+    return RANGES | {"sync_delay": dataclasses.replace(RANGES["sync_delay"], high=rule.every_steps)}
+
+
 def check_rule(rule: AxisRule, key: str) -> None:
     """Checks one axis's rule on its own, for `xshard.cross_shard` (``axes.<axis>``) and the
     config (``reduction.axes.<axis>``) alike: the one place these rules are written.
@@ -129,18 +137,12 @@ def check_rule(rule: AxisRule, key: str) -> None:
     Raises:
       ConfigError: (a ValueError) naming ``<key>.<field>``, its value and what is allowed.
     """
-    for name, allowed in RANGES.items():
+    for name, allowed in _ranges(rule).items():
         allowed.check(getattr(rule, name), f"{key}.{name}")
     if rule.fragments > rule.every_steps:
         raise ConfigError(
             f"{key}.fragments={rule.fragments}: expected at most {key}.every_steps="
             f"{rule.every_steps} (each fragment syncs once per period, on its own step)."
-        )
-    if rule.sync_delay >= rule.every_steps:
-        raise ConfigError(
-            f"{key}.sync_delay={rule.sync_delay}: expected an integer with 0 <= sync_delay < "
-            f"{key}.every_steps={rule.every_steps} (a fragment's outer update lands before "
-            "its next send)."
         )
     if rule.comm_dtype is not None and rule.comm_dtype not in CODEC_NAMES:
         raise ConfigError(

@@ -100,16 +100,31 @@ def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
 
 @pytest.mark.slow
 def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
-    common = (*COMMON, "reduction=diloco_int8", "reduction.axes.slice.every_steps=4")
+    """Streaming DiLoCo, int8 with error feedback: 2 fragments every 4 steps, each sent at
+    steps 2, 4 (fragment 1), 6, 8 and applied 2 steps later. Stopped after step 5, inside
+    fragment 1's delay window (sent at 4, applied after 6), and resumed."""
+    common = (
+        *COMMON,
+        "reduction=diloco_int8",
+        "reduction.axes.slice.every_steps=4",
+        "reduction.axes.slice.fragments=2",
+        "reduction.axes.slice.sync_delay=2",
+        "reduction.axes.slice.mix=0.5",
+    )
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
-    run_train(*common, "trainer.steps=6", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=5", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    sent = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "5")
+    pending = {k: v for k, v in sent.items() if "pending" in k}
+    assert pending and any(np.any(v != 0) for v in pending.values())  # in flight, saved
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
     whole = _checkpoint_arrays(tmp_path / "whole" / "checkpoints" / "10")
     parts = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "10")
     assert whole.keys() == parts.keys()
-    assert any("outer" in k for k in whole)  # outer params, state and residuals are saved
+    assert any("residual" in k for k in whole)  # outer params, state, residuals are saved
     for k in whole:
         np.testing.assert_array_equal(parts[k], whole[k], err_msg=k)
+    drift = scalars(tmp_path / "parts" / "tb", "sync/slice/replica_drift")
+    assert sorted(drift) == [4, 6, 8, 10]  # each sync logged once, after its delay
 
 
 @pytest.mark.slow
@@ -149,8 +164,12 @@ def test_cli_sweep_over_reductions(tmp_path):
             ["reduction=diloco", "reduction.axes.slice.outer_optimizer._target_=os.system"],
             ["reduction.axes.slice.outer_optimizer._target_"],
         ),
+        (
+            ["reduction=diloco", "reduction.axes.slice.mix=abc"],
+            ["reduction.axes.slice.mix='abc'", "0 <= mix <= 1"],
+        ),
     ],
-    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target"],
+    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target", "mix"],
 )
 def test_cli_bad_axis_values_exit_2_naming_the_key(tmp_path, overrides, fragments):
     result = run_train(

@@ -99,6 +99,25 @@ def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_outer_learning_rate_schedule_counts_outer_steps(tmp_path):
+    """A ``_target_`` node as the outer optimizer's learning rate: 0.7 at the first sync,
+    0 from the second on (its count is the outer optimizer's: one per sync)."""
+    schedule = "{_target_:optax.linear_schedule,init_value:0.7,end_value:0.0,transition_steps:1}"
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=2",
+        f"reduction.axes.slice.outer_optimizer.learning_rate={schedule}",
+        "trainer.steps=4",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    norms = scalars(tmp_path / "tb", "sync/slice/outer_update_norm")
+    assert sorted(norms) == [2, 4] and norms[2] > 0 and norms[4] == 0, norms
+
+
+@pytest.mark.slow
 def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
     """Streaming DiLoCo, int8 with error feedback: 2 fragments every 4 steps, each sent at
     steps 2, 4 (fragment 1), 6, 8 and applied 2 steps later. Stopped after step 5, inside

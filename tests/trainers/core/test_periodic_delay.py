@@ -155,8 +155,7 @@ def _offset(f, groups):
     "tau, alpha, fragments, codec",
     [
         (0, 0.0, 1, None),  # DiLoCo
-        (2, 0.5, 1, None),
-        (3, 0.0, 2, None),
+        (3, 0.5, 2, None),
         (1, 0.25, 2, "int8"),
         (2, 1.0, 1, "int8"),
     ],
@@ -186,3 +185,26 @@ def test_delay_and_mixing_match_the_reference(task, mesh, tau, alpha, fragments,
     for r in range(REPLICAS):
         for i, (g, w) in enumerate(zip(got_replicas, want_replicas[r], strict=True)):
             np.testing.assert_allclose(g[r], w, rtol=0, atol=3e-7, err_msg=f"replica {r} leaf {i}")
+
+
+def test_a_skipped_sync_restarts_every_replica_from_the_kept_outer_params(task, mesh):
+    """Whatever ``mix``: a non-finite mean of what was sent keeps the outer state, and the
+    replicas drop their diverged params rather than mix them in."""
+    rule = AxisRule(every_steps=2, outer_optimizer=optax.sgd(**OUTER), sync_delay=1, mix=0.5)
+    trainer, state = make(task, mesh, INNER, periodic=("slice", rule))
+    before = jax.tree.leaves(outer_tree(trainer, state))
+    batches = iter(task.batches(BATCH, seed=0))
+    for step in (1, 2, 3):
+        state, metrics = trainer.step(state, next(batches), with_stats=False)
+        if step == 2:  # one replica diverges before it sends
+            state = state._replace(
+                params=jax.tree.map(lambda x: x.at[1].set(jnp.nan), state.params)
+            )
+        state, metrics = trainer.sync(state, step, metrics)
+        jax.block_until_ready(state)
+    assert metrics["sync/slice/skipped"] == 1.0
+    after = jax.tree.leaves(outer_tree(trainer, state))
+    for b, a, r in zip(before, after, jax.tree.leaves(jax.device_get(state.params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(r[0], a)
+        np.testing.assert_array_equal(r[1], a)

@@ -12,16 +12,22 @@ A custom schedule for ``schedule._target_`` follows the same convention:
 Each argument obeys one rule, the same whichever schedule has it, written once in
 `xshard.config.schedule_schemas.SCHEDULE_RULES`; a factory called with a value out of range raises
 `xshard.ConfigError` (a ValueError) naming the argument, the value and what is allowed.
+`check_schedule` checks that what a schedule node built is one (``schedule``, and a periodic
+axis's ``outer_optimizer.learning_rate`` node).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import optax
 
 from xshard.config.schedule_schemas import check_schedule_args
+from xshard.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -216,3 +222,33 @@ def exponential(
         staircase=staircase,
         end_value=end_value,
     )
+
+
+def check_schedule(schedule: Any, target: str, key: str) -> optax.Schedule:
+    """`schedule`, checked to map a step count to one learning rate (on an abstract step).
+
+    Args:
+      schedule: what the node's target built.
+      target: the node's ``_target_``, for the message.
+      key: the node's config key (``schedule``, or an ``outer_optimizer.learning_rate``).
+
+    Raises:
+      ConfigError: naming ``<key>._target_`` if it is not such a function.
+    """
+    wrong = f"{key}._target_={target!r} did not build a schedule (step -> learning rate)"
+    if not callable(schedule) or isinstance(schedule, optax.GradientTransformation):
+        raise ConfigError(
+            f"{wrong}; it returned a {type(schedule).__name__}. Use a schedule factory, "
+            "e.g. xshard.schedules.warmup_cosine or optax.cosine_decay_schedule."
+        )
+    try:
+        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
+    except Exception as e:  # any failure to trace `schedule(step)` means it is not one
+        raise ConfigError(f"{wrong}: calling it on a step failed ({type(e).__name__}).") from e
+    if not (
+        isinstance(out, jax.ShapeDtypeStruct)
+        and out.shape == ()
+        and jnp.issubdtype(out.dtype, jnp.floating)
+    ):
+        raise ConfigError(f"{wrong}: schedule(step) gave {out}, not a scalar float.")
+    return schedule

@@ -68,6 +68,11 @@ class AxisRule:
       warmup_steps: synchronous steps of a periodic axis before its replicas train alone
         (PyTorch's ``start_localSGD_iter``): until then the gradient is reduced over the axis
         every step too.
+      sync_delay: tau, Streaming DiLoCo's delay: the inner steps a fragment's replicas take
+        between sending their pseudo-gradient (at its sync step t) and the outer update it
+        feeds (after step t + tau); 0: at once. Less than ``every_steps``.
+      mix: alpha, Streaming DiLoCo's mixing factor: after the outer update each replica
+        sets the fragment to ``mix * replica + (1 - mix) * outer``; 0: the outer params.
     """
 
     every_steps: int = 1
@@ -77,6 +82,8 @@ class AxisRule:
     fragments: int = 1
     rule: str | None = None
     warmup_steps: int = 0
+    sync_delay: int = 0
+    mix: float = 0.0
 
     @property
     def periodic(self) -> bool:
@@ -88,15 +95,35 @@ class AxisRule:
 #: The rules a periodic axis may reduce its pseudo-gradient by.
 PERIODIC_RULES: tuple[str, ...] = ("mean",)
 #: The fields only a periodic axis has, with the value that means "not periodic".
-_PERIODIC_ONLY = (("every_steps", 1), ("fragments", 1), ("warmup_steps", 0))
-#: The integer fields and their ranges (bounded by the int32 step counter).
-_COUNTS = {
+_PERIODIC_ONLY = (
+    ("every_steps", 1),
+    ("fragments", 1),
+    ("warmup_steps", 0),
+    ("sync_delay", 0),
+    ("mix", 0.0),
+)
+#: The numeric fields and their ranges (the counts bounded by the int32 step counter); the
+#: config's node leaves their type to these (a non-number is one line naming the range too).
+RANGES = {
     "every_steps": Range("the steps between syncs (1: every step)", 1, integer=True),
     "fragments": Range("the parameter fragments synced in turn", 1, integer=True),
     "warmup_steps": Range("the synchronous steps before the first local one", integer=True),
+    "sync_delay": Range(
+        "the inner steps between a fragment's send and its outer update (< every_steps)",
+        integer=True,
+    ),
+    "mix": Range("the share of the replica's own params kept at a sync", 0, 1, high_closed=True),
 }
 #: What the first ``outer_optimizer`` could be, for the messages.
 _AVERAGING = "{_target_: optax.sgd, learning_rate: 1.0} (parameter averaging)"
+
+
+def _ranges(rule: AxisRule) -> dict[str, Range]:
+    """`RANGES`, ``sync_delay`` bounded by the rule's ``every_steps`` once that is valid (a
+    fragment's outer update lands before its next send)."""
+    if not RANGES["every_steps"].allows(rule.every_steps):
+        return RANGES
+    return RANGES | {"sync_delay": dataclasses.replace(RANGES["sync_delay"], high=rule.every_steps)}
 
 
 def check_rule(rule: AxisRule, key: str) -> None:
@@ -110,8 +137,8 @@ def check_rule(rule: AxisRule, key: str) -> None:
     Raises:
       ConfigError: (a ValueError) naming ``<key>.<field>``, its value and what is allowed.
     """
-    for name, count in _COUNTS.items():
-        count.check(getattr(rule, name), f"{key}.{name}")
+    for name, allowed in _ranges(rule).items():
+        allowed.check(getattr(rule, name), f"{key}.{name}")
     if rule.fragments > rule.every_steps:
         raise ConfigError(
             f"{key}.fragments={rule.fragments}: expected at most {key}.every_steps="
@@ -204,9 +231,12 @@ def inner_data_axes(
 def _node_of(rule: type[AxisRule]) -> type:
     """A mutable copy of the dataclass `rule` (same fields, types and defaults, and its
     ``periodic``), for Hydra and `xshard.config.read_node` to merge a node into: OmegaConf
-    cannot write into a frozen dataclass nested in another."""
+    cannot write into a frozen dataclass nested in another. The fields with a range
+    (`RANGES`) are typed ``Any``: `check_rule` reads them, so that a non-number is its one line
+    naming the range (exit 2), not a composition error."""
     fields = [
-        (f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(rule)
+        (f.name, Any if f.name in RANGES else f.type, dataclasses.field(default=f.default))
+        for f in dataclasses.fields(rule)
     ]
     node = dataclasses.make_dataclass(
         "AxisReductionConf",

@@ -6,7 +6,11 @@ be an axis of the mesh, a periodic axis a data axis, an Adasum axis of power-of-
 Each ``outer_optimizer`` node is built like the ``optimizer`` node: its ``_target_`` must pass
 the ``allowed_targets`` allowlist, its keys must be the factory's arguments, and the arguments
 every optax optimizer shares (``learning_rate``, ``momentum``, ``b1``, ...) obey the schemas'
-`OPTIMIZER_RULES`, as the inner optimizer's do.
+`OPTIMIZER_RULES`, as the inner optimizer's do. An argument may be a node with its own
+``_target_`` (``learning_rate: {_target_: optax.cosine_decay_schedule, init_value: 0.7,
+decay_steps: 100}``), built under the same allowlist (every target checked by name before
+anything is imported); a ``learning_rate`` node must build a schedule, which optax evaluates
+at the outer optimizer's own count: it counts outer steps (syncs of the fragment).
 """
 
 from __future__ import annotations
@@ -21,25 +25,36 @@ from xshard.config.axes import AxisReductionConf, AxisRule, inner_data_axes
 from xshard.config.optimizers import OPTIMIZER_RULES
 from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
-from xshard.config.targets import resolve_target
+from xshard.config.targets import check_nested_targets, instantiate_nested, resolve_target
 from xshard.errors import ConfigError
+from xshard.schedules import check_schedule
 
 KEY = "reduction.axes"
 
 
 def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> Any:
-    """Builds the optax optimizer of an ``outer_optimizer`` node (``_target_`` and arguments).
+    """Builds the optax optimizer of an ``outer_optimizer`` node (``_target_`` and arguments,
+    an argument a ``_target_`` node of its own, e.g. a ``learning_rate`` schedule).
 
     Raises:
       ConfigError: naming ``<key>._target_`` or ``<key>.<argument>`` for a target that is not
-        allowed or not found, a key that is not an argument, a value out of range, or a
-        target that does not build an optax transformation.
+        allowed or not found, a key that is not an argument, a value out of range, a
+        ``learning_rate`` node that does not build a schedule, or a target that does not
+        build an optax transformation.
     """
     kwargs = dict(node)
     target = kwargs.pop("_target_")
     fn = resolve_target(target, allowed, key=f"{key}._target_")
     check_kwargs(fn, kwargs, key, target)
-    check_args(OPTIMIZER_RULES, kwargs, key)  # learning_rate, momentum, ...: by name
+    check_nested_targets(kwargs, key, allowed)  # every target by name, before any import
+    nodes = {k for k, v in kwargs.items() if isinstance(v, Mapping) and "_target_" in v}
+    plain = {k: v for k, v in kwargs.items() if k not in nodes}
+    check_args(OPTIMIZER_RULES, plain, key)  # learning_rate, momentum, ...: by name
+    for name in nodes:
+        where = f"{key}.{name}"
+        kwargs[name] = instantiate_nested(kwargs[name], where, allowed)
+        if name == "learning_rate":
+            kwargs[name] = check_schedule(kwargs[name], node[name]["_target_"], where)
     try:
         tx = fn(**kwargs)
     except (TypeError, ValueError) as e:

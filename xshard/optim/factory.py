@@ -34,7 +34,6 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
@@ -54,6 +53,7 @@ from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
 from xshard.optim.masks import resolve_mask
 from xshard.optim.schedule_free import check_schedule_free
 from xshard.reduce.clipping import clip_by_global_norm
+from xshard.schedules import check_schedule
 
 #: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`;
 #: optax.contrib.muon's rule of which parameters it orthogonalises is a mask too).
@@ -107,28 +107,7 @@ def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> opta
         schedule = fn(learning_rate, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"schedule ({target}): {e}") from e
-    return _check_schedule(schedule, target)
-
-
-def _check_schedule(schedule: Any, target: str) -> optax.Schedule:
-    """A schedule maps a step count to one learning rate: check that on an abstract step."""
-    wrong = f"schedule._target_={target!r} did not build a schedule (step -> learning rate)"
-    if not callable(schedule) or isinstance(schedule, optax.GradientTransformation):
-        raise ConfigError(
-            f"{wrong}; it returned a {type(schedule).__name__}. Use a schedule factory, "
-            "e.g. xshard.schedules.warmup_cosine or optax.cosine_decay_schedule."
-        )
-    try:
-        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
-    except Exception as e:  # any failure to trace `schedule(step)` means it is not one
-        raise ConfigError(f"{wrong}: calling it on a step failed ({type(e).__name__}).") from e
-    if not (
-        isinstance(out, jax.ShapeDtypeStruct)
-        and out.shape == ()
-        and jnp.issubdtype(out.dtype, jnp.floating)
-    ):
-        raise ConfigError(f"{wrong}: schedule(step) gave {out}, not a scalar float.")
-    return schedule
+    return check_schedule(schedule, target, "schedule")
 
 
 def build_schedule(cfg: Any) -> optax.Schedule:

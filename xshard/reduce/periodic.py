@@ -23,6 +23,15 @@ groups of about equal size (`fragment_leaves`), each with its own outer optimize
 synced on its own step of the period (`due_fragment`): the traffic of a sync is spread over
 the period. With one fragment this is plain periodic sync.
 
+Delay and mixing (Streaming DiLoCo, Douillard et al. 2025; ``sync_delay`` tau, ``mix``
+alpha): at a fragment's sync step t each replica *sends* its pseudo-gradient (step 1,
+`send_fragment`: written into the state, ``OuterState.pending``); the replicas go on training
+for tau more steps; after step t + tau steps 2-4 run on the sent value (`sync_fragment` with
+``sent``), and step 5 becomes ``replica = alpha * replica(t + tau) + (1 - alpha) * outer``
+(on a skipped sync every replica still restarts from the kept outer params). The collective
+reads only what was sent at t: nothing of it depends on the tau inner steps. tau = 0 and
+alpha = 0 is the sync above, the same program.
+
 Every array here is a list of the fragment's parameter leaves (flatten order), so one outer
 optimizer state per fragment holds exactly its leaves.
 """
@@ -47,11 +56,13 @@ class OuterState(NamedTuple):
     """The state a periodic axis adds: per fragment, the outer params (a list of leaves), the
     outer optimizer's state and the error-feedback residual (per replica, a float32 row per
     device of the replica for its share: `xshard.reduce.hierarchical`; None without error
-    feedback)."""
+    feedback); with a ``sync_delay``, the pseudo-gradient each replica sent at the fragment's
+    last sync step (a list of leaves like the replicas', `send_fragment`), else None."""
 
     params: tuple[list[jax.Array], ...]
     opt_state: tuple[Any, ...]
     residual: tuple[Any, ...]
+    pending: tuple[Any, ...] | None = None
 
 
 class SyncStats(NamedTuple):
@@ -117,6 +128,12 @@ def due_fragment(step: int, rule: AxisRule) -> int | None:
     return None
 
 
+def due_update(step: int, rule: AxisRule) -> int | None:
+    """The fragment whose outer update runs after update `step`, or None: the one sent
+    ``sync_delay`` steps before (`due_fragment`; with no delay, the one due now)."""
+    return due_fragment(step - rule.sync_delay, rule)
+
+
 def init_outer(
     rule: AxisRule,
     leaves: list[jax.Array],
@@ -128,6 +145,7 @@ def init_outer(
 
     The residuals (with ``error_feedback``) are ``(replicas, inner) + (share,)``: each device
     of each replica keeps its share's (`residual_shape`; `inner`: the devices of a replica).
+    With a ``sync_delay``, what each replica sent: zeros ``(replicas,) + leaf shape``.
     """
     params = tuple([leaves[i] for i in g] for g in groups)
     opt = tuple(rule.outer_optimizer.init(p) for p in params)
@@ -137,7 +155,10 @@ def init_outer(
         else None
         for p in params
     )
-    return OuterState(params, opt, residual)
+    if not rule.sync_delay:
+        return OuterState(params, opt, residual)
+    pending = tuple([jnp.zeros((replicas, *x.shape), x.dtype) for x in p] for p in params)
+    return OuterState(params, opt, residual, pending)
 
 
 def residual_shape(
@@ -156,6 +177,13 @@ def bytes_per_sync(leaves: Sequence[Any], replicas: int, inner: int, rule: AxisR
     return slow_bytes_sent(tree_size(leaves), replicas, inner, codec, itemsize)
 
 
+def send_fragment(outer_params: list[jax.Array], replica: list[jax.Array]) -> list[jax.Array]:
+    """What a replica sends at a fragment's sync step: its pseudo-gradient ``outer - replica``
+    (the codec's residual is added when it is reduced). Elementwise: the outer params may be
+    one replica's and `replica` the replicas' with their leading dimension."""
+    return [o - r for o, r in zip(outer_params, replica, strict=True)]
+
+
 def sync_fragment(
     rule: AxisRule,
     axis: str,
@@ -164,11 +192,12 @@ def sync_fragment(
     residual: Any,
     replica: list[jax.Array],
     inner_axes: tuple[str, ...] = (),
+    sent: list[jax.Array] | None = None,
 ) -> Synced:
     """One fragment's sync, inside ``shard_map`` with `axis` manual (module docstring).
 
     Args:
-      rule: the axis's rule (its ``outer_optimizer``).
+      rule: the axis's rule (its ``outer_optimizer``, ``mix``).
       axis: the periodic mesh axis.
       outer_params: the fragment's outer params (the same on every replica).
       opt_state: the fragment's outer optimizer state.
@@ -176,12 +205,15 @@ def sync_fragment(
       replica: this replica's params of the fragment.
       inner_axes: the mesh axes of a replica (not manual), whose devices each reduce a share
         of the pseudo-gradient (`xshard.reduce.hierarchical`); empty: each reduces all of it.
+      sent: the pseudo-gradient this replica sent ``sync_delay`` steps before
+        (`send_fragment`); None: the one of `replica`, now.
 
     Returns:
-      The `Synced` fragment; its ``replica`` leaves equal its ``params`` (varying over
-      `axis`, as the replicas' params are).
+      The `Synced` fragment; its ``replica`` leaves are ``mix * replica + (1 - mix) *
+      params`` (its ``params`` with ``mix`` 0 or a skipped sync), varying over `axis`, as
+      the replicas' params are.
     """
-    delta = [o - r for o, r in zip(outer_params, replica, strict=True)]
+    delta = send_fragment(outer_params, replica) if sent is None else sent
     drift_sq = tree_sq_norm(delta)
     reduced = hierarchical_all_reduce(
         delta,
@@ -208,4 +240,10 @@ def sync_fragment(
         skipped=jnp.where(ok, 0.0, 1.0),
     )
     back = [jax.lax.pcast(p, axis, to="varying") for p in new_params]
+    if rule.mix:  # else exactly the outer params (the sync without mixing, bitwise)
+        mixed = [
+            (rule.mix * r + (1.0 - rule.mix) * p).astype(r.dtype)
+            for r, p in zip(replica, back, strict=True)
+        ]
+        back = [jnp.where(ok, m, b) for m, b in zip(mixed, back, strict=True)]
     return Synced(new_params, new_opt, new_residual, back, stats)

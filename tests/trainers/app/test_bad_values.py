@@ -27,6 +27,15 @@ from xshard.mesh.spec import mesh_spec
 LONG = "x" * 5000
 #: A periodic axis: DiLoCo over the slices of 8 CPU devices.
 DILOCO = ["reduction=diloco", "mesh=cpu2x4_slices"]
+#: What Streaming DiLoCo's delay and mixing may be (the preset's every_steps is 8).
+DELAY_RANGE = (
+    "expected the inner steps between a fragment's send and its outer update (< every_steps), "
+    "an integer with 0 <= sync_delay < 8."
+)
+MIX_RANGE = (
+    "expected the share of the replica's own params kept at a sync, a finite number with "
+    "0 <= mix <= 1."
+)
 
 
 @pytest.mark.parametrize(
@@ -134,6 +143,39 @@ DILOCO = ["reduction=diloco", "mesh=cpu2x4_slices"]
         (
             [*DILOCO, "reduction.axes.slice.warmup_steps=3000000000"],
             "reduction.axes.slice.warmup_steps=3000000000: expected the synchronous steps",
+        ),
+        # Streaming DiLoCo: 0 <= sync_delay < every_steps (8 in the preset), 0 <= mix <= 1.
+        (
+            [*DILOCO, "reduction.axes.slice.sync_delay=-1"],
+            "reduction.axes.slice.sync_delay=-1: " + DELAY_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.sync_delay=8"],
+            "reduction.axes.slice.sync_delay=8: " + DELAY_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.sync_delay=1.5"],
+            "reduction.axes.slice.sync_delay=1.5: " + DELAY_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.sync_delay=abc"],
+            "reduction.axes.slice.sync_delay='abc': " + DELAY_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.mix=-0.1"],
+            "reduction.axes.slice.mix=-0.1: " + MIX_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.mix=1.5"],
+            "reduction.axes.slice.mix=1.5: " + MIX_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.mix=nan"],
+            "reduction.axes.slice.mix=nan: " + MIX_RANGE,
+        ),
+        (
+            [*DILOCO, "reduction.axes.slice.mix=abc"],
+            "reduction.axes.slice.mix='abc': " + MIX_RANGE,
         ),
         (
             ["trainer.steps=2147483648"],

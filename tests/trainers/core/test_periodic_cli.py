@@ -99,17 +99,51 @@ def test_cli_warmup_steps_delay_the_first_sync(tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_outer_learning_rate_schedule_counts_outer_steps(tmp_path):
+    """A ``_target_`` node as the outer optimizer's learning rate: 0.7 at the first sync,
+    0 from the second on (its count is the outer optimizer's: one per sync)."""
+    schedule = "{_target_:optax.linear_schedule,init_value:0.7,end_value:0.0,transition_steps:1}"
+    run_train(
+        *COMMON,
+        "reduction=diloco",
+        "reduction.axes.slice.every_steps=2",
+        f"reduction.axes.slice.outer_optimizer.learning_rate={schedule}",
+        "trainer.steps=4",
+        "checkpoint.enabled=false",
+        f"hydra.run.dir={tmp_path}",
+        cwd=tmp_path,
+    )
+    norms = scalars(tmp_path / "tb", "sync/slice/outer_update_norm")
+    assert sorted(norms) == [2, 4] and norms[2] > 0 and norms[4] == 0, norms
+
+
+@pytest.mark.slow
 def test_cli_resume_mid_period_is_bitwise_the_uninterrupted_run(tmp_path):
-    common = (*COMMON, "reduction=diloco_int8", "reduction.axes.slice.every_steps=4")
+    """Streaming DiLoCo, int8 with error feedback: 2 fragments every 4 steps, each sent at
+    steps 2, 4 (fragment 1), 6, 8 and applied 2 steps later. Stopped after step 5, inside
+    fragment 1's delay window (sent at 4, applied after 6), and resumed."""
+    common = (
+        *COMMON,
+        "reduction=diloco_int8",
+        "reduction.axes.slice.every_steps=4",
+        "reduction.axes.slice.fragments=2",
+        "reduction.axes.slice.sync_delay=2",
+        "reduction.axes.slice.mix=0.5",
+    )
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
-    run_train(*common, "trainer.steps=6", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    run_train(*common, "trainer.steps=5", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
+    sent = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "5")
+    pending = {k: v for k, v in sent.items() if "pending" in k}
+    assert pending and any(np.any(v != 0) for v in pending.values())  # in flight, saved
     run_train(*common, "trainer.steps=10", f"hydra.run.dir={tmp_path / 'parts'}", cwd=tmp_path)
     whole = _checkpoint_arrays(tmp_path / "whole" / "checkpoints" / "10")
     parts = _checkpoint_arrays(tmp_path / "parts" / "checkpoints" / "10")
     assert whole.keys() == parts.keys()
-    assert any("outer" in k for k in whole)  # outer params, state and residuals are saved
+    assert any("residual" in k for k in whole)  # outer params, state, residuals are saved
     for k in whole:
         np.testing.assert_array_equal(parts[k], whole[k], err_msg=k)
+    drift = scalars(tmp_path / "parts" / "tb", "sync/slice/replica_drift")
+    assert sorted(drift) == [4, 6, 8, 10]  # each sync logged once, after its delay
 
 
 @pytest.mark.slow
@@ -149,8 +183,12 @@ def test_cli_sweep_over_reductions(tmp_path):
             ["reduction=diloco", "reduction.axes.slice.outer_optimizer._target_=os.system"],
             ["reduction.axes.slice.outer_optimizer._target_"],
         ),
+        (
+            ["reduction=diloco", "reduction.axes.slice.mix=abc"],
+            ["reduction.axes.slice.mix='abc'", "0 <= mix <= 1"],
+        ),
     ],
-    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target"],
+    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target", "mix"],
 )
 def test_cli_bad_axis_values_exit_2_naming_the_key(tmp_path, overrides, fragments):
     result = run_train(

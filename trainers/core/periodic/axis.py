@@ -27,8 +27,15 @@ several processes does the stop vote (one int) cross it.
 an all-gather of the shares within the replica (`xshard.reduce.hierarchical`). Two compiled
 programs, not a traced branch: the HLO of each shows what crosses the axis.
 
+**With a delay** (``sync_delay`` tau > 0), a fragment's sync is two programs: the send
+program at its sync step t writes each replica's pseudo-gradient into the state
+(``OuterState.pending``, sharded like the replicas' params; no collective), and the sync
+program after step t + tau reduces that (the collective reads nothing the tau inner steps
+wrote), applies the outer optimizer and mixes (``mix``). A checkpoint inside the window saves
+what was sent.
+
 The inner optimizer's state stays per replica across syncs (DiLoCo keeps each worker's AdamW
-state); only the params restart from the outer params.
+state); only the params restart from the outer params (mixed with their own with ``mix``).
 """
 
 from __future__ import annotations
@@ -49,7 +56,14 @@ from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation, over_axes
 from xshard.optim.schedule_free import eval_params
 from xshard.reduce.hierarchical import residual_spec
-from xshard.reduce.periodic import OuterState, SyncStats, bytes_per_sync, init_outer, sync_fragment
+from xshard.reduce.periodic import (
+    OuterState,
+    SyncStats,
+    bytes_per_sync,
+    init_outer,
+    send_fragment,
+    sync_fragment,
+)
 
 #: The TensorBoard tags of a sync step, by `xshard.reduce.periodic.SyncStats` field.
 SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
@@ -168,7 +182,12 @@ class Periodic:
         return fragment_leaves(sizes, self.rule.fragments)
 
     def init_outer(
-        self, params: Any, shardings: Any, base: Any, opt_shardings: Callable
+        self,
+        params: Any,
+        shardings: Any,
+        base: Any,
+        opt_shardings: Callable,
+        replica_shardings: Any = None,
     ) -> OuterState:
         """The outer state for one replica's `params`.
 
@@ -178,6 +197,8 @@ class Periodic:
           base: the params' model-axis shardings.
           opt_shardings: ``(tx, leaves, base) -> shardings`` of an optimizer's state
             (`trainers.core.zero.ZeroLayout.opt_state_shardings`).
+          replica_shardings: where a replica's params live (within a replica): the
+            pseudo-gradients sent with a ``sync_delay`` live there, over the axis too.
         """
         groups = self.groups(params)
         leaves = jax.tree.leaves(params)
@@ -195,6 +216,9 @@ class Periodic:
                 else None
                 for _ in groups
             ),
+            None
+            if not self.rule.sync_delay
+            else frag(jax.tree.leaves(self.at_rest(replica_shardings))),
         )
         return jax.jit(
             lambda p: init_outer(self.rule, p, groups, self.replicas, self.replica_devices),
@@ -233,18 +257,37 @@ class Periodic:
         )(state.params, state.opt_state, state.model_state, batch, state.step, vote)
         return state._replace(step=step, params=params, opt_state=opt_state), values
 
+    def send(self, state: TrainState, fragment: int, groups: tuple[tuple[int, ...], ...]) -> Any:
+        """The send program of `fragment` (with a ``sync_delay``): each replica's
+        pseudo-gradient written into ``state.outer.pending``; nothing crosses the axis."""
+        leaves = jax.tree.leaves(state.params)
+        outer = state.outer
+        sent = send_fragment(outer.params[fragment], [leaves[i] for i in groups[fragment]])
+        return state._replace(
+            outer=outer._replace(pending=_replace_at(outer.pending, fragment, sent))
+        )
+
     def sync(self, state: TrainState, fragment: int, groups: tuple[tuple[int, ...], ...]) -> Any:
-        """The sync program of `fragment`: returns the new state and the `SyncStats` vector."""
+        """The sync program of `fragment`: returns the new state and the `SyncStats` vector.
+        With a ``sync_delay`` it reduces what the replicas sent (``state.outer.pending``)."""
         axis, rep, rule, inner_axes = self.axis, P(self.axis), self.rule, self.inner_axes
         leaves, treedef = jax.tree.flatten(state.params)
         idx = groups[fragment]
         outer = state.outer
         residual = outer.residual[fragment]
+        sent = None if outer.pending is None else outer.pending[fragment]
 
-        def one(outer_params, opt_state, residual, replica):
+        def one(outer_params, opt_state, residual, replica, sent):
             res = None if residual is None else _squeeze(residual)
             done = sync_fragment(
-                rule, axis, outer_params, opt_state, res, _squeeze(replica), inner_axes
+                rule,
+                axis,
+                outer_params,
+                opt_state,
+                res,
+                _squeeze(replica),
+                inner_axes,
+                None if sent is None else _squeeze(sent),
             )
             back = None if done.residual is None else _expand(done.residual)
             return done.params, done.opt_state, back, _expand(done.replica), done.stats
@@ -252,16 +295,22 @@ class Periodic:
         params, opt_state, residual, replica, stats = jax.shard_map(
             one,
             mesh=self.mesh,
-            in_specs=(P(), P(), rep, rep),
+            in_specs=(P(), P(), rep, rep, rep),
             out_specs=(P(), P(), rep, rep, P()),
             axis_names={axis},
-        )(outer.params[fragment], outer.opt_state[fragment], residual, [leaves[i] for i in idx])
+        )(
+            outer.params[fragment],
+            outer.opt_state[fragment],
+            residual,
+            [leaves[i] for i in idx],
+            sent,
+        )
         for i, x in zip(idx, replica, strict=True):
             leaves[i] = x
-        new_outer = OuterState(
-            _replace_at(outer.params, fragment, params),
-            _replace_at(outer.opt_state, fragment, opt_state),
-            _replace_at(outer.residual, fragment, residual),
+        new_outer = outer._replace(
+            params=_replace_at(outer.params, fragment, params),
+            opt_state=_replace_at(outer.opt_state, fragment, opt_state),
+            residual=_replace_at(outer.residual, fragment, residual),
         )
         new_state = state._replace(
             params=treedef.unflatten(leaves),  # type: ignore[attr-defined]  # jaxlib: no stubs

@@ -1,7 +1,8 @@
 """The programs a periodic axis adds to a run's step programs (`trainers.core.periodic.axis`):
-one sync program per fragment and the switch from the warm-up, each compiled when a step first
-needs it (as the step programs are: `trainers.core.trainer.Trainer`), then dispatched after
-the updates that call for it (`xshard.reduce.periodic.due_fragment`)."""
+one sync program per fragment (and with a ``sync_delay`` one send program per fragment) and
+the switch from the warm-up, each compiled when a step first needs it (as the step programs
+are: `trainers.core.trainer.Trainer`), then dispatched after the updates that call for it
+(`xshard.reduce.periodic.due_fragment`, `due_update`)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from trainers.core.periodic.axis import BYTES_TAG, Periodic
 from trainers.core.step.types import TrainState
 from trainers.core.zero import ZeroLayout
 from xshard.errors import ConfigError
-from xshard.reduce.periodic import due_fragment
+from xshard.reduce.periodic import due_fragment, due_update
 
 
 class AfterStep(NamedTuple):
@@ -45,6 +46,7 @@ class PeriodicPrograms:
         self.groups: tuple[tuple[int, ...], ...] = ()
         self.bytes_per_step = 0.0
         self._syncs: dict[int, jax.stages.Compiled] = {}
+        self._sends: dict[int, jax.stages.Compiled] = {}
         self._start: jax.stages.Compiled | None = None
         self.compile_seconds: float | None = None
 
@@ -85,8 +87,11 @@ class PeriodicPrograms:
             raise ConfigError(
                 f"reduction.axes.{periodic.axis}.fragments={periodic.rule.fragments}: {e}"
             ) from None
-        outer = periodic.init_outer(state.params, outer_shardings, base, layout.opt_state_shardings)
-        params = periodic.stack(state.params, param_shardings(state.params))
+        replica = param_shardings(state.params)
+        outer = periodic.init_outer(
+            state.params, outer_shardings, base, layout.opt_state_shardings, replica
+        )
+        params = periodic.stack(state.params, replica)
         opt_state = periodic.stack(state.opt_state, opt_state_shardings(state.params))
         return TrainState(state.step, params, opt_state, state.model_state, outer)
 
@@ -102,8 +107,10 @@ class PeriodicPrograms:
         shardings: Callable[[TrainState], Any],
     ) -> AfterStep:
         """After update `step`: the switch from the warm-up (after step ``warmup_steps``), or
-        the sync of the fragment due (`due_fragment`), or nothing. Donates `state` when it
-        runs a program; `shardings(state)` gives the state's shardings to compile for."""
+        with a ``sync_delay`` the send of the fragment due (`due_fragment`), and the sync of
+        the fragment whose update is due (`due_update`: sent ``sync_delay`` steps before), or
+        nothing. Donates `state` when it runs a program; `shardings(state)` gives the state's
+        shardings to compile for."""
         periodic = self.periodic
         if step == periodic.rule.warmup_steps:
             seconds = 0.0
@@ -111,13 +118,20 @@ class PeriodicPrograms:
                 start = lambda s: periodic.start(s, self.groups)
                 self._start, seconds = self._compile(start, state, shardings(state), False)
             return AfterStep(self._start(state), metrics, seconds)
-        fragment = due_fragment(step, periodic.rule)
-        if fragment is None:
-            return AfterStep(state, metrics, 0.0)
         seconds = 0.0
+        sending = due_fragment(step, periodic.rule) if periodic.rule.sync_delay else None
+        if sending is not None:  # another fragment than the update's: they commute
+            if sending not in self._sends:
+                send = lambda s: periodic.send(s, sending, self.groups)
+                self._sends[sending], seconds = self._compile(send, state, shardings(state), False)
+            state = self._sends[sending](state)
+        fragment = due_update(step, periodic.rule)
+        if fragment is None:
+            return AfterStep(state, metrics, seconds)
         if fragment not in self._syncs:
             sync = lambda s: periodic.sync(s, fragment, self.groups)
-            self._syncs[fragment], seconds = self._compile(sync, state, shardings(state), True)
+            self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
+            seconds += more
         state, values = self._syncs[fragment](state)
         metrics = metrics.with_device_values(periodic.sync_keys(), values)
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}

@@ -2,12 +2,12 @@
 `Periodic`, and the params to evaluate of a periodic run, `outer_params`), and the programs it
 adds after the steps that call for them (`sync`: `PeriodicPrograms`). Importable from here."""
 
-from trainers.core.periodic.axis import BYTES_TAG, SYNC_TAGS, Periodic, is_sync_tag, outer_params
+from trainers.core.periodic.axis import BYTES_TAG, SYNC_TAG, Periodic, is_sync_tag, outer_params
 from trainers.core.periodic.sync import AfterStep, PeriodicPrograms
 
 __all__ = [
     "BYTES_TAG",
-    "SYNC_TAGS",
+    "SYNC_TAG",
     "AfterStep",
     "Periodic",
     "PeriodicPrograms",

@@ -65,14 +65,15 @@ from xshard.reduce.periodic import (
     sync_fragment,
 )
 
-#: The TensorBoard tags of a sync step, by `xshard.reduce.periodic.SyncStats` field.
-SYNC_TAGS = {name: f"sync/{{axis}}/{name}" for name in SyncStats._fields}
+#: The TensorBoard tag of a sync step's `xshard.reduce.periodic.SyncStats` field: ``{series}`` is
+#: the axis, or with several fragments ``<axis>/fragment_<k>`` (a series per fragment).
+SYNC_TAG = "sync/{series}/{name}"
 BYTES_TAG = "comm/{axis}/bytes_per_step"
 
 
 def is_sync_tag(tag: str, axis: str) -> bool:
     """Whether `tag` is one a sync step of the periodic `axis` adds to the step's metrics
-    (`SYNC_TAGS`, `BYTES_TAG`)."""
+    (`SYNC_TAG`, `BYTES_TAG`)."""
     return tag.startswith(f"sync/{axis}/") or tag == BYTES_TAG.format(axis=axis)
 
 
@@ -318,9 +319,12 @@ class Periodic:
         )
         return new_state, jnp.stack([jnp.asarray(v, jnp.float32) for v in stats])
 
-    def sync_keys(self) -> tuple[str, ...]:
-        """The metric names of the sync program's vector, in order."""
-        return tuple(SYNC_TAGS[name].format(axis=self.axis) for name in SyncStats._fields)
+    def sync_keys(self, fragment: int) -> tuple[str, ...]:
+        """The metric names of `fragment`'s sync program's vector, in order (`SYNC_TAG`): one
+        series per fragment, not fragments interleaved in one."""
+        several = self.rule.fragments > 1
+        series = f"{self.axis}/fragment_{fragment}" if several else self.axis
+        return tuple(SYNC_TAG.format(series=series, name=name) for name in SyncStats._fields)
 
 
 def _replace_at(items: tuple, i: int, value: Any) -> tuple:

@@ -133,7 +133,7 @@ class PeriodicPrograms:
             self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
             seconds += more
         state, values = self._syncs[fragment](state)
-        metrics = metrics.with_device_values(periodic.sync_keys(), values)
+        metrics = metrics.with_device_values(periodic.sync_keys(fragment), values)
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
         return AfterStep(state, metrics.with_host_values(**sent), seconds)
 

@@ -23,19 +23,21 @@ from trainers.core.hook import Hook, StopTraining
 from trainers.core.loop import FitLoop, FitResult
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import Periodic
-from trainers.core.periodic.sync import PeriodicPrograms
+from trainers.core.periodic.sync import PeriodicPrograms, sync_inputs
 from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
+from trainers.core.step.programs import ProgramKey, StepInputs, StepPrograms, step_functions
 from trainers.core.step.spec import periodic_inner_axes, step_spec
+from trainers.core.step.train_step import OptimizerInputs
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
 from trainers.tasks.base import Task
 from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
+from xshard.optim.hyperparams import Hyperparams
 
 __all__ = ["FitResult", "Hook", "StopTraining", "StopVote", "TrainState", "Trainer"]
 
@@ -71,6 +73,10 @@ class Trainer:
         `trainers.core.periodic`); `tx` must then reduce over the other data axes only.
       precision: the dtypes of the params (and optimizer state, checkpoints) and of the
         forward and backward passes (`trainers.core.precision`; default: float32 for both).
+      hyperparams: the float hyperparameters of `tx` and of the periodic rule's outer
+        optimizer (``xshard.build_optimizer_with_rules(cfg).hyperparams``, whose ``build`` of
+        its ``values`` is `tx` and the rule): the step and sync programs take them as inputs,
+        so runs that differ only in them share their programs; None: constants of `tx`.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -116,6 +122,7 @@ class Trainer:
         zero_stage: int = 0,
         periodic: tuple[str, AxisRule] | None = None,
         precision: Precision | None = None,
+        hyperparams: Hyperparams | None = None,
     ):
         data_axes = tuple(data_axes)
         self.precision = Precision() if precision is None else precision
@@ -145,17 +152,28 @@ class Trainer:
             seed=seed,
             layout=self.layout,
             precision=self.precision,
+            hyperparams=hyperparams,
         )
         agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
-        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree)
-        self.periodic_programs = None if self.periodic is None else PeriodicPrograms(self.periodic)
+        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, hyperparams)
+        self.periodic_programs = None
+        if self.periodic is not None:
+            self.periodic_programs = PeriodicPrograms(
+                self.periodic, sync_inputs(hyperparams, self.periodic.axis)
+            )
 
     def _step_programs(
-        self, zero_stage: int, inner_axes: tuple[str, ...], rules: Callable[[], Any], agree: bool
+        self,
+        zero_stage: int,
+        inner_axes: tuple[str, ...],
+        rules: Callable[[], Any],
+        agree: bool,
+        hyperparams: Hyperparams | None,
     ) -> StepPrograms:
         """The step programs: a step function per level (validating ``grad_impl`` now, not at
         the first step), and a periodic axis's warm-up ones (the same step reducing over that
-        axis too). A replica's step sees the mesh with the periodic axis manual."""
+        axis too), on `tx` or, traced, on the optimizer `hyperparams` builds. A replica's step
+        sees the mesh with the periodic axis manual."""
         periodic = self.periodic
         step_mesh = self.mesh if periodic is None else periodic.replica_mesh()
         build = functools.partial(
@@ -166,17 +184,27 @@ class Trainer:
             layout=zero_layout(zero_stage, step_mesh, inner_axes, rules),
             precision=self.precision,
         )
-        step_fns, warmup_fns = build(self.tx), {}
-        if periodic is not None and periodic.rule.warmup_steps:
-            warmup_fns = build(periodic.warmup_tx(self.tx, self.spec.grad_impl, zero_stage))
+
+        def fns(tx: Any, inputs: OptimizerInputs | None = None) -> tuple[dict, dict]:
+            if periodic is None or not periodic.rule.warmup_steps:
+                return build(tx, inputs=inputs), {}
+            warm = lambda tx: periodic.warmup_tx(tx, self.spec.grad_impl, zero_stage)
+            inputs_warm = inputs and inputs._replace(build=lambda v: warm(inputs.build(v)))
+            return build(tx, inputs=inputs), build(warm(tx), inputs=inputs_warm)
+
+        inputs = None
+        if hyperparams is not None:
+            tx_of = lambda values: as_cross_shard(hyperparams.build(values).tx, None, inner_axes)
+            step_fns = lambda values: fns(tx_of(values), OptimizerInputs(values, tx_of))
+            inputs = StepInputs(hyperparams.values, step_fns)
         return StepPrograms(
-            step_fns,
-            warmup_fns,
+            *fns(self.tx),
             mesh=self.mesh,
             batch_sharding=self.placement.batch_sharding,
             periodic=periodic,
             agree_stop=agree,
             grad_impl=self.spec.grad_impl,
+            inputs=inputs,
         )
 
     @property

@@ -23,12 +23,15 @@ from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
 from xshard.config.targets import resolve_target
 from xshard.errors import ConfigError
+from xshard.optim.hyperparams import FactoryCall
 
 KEY = "reduction.axes"
 
 
-def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> Any:
-    """Builds the optax optimizer of an ``outer_optimizer`` node (``_target_`` and arguments).
+def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> FactoryCall:
+    """The factory call of an ``outer_optimizer`` node (``_target_`` and arguments), checked
+    (built once): ``call(values)`` builds the optax optimizer with `values` (by config key,
+    ``<key>.<argument>``) in place of the config's (`xshard.optim.hyperparams`).
 
     Raises:
       ConfigError: naming ``<key>._target_`` or ``<key>.<argument>`` for a target that is not
@@ -40,8 +43,9 @@ def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -
     fn = resolve_target(target, allowed, key=f"{key}._target_")
     check_kwargs(fn, kwargs, key, target)
     check_args(OPTIMIZER_RULES, kwargs, key)  # learning_rate, momentum, ...: by name
+    call = FactoryCall(fn, kwargs, key, target)
     try:
-        tx = fn(**kwargs)
+        tx = call({})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key} ({target}): {e}") from e
     if not isinstance(tx, optax.GradientTransformation):
@@ -49,7 +53,7 @@ def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -
             f"{key}._target_={target!r} built a {type(tx).__name__}, not an optax "
             "optimizer; name one such as optax.sgd."
         )
-    return tx
+    return call
 
 
 def _check_on_mesh(
@@ -78,7 +82,8 @@ def axis_rules(
     data_axes: Sequence[str],
     allowed: Sequence[str],
 ) -> dict[str, AxisRule]:
-    """The `AxisRule` of every ``reduction.axes`` node, checked against the mesh.
+    """The `AxisRule` of every ``reduction.axes`` node, checked against the mesh; a periodic
+    one's ``outer_optimizer`` is its checked `FactoryCall` (`xshard.optim.factory` builds it).
 
     Args:
       axes: the parsed nodes (`xshard.config.schemas.ReductionConf.axes`), by axis name.

@@ -10,7 +10,6 @@ kind of step, `trainers.core.step.programs.StepPrograms`) and a periodic axis's 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -23,14 +22,13 @@ from trainers.core.hook import Hook, StopTraining
 from trainers.core.loop import FitLoop, FitResult
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import Periodic
-from trainers.core.periodic.sync import PeriodicPrograms, sync_inputs
+from trainers.core.periodic.sync import PeriodicPrograms
 from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepInputs, StepPrograms, step_functions
+from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms
 from trainers.core.step.spec import periodic_inner_axes, step_spec
-from trainers.core.step.train_step import OptimizerInputs
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
@@ -73,10 +71,9 @@ class Trainer:
         `trainers.core.periodic`); `tx` must then reduce over the other data axes only.
       precision: the dtypes of the params (and optimizer state, checkpoints) and of the
         forward and backward passes (`trainers.core.precision`; default: float32 for both).
-      hyperparams: the float hyperparameters of `tx` and of the periodic rule's outer
-        optimizer (``xshard.build_optimizer_with_rules(cfg).hyperparams``, whose ``build`` of
-        its ``values`` is `tx` and the rule): the step and sync programs take them as inputs,
-        so runs that differ only in them share their programs; None: constants of `tx`.
+      hyperparams: the float hyperparameters `tx` and the periodic rule were built on
+        (``xshard.build_optimizer_with_rules(cfg).hyperparams``): inputs of the programs, so
+        runs that differ only in them share their programs; None: constants of `tx`.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -99,6 +96,7 @@ class Trainer:
       tx: the optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
       spec: the step's static description (`trainers.core.step.types.StepSpec`).
       layout: the ZeRO layout of the whole mesh (`trainers.core.zero.ZeroLayout`).
+      hyperparams: the inputs of the programs (`xshard.optim.hyperparams.Hyperparams`), or None.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
@@ -155,48 +153,30 @@ class Trainer:
             hyperparams=hyperparams,
         )
         agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
-        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, hyperparams)
-        self.periodic_programs = None
-        if self.periodic is not None:
-            self.periodic_programs = PeriodicPrograms(
-                self.periodic, sync_inputs(hyperparams, self.periodic.axis)
-            )
+        self.hyperparams = hyperparams
+        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree)
+        self.periodic_programs = (
+            None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams)
+        )
 
     def _step_programs(
-        self,
-        zero_stage: int,
-        inner_axes: tuple[str, ...],
-        rules: Callable[[], Any],
-        agree: bool,
-        hyperparams: Hyperparams | None,
+        self, zero_stage: int, inner_axes: tuple[str, ...], rules: Callable[[], Any], agree: bool
     ) -> StepPrograms:
         """The step programs: a step function per level (validating ``grad_impl`` now, not at
         the first step), and a periodic axis's warm-up ones (the same step reducing over that
         axis too), on `tx` or, traced, on the optimizer `hyperparams` builds. A replica's step
         sees the mesh with the periodic axis manual."""
-        periodic = self.periodic
+        periodic, hyperparams = self.periodic, self.hyperparams
         step_mesh = self.mesh if periodic is None else periodic.replica_mesh()
-        build = functools.partial(
-            step_functions,
-            self.task,
-            mesh=step_mesh,
-            spec=self.spec,
-            layout=zero_layout(zero_stage, step_mesh, inner_axes, rules),
-            precision=self.precision,
-        )
-
-        def fns(tx: Any, inputs: OptimizerInputs | None = None) -> tuple[dict, dict]:
-            if periodic is None or not periodic.rule.warmup_steps:
-                return build(tx, inputs=inputs), {}
-            warm = lambda tx: periodic.warmup_tx(tx, self.spec.grad_impl, zero_stage)
-            inputs_warm = inputs and inputs._replace(build=lambda v: warm(inputs.build(v)))
-            return build(tx, inputs=inputs), build(warm(tx), inputs=inputs_warm)
-
+        warmup = None
+        if periodic is not None and periodic.rule.warmup_steps:
+            warmup = lambda tx: periodic.warmup_tx(tx, self.spec.grad_impl, zero_stage)
+        layout = zero_layout(zero_stage, step_mesh, inner_axes, rules)
+        fns = StepFunctionSets(self.task, step_mesh, self.spec, layout, self.precision, warmup)
         inputs = None
         if hyperparams is not None:
             tx_of = lambda values: as_cross_shard(hyperparams.build(values).tx, None, inner_axes)
-            step_fns = lambda values: fns(tx_of(values), OptimizerInputs(values, tx_of))
-            inputs = StepInputs(hyperparams.values, step_fns)
+            inputs = fns.inputs(hyperparams.values, tx_of)
         return StepPrograms(
             *fns(self.tx),
             mesh=self.mesh,

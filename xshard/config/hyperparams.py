@@ -73,8 +73,8 @@ def hyperparameter_table() -> str:
     tables: dict[int, list[str]] = {}
     for node, rules in LIFTED_NODES.items():
         tables.setdefault(id(rules), []).append(f"`{node}`")
-    for node, rules in LIFTED_NODES.items():
-        nodes = tables.pop(id(rules), None)
+    for rules in LIFTED_NODES.values():
+        nodes = tables.pop(id(rules), [])
         for name, rule in sorted(rules.items()) if nodes else ():
             why = constant_because(rule)
             shown = f"constant: {why}" if why else "input"

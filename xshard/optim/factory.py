@@ -14,7 +14,12 @@ The global clip sits inside `cross_shard`, so the non-finite guard covers it. It
 (`xshard.reduce.clipping.GlobalClipState`), for the trainer's clipping statistics. Only
 ``learning_rate`` is injected as a hyperparameter (every other argument is passed statically),
 so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learning_rate")`` or
-``xshard.get_hyperparams(state)["learning_rate"]``.
+``xshard.get_hyperparams(state)["learning_rate"]``; it is set from the schedule before each
+update (`xshard.optim.learning_rate`; no schedule: the base rate).
+
+Every float of these nodes can also be an input of a compiled program rather than a constant:
+`build_optimizer_with_rules` returns the config's values and a builder of the same optimizer
+from other values (`xshard.optim.hyperparams.Hyperparams`; which keys: `xshard.config.hyperparams`).
 
 Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are resolved by
 `xshard.config.targets.resolve_target`: a public class or function defined under ``optax.``,
@@ -36,8 +41,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
@@ -45,7 +48,7 @@ from xshard.config import read_node
 from xshard.config.axes import AxisRule
 from xshard.config.hyperparams import CLIP_KEY, CLIP_RULE, lifted, lifted_values
 from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
-from xshard.config.schedules import SCHEDULE_RULES, check_schedule_args
+from xshard.config.schedules import SCHEDULE_RULES
 from xshard.config.schemas import ReductionConf, reduction_kwargs
 from xshard.config.sections import as_config, check_kwargs, mapping, section
 from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
@@ -55,6 +58,7 @@ from xshard.mesh.spec import data_axes as mesh_data_axes
 from xshard.optim.axis_factory import axis_rules
 from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
 from xshard.optim.hyperparams import FactoryCall, Hyperparams
+from xshard.optim.learning_rate import required_target, schedule_call, schedule_of, scheduled
 from xshard.optim.masks import resolve_mask
 from xshard.optim.schedule_free import check_schedule_free
 from xshard.reduce.clipping import clip_by_global_norm
@@ -81,61 +85,9 @@ def _learning_rate(opt: dict[str, Any]) -> float:
     return opt["learning_rate"]
 
 
-def _required_target(node: dict[str, Any], prefix: str) -> str:
-    if node.get("_target_") is None:
-        raise ConfigError(
-            f"{prefix}._target_ is required: the dotted path of the factory to call, e.g. "
-            f"{'optax.adamw' if prefix == 'optimizer' else 'xshard.schedules.warmup_cosine'}. "
-            f"Or choose an option of the '{prefix}' group ({prefix}=<name>)."
-        )
-    return node["_target_"]
-
-
 # --------------------------------------------------------------------------------------------
 # Schedule
 # --------------------------------------------------------------------------------------------
-
-
-def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> FactoryCall | None:
-    """The ``schedule`` node's factory call, checked (built once on the base rate)."""
-    if node is None:
-        return None
-    kwargs = mapping(node, "schedule")
-    target = _required_target(kwargs, "schedule")
-    fn = resolve_target(target, allowed, key="schedule._target_")
-    kwargs.pop("_target_")
-    # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
-    first = next(iter(inspect.signature(fn).parameters), None)
-    check_kwargs(fn, kwargs, "schedule", target, supplied=() if first is None else (first,))
-    check_schedule_args(kwargs)  # decay_steps, end_factor, ...: the schemas' rules, by name
-    call = FactoryCall(fn, kwargs, "schedule", target)
-    try:
-        schedule = call({}, learning_rate)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"schedule ({target}): {e}") from e
-    _check_schedule(schedule, target)
-    return call
-
-
-def _check_schedule(schedule: Any, target: str) -> optax.Schedule:
-    """A schedule maps a step count to one learning rate: check that on an abstract step."""
-    wrong = f"schedule._target_={target!r} did not build a schedule (step -> learning rate)"
-    if not callable(schedule) or isinstance(schedule, optax.GradientTransformation):
-        raise ConfigError(
-            f"{wrong}; it returned a {type(schedule).__name__}. Use a schedule factory, "
-            "e.g. xshard.schedules.warmup_cosine or optax.cosine_decay_schedule."
-        )
-    try:
-        out = jax.eval_shape(schedule, jax.ShapeDtypeStruct((), jnp.int32))
-    except Exception as e:  # any failure to trace `schedule(step)` means it is not one
-        raise ConfigError(f"{wrong}: calling it on a step failed ({type(e).__name__}).") from e
-    if not (
-        isinstance(out, jax.ShapeDtypeStruct)
-        and out.shape == ()
-        and jnp.issubdtype(out.dtype, jnp.floating)
-    ):
-        raise ConfigError(f"{wrong}: schedule(step) gave {out}, not a scalar float.")
-    return schedule
 
 
 def build_schedule(cfg: Any) -> optax.Schedule:
@@ -154,7 +106,7 @@ def build_schedule(cfg: Any) -> optax.Schedule:
     cfg = as_config(cfg)
     lr = _learning_rate(mapping(section(cfg, "optimizer", required=True), "optimizer"))
     allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
-    call = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    call = schedule_call(lr, section(cfg, "schedule", required=False), allowed)
     return optax.constant_schedule(lr) if call is None else call({}, lr)
 
 
@@ -173,10 +125,10 @@ def _inner_optimizer(
     """The ``optimizer`` node's factory call, checked: ``inject_hyperparams(<target>)`` whose
     learning rate is the scheduled one (`_scheduled`), the other arguments static."""
     kwargs = dict(node)
-    target = _required_target(kwargs, "optimizer")
+    target = required_target(kwargs, "optimizer")
     fn = resolve_target(target, allowed, key="optimizer._target_")
     del kwargs["_target_"], kwargs["learning_rate"]
-    check_schedule_free(fn, kwargs, _schedule_of({}, learning_rate, schedule), schedule_target)
+    check_schedule_free(fn, kwargs, schedule_of({}, learning_rate, schedule), schedule_target)
     params = inspect.signature(fn).parameters
     if "learning_rate" not in params:
         raise ConfigError(
@@ -217,39 +169,6 @@ def _inner_optimizer(
     ]
     injected = optax.inject_hyperparams(fn, static_args=static)
     return FactoryCall(injected, kwargs, "optimizer", target)
-
-
-def _schedule_of(
-    values: Mapping[str, Any], learning_rate: float, schedule: FactoryCall | None
-) -> optax.Schedule:
-    """The schedule with `values` in place of the config's (none: the constant base rate)."""
-    rate = values.get("optimizer.learning_rate", learning_rate)
-    return optax.constant_schedule(rate) if schedule is None else schedule(values, rate)
-
-
-def _scheduled(
-    injected: optax.GradientTransformationExtraArgs, schedule: optax.Schedule
-) -> optax.GradientTransformationExtraArgs:
-    """`injected` (``inject_hyperparams(fn)``) whose ``learning_rate`` follows `schedule`.
-
-    optax's own schedule support also keeps a schedule state under the hyperparameter's name,
-    which makes ``tree_get(state, "learning_rate")`` ambiguous. Instead the rate is a plain
-    numeric hyperparameter, set from the schedule at the state's count before each update (as
-    optax documents for editing ``state.hyperparams``), so it is the only "learning_rate" leaf.
-    """
-
-    def with_scheduled_rate(state: Any) -> Any:
-        old = state.hyperparams["learning_rate"]
-        rate = jnp.asarray(schedule(state.count), dtype=jnp.result_type(old))
-        return state._replace(hyperparams={**state.hyperparams, "learning_rate": rate})
-
-    def init_fn(params: Any) -> Any:
-        return with_scheduled_rate(injected.init(params))
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        return injected.update(updates, with_scheduled_rate(state), params, **extra_args)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -357,7 +276,7 @@ def build_optimizer_with_rules(cfg: Any, mesh: Any = None) -> BuiltOptimizer:
     opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
     red = _reduction(cfg)
     lr = _learning_rate(opt)
-    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    schedule = schedule_call(lr, section(cfg, "schedule", required=False), allowed)
     clip = section(cfg, "clip", required=False)
     CLIP_RULE.check(clip, CLIP_KEY)
 
@@ -418,7 +337,7 @@ def _assemble(parts: _Parts, values: Mapping[str, Any]) -> BuiltOptimizer:
         injected = parts.inner(values, learning_rate=0.0)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"optimizer ({parts.inner.target}): {e}") from e
-    inner = _scheduled(injected, _schedule_of(values, parts.learning_rate, parts.schedule))
+    inner = scheduled(injected, schedule_of(values, parts.learning_rate, parts.schedule))
     clip = values.get(CLIP_KEY, parts.clip)
     if clip is not None:
         inner = optax.chain(clip_by_global_norm(clip), inner)

@@ -13,15 +13,12 @@ Which values are inputs is `xshard.config.hyperparams`'s rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from xshard.config.hyperparams import lifted_values
 from xshard.config.ranges import Rule
-
-if TYPE_CHECKING:
-    from xshard.optim.factory import BuiltOptimizer
 
 
 class FactoryCall(NamedTuple):
@@ -63,7 +60,7 @@ class Hyperparams(NamedTuple):
     """
 
     values: dict[str, Any]
-    build: Callable[[Mapping[str, Any]], BuiltOptimizer]
+    build: Callable[[Mapping[str, Any]], Any]  # -> xshard.optim.factory.BuiltOptimizer
 
     def arrays(self) -> dict[str, Any]:
         """`values` as float32 scalars (NumPy): what a step program takes."""

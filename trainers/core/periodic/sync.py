@@ -59,8 +59,8 @@ class PeriodicPrograms:
 
     Args:
       periodic: the axis.
-      inputs: the float hyperparameters its programs take as inputs (`SyncInputs`); None:
-        the outer optimizer's values are constants.
+      hyperparams: the run's float hyperparameters (`xshard.optim.hyperparams`): its programs
+        take the outer optimizer's as inputs (`SyncInputs`); None: constants of its rule.
 
     Attributes:
       periodic: the axis.
@@ -69,8 +69,9 @@ class PeriodicPrograms:
       compile_seconds: the seconds spent compiling its programs so far; None before the first.
     """
 
-    def __init__(self, periodic: Periodic, inputs: SyncInputs | None = None):
-        self.periodic, self.inputs = periodic, inputs
+    def __init__(self, periodic: Periodic, hyperparams: Hyperparams | None = None):
+        self.periodic = periodic
+        self.inputs = inputs = sync_inputs(hyperparams, periodic.axis)
         self._hyperparams = placed_inputs({} if inputs is None else inputs.values, periodic.mesh)
         self.groups: tuple[tuple[int, ...], ...] = ()
         self.bytes_per_step = 0.0

@@ -13,6 +13,8 @@ other when a step first needs it, then dispatched by `StepPrograms.run`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -177,6 +179,49 @@ class StepInputs(NamedTuple):
 
     values: Mapping[str, float]
     step_fns: Callable[[Mapping[str, Any]], tuple[Mapping[int, TrainStep], Mapping[int, TrainStep]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctionSets:
+    """A run's step functions by level (`step_functions`), and a periodic axis's warm-up ones,
+    on an optimizer.
+
+    Attributes:
+      task, mesh, spec, layout, precision: as `step_functions`'s.
+      warmup: the optimizer of the warm-up steps from the step's
+        (`trainers.core.periodic.axis.Periodic.warmup_tx`); None: no warm-up steps.
+    """
+
+    task: Task
+    mesh: Any
+    spec: StepSpec
+    layout: ZeroLayout
+    precision: Precision
+    warmup: Callable[[CrossShardTransformation], CrossShardTransformation] | None = None
+
+    def __call__(
+        self, tx: CrossShardTransformation, inputs: OptimizerInputs | None = None
+    ) -> tuple[dict[int, TrainStep], dict[int, TrainStep]]:
+        """The step functions and the warm-up ones on `tx` (built on `inputs`, if given)."""
+        build = functools.partial(
+            step_functions, self.task, mesh=self.mesh, spec=self.spec, layout=self.layout
+        )
+        build = functools.partial(build, precision=self.precision)
+        warmup = self.warmup
+        if warmup is None:
+            return build(tx, inputs=inputs), {}
+        warm_inputs = None
+        if inputs is not None:
+            warm_inputs = inputs._replace(build=lambda values: warmup(inputs.build(values)))
+        return build(tx, inputs=inputs), build(warmup(tx), inputs=warm_inputs)
+
+    def inputs(
+        self,
+        values: Mapping[str, float],
+        tx_of: Callable[[Mapping[str, Any]], CrossShardTransformation],
+    ) -> StepInputs:
+        """The `StepInputs` of `values`, the optimizer built on them by `tx_of`."""
+        return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
 class StepPrograms:

@@ -24,7 +24,7 @@ from xshard.config.schedules import SCHEDULE_RULES
 
 #: The config key of the global-norm clip of the reduced gradient, and its rule.
 CLIP_KEY = "clip"
-CLIP_RULE = Range("null or a global norm for the reduced gradient", low_open=True, nullable=True)
+CLIP_RULE = Range("a global norm for the reduced gradient", low_open=True, nullable=True)
 
 #: The nodes whose arguments may be inputs, with the rules of their arguments (by name).
 LIFTED_NODES: dict[str, Mapping[str, Rule]] = {

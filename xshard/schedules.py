@@ -32,6 +32,13 @@ from xshard.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+def _check(args: dict[str, Any]) -> None:
+    """`check_schedule_args` of the Python values of `args`: an array (a hyperparameter the
+    step program takes as an input, `xshard.optim.hyperparams`) was checked when it was the
+    config's number."""
+    check_schedule_args({k: v for k, v in args.items() if not isinstance(v, jax.Array)}, "")
+
+
 def _warmup_only(warmup_steps: int, decay_steps: int) -> bool:
     """Warns (and returns True) when the warmup outlasts the run."""
     if warmup_steps >= decay_steps:
@@ -75,7 +82,7 @@ def cosine(
     learning_rate: float, *, decay_steps: int, end_factor: float = 0.0, exponent: float = 1.0
 ) -> optax.Schedule:
     """Cosine decay from `learning_rate` to ``end_factor * learning_rate`` over `decay_steps`."""
-    check_schedule_args(dict(decay_steps=decay_steps, end_factor=end_factor, exponent=exponent), "")
+    _check(dict(decay_steps=decay_steps, end_factor=end_factor, exponent=exponent))
     return optax.cosine_decay_schedule(
         learning_rate, decay_steps, alpha=end_factor, exponent=exponent
     )
@@ -106,15 +113,14 @@ def warmup_cosine(
     Raises:
       ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
-    check_schedule_args(
+    _check(
         dict(
             warmup_steps=warmup_steps,
             decay_steps=decay_steps,
             init_factor=init_factor,
             end_factor=end_factor,
             exponent=exponent,
-        ),
-        "",
+        )
     )
     only = _warmup_only(warmup_steps, decay_steps)
     if warmup_steps == 0:
@@ -123,14 +129,14 @@ def warmup_cosine(
         )
     if only:
         return optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
-    return optax.warmup_cosine_decay_schedule(
-        init_factor * learning_rate,
-        learning_rate,
-        warmup_steps,
-        decay_steps,
-        end_value=end_factor * learning_rate,
-        exponent=exponent,
+    # optax.warmup_cosine_decay_schedule's pieces, with `end_factor` as the cosine's alpha:
+    # optax's own divides end_value by peak_value after a Python test of peak_value == 0,
+    # which a traced rate (an input of the step) cannot pass.
+    cosine_part = optax.cosine_decay_schedule(
+        learning_rate, decay_steps - warmup_steps, alpha=end_factor, exponent=exponent
     )
+    warmup = optax.linear_schedule(init_factor * learning_rate, learning_rate, warmup_steps)
+    return optax.join_schedules([warmup, cosine_part], [warmup_steps])
 
 
 def warmup_linear(
@@ -156,14 +162,13 @@ def warmup_linear(
     Raises:
       ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
-    check_schedule_args(
+    _check(
         dict(
             warmup_steps=warmup_steps,
             decay_steps=decay_steps,
             init_factor=init_factor,
             end_factor=end_factor,
-        ),
-        "",
+        )
     )
     return _warmup_then(
         learning_rate,
@@ -199,14 +204,13 @@ def exponential(
     Raises:
       ConfigError: (a ValueError) for an argument out of range (`SCHEDULE_RULES`).
     """
-    check_schedule_args(
+    _check(
         dict(
             transition_steps=transition_steps,
             decay_rate=decay_rate,
             warmup_steps=warmup_steps,
             end_factor=end_factor,
-        ),
-        "",
+        )
     )
     end_value = None if end_factor is None else end_factor * learning_rate
     if warmup_steps == 0:

@@ -128,6 +128,7 @@ def build_run(
         zero_stage=options.sharding.zero_stage,
         periodic=periodic,
         precision=Precision.of(precision.param_dtype, precision.compute_dtype),
+        hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
     )
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 

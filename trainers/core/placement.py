@@ -23,6 +23,7 @@ from trainers.core.step.types import TrainState, state_shardings
 from trainers.core.zero import ZeroLayout
 from trainers.tasks.base import Task
 from xshard.optim.cross_shard import CrossShardTransformation
+from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.per_axis import state_partition_specs
 
 # Folded into the seed for parameter init; steps fold in 0, 1, 2, ... and never reach it.
@@ -49,6 +50,9 @@ class DevicePlacement:
       seed: the run's seed (it seeds the params).
       layout: the ZeRO layout (`trainers.core.zero`).
       precision: the dtypes of the params and of the step's computation.
+      hyperparams: the float hyperparameters `tx` was built on (`xshard.optim.hyperparams`):
+        the program that initialises the optimizer state takes them as inputs too, so runs
+        that differ only in them share it; None: constants of `tx`.
 
     Attributes:
       batch_sharding: a batch's sharding: split over the data axes.
@@ -66,8 +70,9 @@ class DevicePlacement:
         seed: int,
         layout: ZeroLayout,
         precision: Precision,
+        hyperparams: Hyperparams | None = None,
     ):
-        self.task, self.tx, self.mesh = task, tx, mesh
+        self.task, self.tx, self.mesh, self.hyperparams = task, tx, mesh, hyperparams
         self.seed, self.layout, self.precision = seed, layout, precision
         self.batch_sharding = NamedSharding(mesh, P(tuple(data_axes)))
         self.replicated = NamedSharding(mesh, P())
@@ -135,10 +140,19 @@ class DevicePlacement:
         with jax.set_mesh(self.mesh):  # the axis rules size their state from the mesh
             refuse_nested_cross_shard(jax.eval_shape(self.tx.init, params))
             opt_shardings = self.opt_state_shardings(params)
-            opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(params)
+            opt_state = self._init_opt_state(params, opt_shardings)
         step = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         model_state = jax.device_put({} if model_state is None else model_state, self.replicated)
         return TrainState(step, params, opt_state, model_state)
+
+    def _init_opt_state(self, params: Any, shardings: Any) -> Any:
+        """The optimizer state of `params`, by a program that takes the hyperparameters as
+        inputs when there are any."""
+        hyperparams = self.hyperparams
+        if hyperparams is None:
+            return jax.jit(self.tx.init, out_shardings=shardings)(params)
+        init = lambda params, values: hyperparams.build(values).tx.init(params)
+        return jax.jit(init, out_shardings=shardings)(params, hyperparams.arrays())
 
     def opt_state_shardings(self, params: Any) -> Any:
         """Per-parameter optimizer state (adam's mu, nu) is sharded like its parameter's model

@@ -10,7 +10,6 @@ kind of step, `trainers.core.step.programs.StepPrograms`) and a periodic axis's 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
+from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms
 from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
@@ -36,6 +35,7 @@ from trainers.core.zero import zero_layout
 from trainers.tasks.base import Task
 from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
+from xshard.optim.hyperparams import Hyperparams
 
 __all__ = ["FitResult", "Hook", "StopTraining", "StopVote", "TrainState", "Trainer"]
 
@@ -71,6 +71,9 @@ class Trainer:
         `trainers.core.periodic`); `tx` must then reduce over the other data axes only.
       precision: the dtypes of the params (and optimizer state, checkpoints) and of the
         forward and backward passes (`trainers.core.precision`; default: float32 for both).
+      hyperparams: the float hyperparameters `tx` and the periodic rule were built on
+        (``xshard.build_optimizer_with_rules(cfg).hyperparams``): inputs of the programs, so
+        runs that differ only in them share their programs; None: constants of `tx`.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -93,6 +96,7 @@ class Trainer:
       tx: the optimizer as the step runs it: `tx`, or a plain optax `tx` wrapped once.
       spec: the step's static description (`trainers.core.step.types.StepSpec`).
       layout: the ZeRO layout of the whole mesh (`trainers.core.zero.ZeroLayout`).
+      hyperparams: the inputs of the programs (`xshard.optim.hyperparams.Hyperparams`), or None.
 
     Raises:
       ConfigError: for a batch not divisible over the data shards, a bad microbatch count or
@@ -116,6 +120,7 @@ class Trainer:
         zero_stage: int = 0,
         periodic: tuple[str, AxisRule] | None = None,
         precision: Precision | None = None,
+        hyperparams: Hyperparams | None = None,
     ):
         data_axes = tuple(data_axes)
         self.precision = Precision() if precision is None else precision
@@ -145,38 +150,41 @@ class Trainer:
             seed=seed,
             layout=self.layout,
             precision=self.precision,
+            hyperparams=hyperparams,
         )
         agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
+        self.hyperparams = hyperparams
         self.programs = self._step_programs(zero_stage, inner_axes, rules, agree)
-        self.periodic_programs = None if self.periodic is None else PeriodicPrograms(self.periodic)
+        self.periodic_programs = (
+            None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams)
+        )
 
     def _step_programs(
         self, zero_stage: int, inner_axes: tuple[str, ...], rules: Callable[[], Any], agree: bool
     ) -> StepPrograms:
         """The step programs: a step function per level (validating ``grad_impl`` now, not at
         the first step), and a periodic axis's warm-up ones (the same step reducing over that
-        axis too). A replica's step sees the mesh with the periodic axis manual."""
-        periodic = self.periodic
+        axis too), on `tx` or, traced, on the optimizer `hyperparams` builds. A replica's step
+        sees the mesh with the periodic axis manual."""
+        periodic, hyperparams = self.periodic, self.hyperparams
         step_mesh = self.mesh if periodic is None else periodic.replica_mesh()
-        build = functools.partial(
-            step_functions,
-            self.task,
-            mesh=step_mesh,
-            spec=self.spec,
-            layout=zero_layout(zero_stage, step_mesh, inner_axes, rules),
-            precision=self.precision,
-        )
-        step_fns, warmup_fns = build(self.tx), {}
+        warmup = None
         if periodic is not None and periodic.rule.warmup_steps:
-            warmup_fns = build(periodic.warmup_tx(self.tx, self.spec.grad_impl, zero_stage))
+            warmup = lambda tx: periodic.warmup_tx(tx, self.spec.grad_impl, zero_stage)
+        layout = zero_layout(zero_stage, step_mesh, inner_axes, rules)
+        fns = StepFunctionSets(self.task, step_mesh, self.spec, layout, self.precision, warmup)
+        inputs = None
+        if hyperparams is not None:
+            tx_of = lambda values: as_cross_shard(hyperparams.build(values).tx, None, inner_axes)
+            inputs = fns.inputs(hyperparams.values, tx_of)
         return StepPrograms(
-            step_fns,
-            warmup_fns,
+            *fns(self.tx),
             mesh=self.mesh,
             batch_sharding=self.placement.batch_sharding,
             periodic=periodic,
             agree_stop=agree,
             grad_impl=self.spec.grad_impl,
+            inputs=inputs,
         )
 
     @property

@@ -30,7 +30,9 @@ class Range:
     """What a number may be: finite (not a bool), from `low` (inclusive unless `low_open`) up
     to `high` (exclusive unless `high_closed`; None: no bound); null too if `nullable`. An
     `integer` range has `MAX_STEPS` as its bound when `high` is None (every integer argument
-    here counts steps or sizes that end up in an int32)."""
+    here counts steps or sizes that end up in an int32). A float argument enters the compiled
+    programs as an input (`xshard.config.program_inputs`) unless `structural` says why it sets
+    the program's structure (the factory branches on it in Python): then it stays a constant."""
 
     what: str
     low: float = 0.0
@@ -39,6 +41,7 @@ class Range:
     high_closed: bool = False
     nullable: bool = False
     integer: bool = False
+    structural: str = ""
 
     @property
     def top(self) -> float | None:

@@ -28,7 +28,11 @@ SCHEDULE_RULES: dict[str, Range] = {
     "init_factor": Range(f"the first rate of the warmup, {_FACTOR}", high=1.0, high_closed=True),
     "end_factor": Range(f"the final rate, {_FACTOR}", nullable=True),
     "exponent": Range("the exponent of the cosine (1: the usual half cosine)", low_open=True),
-    "decay_rate": Range("the factor per transition_steps (< 1 decays)", low_open=True),
+    "decay_rate": Range(
+        "the factor per transition_steps (< 1 decays)",
+        low_open=True,
+        structural="optax.exponential_decay branches on it in Python (== 0, < 1)",
+    ),
 }
 
 

@@ -7,7 +7,6 @@ the config key, the bad value and what is allowed.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -59,18 +58,6 @@ def mapping(value: Any, key: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{key}={value!r}: expected a mapping (a config node).")
     return dict(value)
-
-
-def positive_number(value: Any, key: str, what: str) -> float:
-    """Returns `value` if it is a finite number > 0 (not a bool); `what` describes it."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{key}={value!r}: expected {what}, a number > 0.")
-    return value
 
 
 def check_kwargs(

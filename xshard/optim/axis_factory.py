@@ -27,14 +27,18 @@ from xshard.config.ranges import check_args
 from xshard.config.sections import check_kwargs
 from xshard.config.targets import check_nested_targets, instantiate_nested, resolve_target
 from xshard.errors import ConfigError
+from xshard.optim.hyperparams import FactoryCall
 from xshard.schedules import check_schedule
 
 KEY = "reduction.axes"
 
 
-def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> Any:
-    """Builds the optax optimizer of an ``outer_optimizer`` node (``_target_`` and arguments,
-    an argument a ``_target_`` node of its own, e.g. a ``learning_rate`` schedule).
+def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -> FactoryCall:
+    """The factory call of an ``outer_optimizer`` node (``_target_`` and arguments, an
+    argument a ``_target_`` node of its own, e.g. a ``learning_rate`` schedule), checked
+    (built once): ``call(values)`` builds the optax optimizer with `values` (by config key,
+    ``<key>.<argument>``) in place of the config's (`xshard.optim.hyperparams`); an argument
+    built from a node of its own stays a constant.
 
     Raises:
       ConfigError: naming ``<key>._target_`` or ``<key>.<argument>`` for a target that is not
@@ -55,8 +59,9 @@ def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -
         kwargs[name] = instantiate_nested(kwargs[name], where, allowed)
         if name == "learning_rate":
             kwargs[name] = check_schedule(kwargs[name], node[name]["_target_"], where)
+    call = FactoryCall(fn, kwargs, key, target)
     try:
-        tx = fn(**kwargs)
+        tx = call({})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key} ({target}): {e}") from e
     if not isinstance(tx, optax.GradientTransformation):
@@ -64,7 +69,7 @@ def outer_optimizer(node: Mapping[str, Any], key: str, allowed: Sequence[str]) -
             f"{key}._target_={target!r} built a {type(tx).__name__}, not an optax "
             "optimizer; name one such as optax.sgd."
         )
-    return tx
+    return call
 
 
 def _check_on_mesh(
@@ -93,7 +98,8 @@ def axis_rules(
     data_axes: Sequence[str],
     allowed: Sequence[str],
 ) -> dict[str, AxisRule]:
-    """The `AxisRule` of every ``reduction.axes`` node, checked against the mesh.
+    """The `AxisRule` of every ``reduction.axes`` node, checked against the mesh; a periodic
+    one's ``outer_optimizer`` is its checked `FactoryCall` (`xshard.optim.factory` builds it).
 
     Args:
       axes: the parsed nodes (`xshard.config.schemas.ReductionConf.axes`), by axis name.

@@ -14,7 +14,13 @@ The global clip sits inside `cross_shard`, so the non-finite guard covers it. It
 (`xshard.reduce.clipping.GlobalClipState`), for the trainer's clipping statistics. Only
 ``learning_rate`` is injected as a hyperparameter (every other argument is passed statically),
 so the current rate is in the state: ``optax.tree_utils.tree_get(state, "learning_rate")`` or
-``xshard.get_hyperparams(state)["learning_rate"]``.
+``xshard.get_hyperparams(state)["learning_rate"]``; it is set from the schedule before each
+update (`xshard.optim.learning_rate`; no schedule: the base rate).
+
+Every float of these nodes can also be an input of a compiled program rather than a constant:
+`build_optimizer_with_rules` returns the config's values and a builder of the same optimizer
+from other values (`xshard.optim.hyperparams.Hyperparams`; which keys:
+`xshard.config.program_inputs`).
 
 Targets (``optimizer._target_``, ``schedule._target_``, dotted mask paths) are resolved by
 `xshard.config.targets.resolve_target`: a public class or function defined under ``optax.``,
@@ -29,31 +35,34 @@ trainer's sync step.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import optax
 from omegaconf import DictConfig
 
 from xshard.config import read_node
 from xshard.config.axes import AxisRule
-from xshard.config.optimizers import check_optimizer_args
-from xshard.config.schedule_schemas import check_schedule_args
+from xshard.config.optimizers import OPTIMIZER_RULES, check_optimizer_args
+from xshard.config.program_inputs import CLIP_KEY, CLIP_RULE, lifted, lifted_values
+from xshard.config.schedule_schemas import SCHEDULE_RULES
 from xshard.config.schemas import ReductionConf, reduction_kwargs
-from xshard.config.sections import as_config, check_kwargs, mapping, positive_number, section
+from xshard.config.sections import as_config, check_kwargs, mapping, section
 from xshard.config.targets import ALLOWED_TARGETS_KEY, allowed_prefixes, resolve_target
 from xshard.errors import ConfigError
 from xshard.mesh.build import check_axis_names
 from xshard.mesh.spec import data_axes as mesh_data_axes
 from xshard.optim.axis_factory import axis_rules
 from xshard.optim.cross_shard import CrossShardTransformation, cross_shard
+from xshard.optim.hyperparams import FactoryCall, Hyperparams
+from xshard.optim.learning_rate import required_target, schedule_call, schedule_of, scheduled
 from xshard.optim.masks import resolve_mask
 from xshard.optim.schedule_free import check_schedule_free
 from xshard.reduce.clipping import clip_by_global_norm
-from xshard.schedules import check_schedule
 
 #: Config mask keys, and the optax argument names they may go to (adamw/lamb/lion say `mask`;
 #: optax.contrib.muon's rule of which parameters it orthogonalises is a mask too).
@@ -77,37 +86,9 @@ def _learning_rate(opt: dict[str, Any]) -> float:
     return opt["learning_rate"]
 
 
-def _required_target(node: dict[str, Any], prefix: str) -> str:
-    if node.get("_target_") is None:
-        raise ConfigError(
-            f"{prefix}._target_ is required: the dotted path of the factory to call, e.g. "
-            f"{'optax.adamw' if prefix == 'optimizer' else 'xshard.schedules.warmup_cosine'}. "
-            f"Or choose an option of the '{prefix}' group ({prefix}=<name>)."
-        )
-    return node["_target_"]
-
-
 # --------------------------------------------------------------------------------------------
 # Schedule
 # --------------------------------------------------------------------------------------------
-
-
-def _schedule(learning_rate: float, node: Any, allowed: tuple[str, ...]) -> optax.Schedule | None:
-    if node is None:
-        return None
-    kwargs = mapping(node, "schedule")
-    target = _required_target(kwargs, "schedule")
-    fn = resolve_target(target, allowed, key="schedule._target_")
-    kwargs.pop("_target_")
-    # The base rate goes to the first argument (`learning_rate`; optax's `init_value`).
-    first = next(iter(inspect.signature(fn).parameters), None)
-    check_kwargs(fn, kwargs, "schedule", target, supplied=() if first is None else (first,))
-    check_schedule_args(kwargs)  # decay_steps, end_factor, ...: the schemas' rules, by name
-    try:
-        schedule = fn(learning_rate, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"schedule ({target}): {e}") from e
-    return check_schedule(schedule, target, "schedule")
 
 
 def build_schedule(cfg: Any) -> optax.Schedule:
@@ -126,8 +107,8 @@ def build_schedule(cfg: Any) -> optax.Schedule:
     cfg = as_config(cfg)
     lr = _learning_rate(mapping(section(cfg, "optimizer", required=True), "optimizer"))
     allowed = allowed_prefixes(section(cfg, ALLOWED_TARGETS_KEY, required=False))
-    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
-    return optax.constant_schedule(lr) if schedule is None else schedule
+    call = schedule_call(lr, section(cfg, "schedule", required=False), allowed)
+    return optax.constant_schedule(lr) if call is None else call({}, lr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,15 +118,18 @@ def build_schedule(cfg: Any) -> optax.Schedule:
 
 def _inner_optimizer(
     node: dict[str, Any],
-    learning_rate: float | optax.Schedule,
+    learning_rate: float,
+    schedule: FactoryCall | None,
     allowed: tuple[str, ...],
     schedule_target: str = "",
-) -> optax.GradientTransformationExtraArgs:
+) -> FactoryCall:
+    """The ``optimizer`` node's factory call, checked: ``inject_hyperparams(<target>)`` whose
+    learning rate is the scheduled one (`_scheduled`), the other arguments static."""
     kwargs = dict(node)
-    target = _required_target(kwargs, "optimizer")
+    target = required_target(kwargs, "optimizer")
     fn = resolve_target(target, allowed, key="optimizer._target_")
     del kwargs["_target_"], kwargs["learning_rate"]
-    check_schedule_free(fn, kwargs, learning_rate, schedule_target)
+    check_schedule_free(fn, kwargs, schedule_of({}, learning_rate, schedule), schedule_target)
     params = inspect.signature(fn).parameters
     if "learning_rate" not in params:
         raise ConfigError(
@@ -176,51 +160,16 @@ def _inner_optimizer(
     )
     check_optimizer_args(kwargs)  # b1, eps, weight_decay, ...: the schemas' rules, by name
     # Inject only the learning rate: other arguments may drive Python control flow or shapes
-    # (adafactor's min_dim_size_to_factor) and must stay static.
+    # (adafactor's min_dim_size_to_factor) and must stay static; the float ones are inputs of
+    # the step all the same (`Hyperparams`), passed to the factory as traced values.
     static = [
         n
         for n, p in params.items()
         if n != "learning_rate"
         and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     ]
-    try:
-        return _inject_learning_rate(fn, static, learning_rate, kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"optimizer ({target}): {e}") from e
-
-
-def _inject_learning_rate(
-    fn: Callable[..., optax.GradientTransformation],
-    static: list[str],
-    learning_rate: float | optax.Schedule,
-    kwargs: dict[str, Any],
-) -> optax.GradientTransformationExtraArgs:
-    """``inject_hyperparams(fn)`` whose numeric ``learning_rate`` follows `learning_rate`.
-
-    optax's own schedule support also keeps a schedule state under the hyperparameter's name,
-    which makes ``tree_get(state, "learning_rate")`` ambiguous. Instead the rate is a plain
-    numeric hyperparameter, set from the schedule at the state's count before each update (as
-    optax documents for editing ``state.hyperparams``), so it is the only "learning_rate" leaf.
-    """
-    if not callable(learning_rate):
-        return optax.inject_hyperparams(fn, static_args=static)(
-            learning_rate=learning_rate, **kwargs
-        )
-    schedule = learning_rate
-    injected = optax.inject_hyperparams(fn, static_args=static)(learning_rate=0.0, **kwargs)
-
-    def with_scheduled_rate(state: Any) -> Any:
-        old = state.hyperparams["learning_rate"]
-        rate = jnp.asarray(schedule(state.count), dtype=jnp.result_type(old))
-        return state._replace(hyperparams={**state.hyperparams, "learning_rate": rate})
-
-    def init_fn(params: Any) -> Any:
-        return with_scheduled_rate(injected.init(params))
-
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        return injected.update(updates, with_scheduled_rate(state), params, **extra_args)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    injected = optax.inject_hyperparams(fn, static_args=static)
+    return FactoryCall(injected, kwargs, "optimizer", target)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,10 +211,14 @@ class BuiltOptimizer(NamedTuple):
       tx: the cross-shard optimizer (`build_optimizer`).
       axis_rules: the `AxisRule` of every ``reduction.axes.<axis>`` node, by axis name; a
         periodic rule holds its built outer optax optimizer (``tx`` holds the every-step one).
+      hyperparams: the config's float hyperparameters and how to build `tx` and `axis_rules`
+        with other values of them (`xshard.optim.hyperparams.Hyperparams`: the trainer's
+        step programs take them as inputs); None in a `BuiltOptimizer` it built.
     """
 
     tx: CrossShardTransformation
     axis_rules: dict[str, AxisRule]
+    hyperparams: Hyperparams | None = None
 
     @property
     def periodic(self) -> tuple[str, AxisRule] | None:
@@ -324,16 +277,14 @@ def build_optimizer_with_rules(cfg: Any, mesh: Any = None) -> BuiltOptimizer:
     opt = mapping(section(cfg, "optimizer", required=True), "optimizer")
     red = _reduction(cfg)
     lr = _learning_rate(opt)
-    schedule = _schedule(lr, section(cfg, "schedule", required=False), allowed)
+    schedule = schedule_call(lr, section(cfg, "schedule", required=False), allowed)
     clip = section(cfg, "clip", required=False)
-    if clip is not None:
-        positive_number(clip, "clip", "null or a global norm for the reduced gradient")
+    CLIP_RULE.check(clip, CLIP_KEY)
 
     shape = None if mesh is None else dict(mesh.shape)
     rules = axis_rules(red.axes, shape, _data_axes(cfg), allowed)
-    every_step = {name: rule for name, rule in rules.items() if not rule.periodic}
-    for name in every_step:
-        if name not in red.axis_name:
+    for name, rule in rules.items():
+        if not rule.periodic and name not in red.axis_name:
             raise ConfigError(
                 f"reduction.axes.{name}: {name!r} reduces every step by its own rule, so it "
                 f"must be one of reduction.axis_name={list(red.axis_name)}; add it there "
@@ -347,9 +298,54 @@ def build_optimizer_with_rules(cfg: Any, mesh: Any = None) -> BuiltOptimizer:
 
     schedule_node = section(cfg, "schedule", required=False)
     schedule_target = "" if schedule_node is None else str(schedule_node.get("_target_"))
-    inner = _inner_optimizer(opt, lr if schedule is None else schedule, allowed, schedule_target)
+    inner = _inner_optimizer(opt, lr, schedule, allowed, schedule_target)
+    # The periodic axis takes no part in the step (the trainer's sync step reduces over it).
+    kwargs = reduction_kwargs(red) | {"num_shards": num_shards}
+    parts = _Parts(inner, lr, schedule, clip, kwargs, rules)
+    hyperparams = Hyperparams(_inputs(parts), functools.partial(_assemble, parts))
+    return hyperparams.build(hyperparams.values)._replace(hyperparams=hyperparams)
+
+
+class _Parts(NamedTuple):
+    """What `build_optimizer_with_rules` read and checked, to build the optimizer from."""
+
+    inner: FactoryCall  # inject_hyperparams(<optimizer._target_>)
+    learning_rate: float
+    schedule: FactoryCall | None
+    clip: float | None
+    cross_shard: dict[str, Any]  # the keyword arguments of `cross_shard` but `axes`
+    rules: dict[str, AxisRule]  # a periodic one's outer optimizer as its FactoryCall
+
+
+def _inputs(parts: _Parts) -> dict[str, Any]:
+    """The config's values of the optimizer's inputs (`xshard.config.program_inputs`), by key."""
+    lr = {"learning_rate": parts.learning_rate}
+    values = lifted_values(OPTIMIZER_RULES, lr, "optimizer") | parts.inner.inputs(OPTIMIZER_RULES)
+    if parts.schedule is not None:
+        values |= parts.schedule.inputs(SCHEDULE_RULES)
+    if lifted(CLIP_RULE, parts.clip):
+        values[CLIP_KEY] = parts.clip
+    for rule in parts.rules.values():
+        if rule.periodic:
+            values |= rule.outer_optimizer.inputs(OPTIMIZER_RULES)
+    return values
+
+
+def _assemble(parts: _Parts, values: Mapping[str, Any]) -> BuiltOptimizer:
+    """The optimizer and axis rules of `parts` with `values` (by config key) in place of the
+    config's: `Hyperparams.build`."""
+    try:
+        injected = parts.inner(values, learning_rate=0.0)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"optimizer ({parts.inner.target}): {e}") from e
+    inner = scheduled(injected, schedule_of(values, parts.learning_rate, parts.schedule))
+    clip = values.get(CLIP_KEY, parts.clip)
     if clip is not None:
         inner = optax.chain(clip_by_global_norm(clip), inner)
-    # The periodic axis takes no part in the step (the trainer's sync step reduces over it).
-    tx = cross_shard(inner, **reduction_kwargs(red), num_shards=num_shards, axes=every_step or None)
+    rules = {
+        name: replace(rule, outer_optimizer=rule.outer_optimizer(values)) if rule.periodic else rule
+        for name, rule in parts.rules.items()
+    }
+    every_step = {name: rule for name, rule in rules.items() if not rule.periodic}
+    tx = cross_shard(inner, **parts.cross_shard, axes=every_step or None)
     return BuiltOptimizer(tx, rules)

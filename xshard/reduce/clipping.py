@@ -58,7 +58,9 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     Raises:
       ValueError: for a `max_norm` that is not > 0.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
+    number = isinstance(max_norm, int | float) and not isinstance(max_norm, bool)
+    # An array is an input of the step (`xshard.optim.hyperparams`), checked as the config's.
+    if not isinstance(max_norm, jax.Array) and not (number and max_norm > 0):
         raise ValueError(f"clip must be > 0 or None, got {max_norm!r}.")
 
     def init_fn(params):

@@ -86,6 +86,30 @@ def test_basic_launcher_sweep_goes_on_after_a_diverging_job(tmp_path):
     assert diverged["hparams"]["optimizer.learning_rate"] == 1e4
 
 
+def test_jobs_that_differ_only_in_float_hyperparameters_compile_nothing(tmp_path):
+    # The learning rate and weight decay are inputs of the programs (docs/sweeps.md): with the
+    # cache the first job filled, jobs 2..6 read every program back.
+    sweep = tmp_path / "sweep"
+    run_train(
+        "-m",
+        "optimizer.learning_rate=1e-3,2e-3,3e-3",
+        "optimizer.weight_decay=0,1e-2",
+        "task=mlp",
+        "optimizer=adamw",
+        "trainer.steps=2",
+        "checkpoint=none",
+        f"trainer.compilation_cache_dir={tmp_path / 'cache'}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    records = [json.loads(p.read_text()) for p in sweep.glob(f"*/{RESULT_FILE}")]
+    assert len(records) == 6 and {r["status"] for r in records} == {"completed"}
+    counts = sorted((r["compilation_cache_misses"], r["compilation_cache_hits"]) for r in records)
+    first, rest = counts[-1], counts[:-1]
+    assert first[0] > 0 and first[1] == 0, counts  # the first job compiled every program
+    assert all(misses == 0 and hits > 0 for misses, hits in rest), counts
+
+
 def test_submitit_local_sweep_runs_each_job_in_its_own_process(tmp_path):
     sweep = tmp_path / "sweep"
     run_train(

@@ -43,7 +43,8 @@ def mesh():
 def test_outer_schedule_counts_outer_steps(task, mesh):
     import optax
 
-    rule = AxisRule(every_steps=2, outer_optimizer=outer_optimizer(NODE, KEY, allowed_prefixes()))
+    built = outer_optimizer(NODE, KEY, allowed_prefixes())({})  # with the config's values
+    rule = AxisRule(every_steps=2, outer_optimizer=built)
     trainer, state = make(task, mesh, optax.sgd(0.05), periodic=("slice", rule))
     seen = {}
 

@@ -6,8 +6,9 @@ are: `trainers.core.trainer.Trainer`), then dispatched after the updates that ca
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -16,9 +17,11 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import BYTES_TAG, Periodic
-from trainers.core.step.types import TrainState
+from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
+from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
+from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.periodic import due_fragment, due_update
 
 
@@ -31,8 +34,34 @@ class AfterStep(NamedTuple):
     compile_seconds: float
 
 
+class SyncInputs(NamedTuple):
+    """The float hyperparameters the sync programs take as inputs (the outer optimizer's,
+    `xshard.optim.hyperparams`): runs that differ only in them share the programs.
+
+    Attributes:
+      values: their values for this run (Python numbers), by config key.
+      rule: ``values -> AxisRule``: the axis's rule with its outer optimizer built on `values`
+        (float32 scalars traced in the program).
+    """
+
+    values: Mapping[str, float]
+    rule: Callable[[Mapping[str, Any]], AxisRule]
+
+
+def sync_inputs(hyperparams: Hyperparams | None, axis: str) -> SyncInputs | None:
+    """The `SyncInputs` of the periodic `axis` from the run's `hyperparams` (None: none)."""
+    if hyperparams is None:
+        return None
+    return SyncInputs(hyperparams.values, lambda values: hyperparams.build(values).axis_rules[axis])
+
+
 class PeriodicPrograms:
     """The sync and warm-up switch programs of one periodic axis.
+
+    Args:
+      periodic: the axis.
+      hyperparams: the run's float hyperparameters (`xshard.optim.hyperparams`): its programs
+        take the outer optimizer's as inputs (`SyncInputs`); None: constants of its rule.
 
     Attributes:
       periodic: the axis.
@@ -41,8 +70,10 @@ class PeriodicPrograms:
       compile_seconds: the seconds spent compiling its programs so far; None before the first.
     """
 
-    def __init__(self, periodic: Periodic):
+    def __init__(self, periodic: Periodic, hyperparams: Hyperparams | None = None):
         self.periodic = periodic
+        self.inputs = inputs = sync_inputs(hyperparams, periodic.axis)
+        self._hyperparams = placed_inputs({} if inputs is None else inputs.values, periodic.mesh)
         self.groups: tuple[tuple[int, ...], ...] = ()
         self.bytes_per_step = 0.0
         self._syncs: dict[int, jax.stages.Compiled] = {}
@@ -115,40 +146,53 @@ class PeriodicPrograms:
         if step == periodic.rule.warmup_steps:
             seconds = 0.0
             if self._start is None:
-                start = lambda s: periodic.start(s, self.groups)
+                start = lambda s, _: periodic.start(s, self.groups)
                 self._start, seconds = self._compile(start, state, shardings(state), False)
-            return AfterStep(self._start(state), metrics, seconds)
+            return AfterStep(self._start(state, self._hyperparams), metrics, seconds)
         seconds = 0.0
         sending = due_fragment(step, periodic.rule) if periodic.rule.sync_delay else None
         if sending is not None:  # another fragment than the update's: they commute
             if sending not in self._sends:
-                send = lambda s: periodic.send(s, sending, self.groups)
+                send = lambda s, _: periodic.send(s, sending, self.groups)
                 self._sends[sending], seconds = self._compile(send, state, shardings(state), False)
-            state = self._sends[sending](state)
+            state = self._sends[sending](state, self._hyperparams)
         fragment = due_update(step, periodic.rule)
         if fragment is None:
             return AfterStep(state, metrics, seconds)
         if fragment not in self._syncs:
-            sync = lambda s: periodic.sync(s, fragment, self.groups)
+            sync = lambda s, hp: self._periodic(hp).sync(s, fragment, self.groups)
             self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
             seconds += more
-        state, values = self._syncs[fragment](state)
+        state, values = self._syncs[fragment](state, self._hyperparams)
         metrics = metrics.with_device_values(periodic.sync_keys(fragment), values)
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
         return AfterStep(state, metrics.with_host_values(**sent), seconds)
 
+    def _periodic(self, hyperparams: Mapping[str, Any]) -> Periodic:
+        """The axis, its rule's outer optimizer built on the (traced) `hyperparams` when the
+        programs take them as inputs."""
+        if self.inputs is None:
+            return self.periodic
+        return dataclasses.replace(self.periodic, rule=self.inputs.rule(hyperparams))
+
     def _compile(
         self, fn: Callable, state: TrainState, shardings: Any, with_stats: bool
     ) -> tuple[jax.stages.Compiled, float]:
-        """`fn` (state -> state, or (state, statistics) with `with_stats`) compiled for
-        `state`, donating it, and the seconds it took."""
+        """`fn` ((state, hyperparameters) -> state, or (state, statistics) with `with_stats`)
+        compiled for `state`, donating it, and the seconds it took."""
         mesh = self.periodic.mesh
-        out = (shardings, NamedSharding(mesh, P())) if with_stats else shardings
+        replicated = NamedSharding(mesh, P())
+        out = (shardings, replicated) if with_stats else shardings
         start = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = (
-                jax.jit(fn, in_shardings=(shardings,), out_shardings=out, donate_argnums=(0,))
-                .lower(state)
+                jax.jit(
+                    fn,
+                    in_shardings=(shardings, replicated),
+                    out_shardings=out,
+                    donate_argnums=(0,),
+                )
+                .lower(state, self._hyperparams)
                 .compile()
             )
         seconds = time.perf_counter() - start

@@ -13,6 +13,8 @@ other when a step first needs it, then dispatched by `StepPrograms.run`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -29,8 +31,14 @@ from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.periodic.axis import Periodic
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, LEVELS, PLAIN, levels_in_run
-from trainers.core.step.train_step import make_train_step
-from trainers.core.step.types import StepSpec, TrainState, TrainStep, state_shardings
+from trainers.core.step.train_step import OptimizerInputs, make_train_step
+from trainers.core.step.types import (
+    StepSpec,
+    TrainState,
+    TrainStep,
+    placed_inputs,
+    state_shardings,
+)
 from trainers.core.stop_vote import STOP_VOTE_KEY
 from trainers.core.zero import ZeroLayout
 from trainers.tasks.base import Task
@@ -147,13 +155,73 @@ def step_functions(
     spec: StepSpec,
     layout: ZeroLayout,
     precision: Precision,
+    inputs: OptimizerInputs | None = None,
 ) -> dict[int, TrainStep]:
-    """A step function per level (`make_train_step`), for `StepPrograms`.
+    """A step function per level (`make_train_step`, on `inputs` if given), for `StepPrograms`.
 
     Raises:
       ConfigError: for a `spec.grad_impl` that is not allowed.
     """
-    return {lv: make_train_step(task, tx, mesh, spec, lv, layout, precision) for lv in LEVELS}
+    return {
+        lv: make_train_step(task, tx, mesh, spec, lv, layout, precision, inputs) for lv in LEVELS
+    }
+
+
+class StepInputs(NamedTuple):
+    """The float hyperparameters the step programs take as inputs (`xshard.optim.hyperparams`):
+    jobs that differ only in their values run the same programs.
+
+    Attributes:
+      values: their values for this run (Python numbers), by config key.
+      step_fns: ``values -> (step functions, warm-up ones)``, by level: those of the
+        optimizer built with `values` (float32 scalars traced in the program).
+    """
+
+    values: Mapping[str, float]
+    step_fns: Callable[[Mapping[str, Any]], tuple[Mapping[int, TrainStep], Mapping[int, TrainStep]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFunctionSets:
+    """A run's step functions by level (`step_functions`), and a periodic axis's warm-up ones,
+    on an optimizer.
+
+    Attributes:
+      task, mesh, spec, layout, precision: as `step_functions`'s.
+      warmup: the optimizer of the warm-up steps from the step's
+        (`trainers.core.periodic.axis.Periodic.warmup_tx`); None: no warm-up steps.
+    """
+
+    task: Task
+    mesh: Any
+    spec: StepSpec
+    layout: ZeroLayout
+    precision: Precision
+    warmup: Callable[[CrossShardTransformation], CrossShardTransformation] | None = None
+
+    def __call__(
+        self, tx: CrossShardTransformation, inputs: OptimizerInputs | None = None
+    ) -> tuple[dict[int, TrainStep], dict[int, TrainStep]]:
+        """The step functions and the warm-up ones on `tx` (built on `inputs`, if given)."""
+        build = functools.partial(
+            step_functions, self.task, mesh=self.mesh, spec=self.spec, layout=self.layout
+        )
+        build = functools.partial(build, precision=self.precision)
+        warmup = self.warmup
+        if warmup is None:
+            return build(tx, inputs=inputs), {}
+        warm_inputs = None
+        if inputs is not None:
+            warm_inputs = inputs._replace(build=lambda values: warmup(inputs.build(values)))
+        return build(tx, inputs=inputs), build(warmup(tx), inputs=warm_inputs)
+
+    def inputs(
+        self,
+        values: Mapping[str, float],
+        tx_of: Callable[[Mapping[str, Any]], CrossShardTransformation],
+    ) -> StepInputs:
+        """The `StepInputs` of `values`, the optimizer built on them by `tx_of`."""
+        return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
 class StepPrograms:
@@ -170,6 +238,8 @@ class StepPrograms:
       agree_stop: whether the programs take the processes' stop votes.
       grad_impl: ``trainer.grad_impl``, named by the error of an optimizer that needs per-shard
         gradients.
+      inputs: the float hyperparameters the programs take as inputs, and the step functions
+        built on them (`StepInputs`); None: none, the optimizer's values are constants.
 
     Attributes:
       compiled: the compiled programs, with what their tracing recorded.
@@ -186,8 +256,10 @@ class StepPrograms:
         periodic: Periodic | None,
         agree_stop: bool,
         grad_impl: str,
+        inputs: StepInputs | None = None,
     ):
         self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
+        self.inputs = inputs
         self.mesh, self.batch_sharding, self.periodic = mesh, batch_sharding, periodic
         self.agree_stop, self.grad_impl = agree_stop, grad_impl
         self.compiled = CompiledSteps()
@@ -195,6 +267,8 @@ class StepPrograms:
         # One vote per device, each process filling its own devices (`_votes`).
         self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
         self._vote_arrays: dict[int, jax.Array] = {}
+        self._replicated = NamedSharding(mesh, P())
+        self._hyperparams = placed_inputs({} if inputs is None else inputs.values, mesh)
 
     @property
     def has_warmup(self) -> bool:
@@ -212,10 +286,12 @@ class StepPrograms:
         shardings = state_shardings(state)
         keys: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
-        step_fn = self._fns[key.warmup][key.level]
+        stats_keys: list[set[str]] = []
 
-        def run(state, batch, vote):
+        def run(state, batch, hyperparams, vote):
+            step_fn = self._step_fn(key, hyperparams)
             state, metrics, diag = step_fn.fn(state, batch)
+            stats_keys.append(step_fn.stats_keys)
             if vote is not None:  # agree_stop: the highest vote of all devices
                 metrics = {**metrics, STOP_VOTE_KEY: vote}
             names, values = stack_metrics(metrics)
@@ -225,29 +301,37 @@ class StepPrograms:
             layouts.append(shapes)
             return state, jnp.concatenate([values, tail])
 
-        def train_step(state, batch, *votes):
+        def train_step(state, batch, hyperparams, *votes):
             vote = jnp.max(votes[0]) if votes else None
+            step = lambda state, batch, vote: run(state, batch, hyperparams, vote)
             if self.periodic is not None:  # every replica alone: a row of metrics each
-                return self.periodic.inner(run, state, batch, vote)
-            return run(state, batch, vote)
+                return self.periodic.inner(step, state, batch, vote)
+            return step(state, batch, vote)
 
         jitted = jax.jit(
             train_step,
-            in_shardings=(shardings, self.batch_sharding)
+            in_shardings=(shardings, self.batch_sharding, self._replicated)
             + ((self._vote_sharding,) if self.agree_stop else ()),
             out_shardings=(shardings, None),
             donate_argnums=(0,),
         )
         try:
             with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(state, batch, *self._votes(0))
+                lowered = jitted.lower(state, batch, self._hyperparams, *self._votes(0))
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
                 f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
                 "without per-shard clipping or weights (reduction.clip_per_shard=null)."
             ) from None
-        return Traced(lowered, keys[0], layouts[0], frozenset(step_fn.stats_keys))
+        return Traced(lowered, keys[0], layouts[0], frozenset(stats_keys[0]))
+
+    def _step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
+        """The step function of `key`: built on the (traced) `hyperparams` when the programs
+        take them as inputs."""
+        if self.inputs is None:
+            return self._fns[key.warmup][key.level]
+        return self.inputs.step_fns(hyperparams)[key.warmup][key.level]
 
     def compile_missing(
         self, keys: Iterable[ProgramKey], state: TrainState, batch: dict[str, jax.Array]
@@ -291,7 +375,7 @@ class StepPrograms:
         self.compile_missing([key], state, batch)
         executable = self.compiled.get(key)
         assert executable is not None
-        state, values = executable(state, batch, *self._votes(stop_vote))
+        state, values = executable(state, batch, self._hyperparams, *self._votes(stop_vote))
         return state, self.compiled.metrics(key.level, values)
 
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:

@@ -31,6 +31,7 @@ over microbatches in `trainers.core.step.grads`, the ZeRO variants in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -55,6 +56,16 @@ from trainers.tasks.base import Task
 from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
 from xshard.reduce.per_axis import state_partition_specs
 from xshard.stats.tree import leaf_sq_norms
+
+
+class OptimizerInputs(NamedTuple):
+    """The float hyperparameters a step takes as inputs (`xshard.optim.hyperparams`), traced,
+    and ``build(values) -> the optimizer`` on them. The step's ``shard_map`` takes `values` as
+    arguments and builds the optimizer inside it: a ``shard_map`` nested in another (a
+    periodic axis's replicas) cannot close over them."""
+
+    values: Mapping[str, Any]
+    build: Callable[[Mapping[str, Any]], CrossShardTransformation]
 
 
 class Trained(NamedTuple):
@@ -95,6 +106,7 @@ def make_train_step(
     level: int,
     layout: ZeroLayout | None = None,
     precision: Precision | None = None,
+    inputs: OptimizerInputs | None = None,
 ) -> TrainStep:
     """Returns ``step(state, batch) -> StepResult`` of one level, to be jitted, in a
     `TrainStep`.
@@ -112,6 +124,8 @@ def make_train_step(
       precision: the dtypes of the params and of the loss's computation
         (`trainers.core.precision`): the task's loss runs on params cast to the compute dtype;
         None: float32 throughout.
+      inputs: the traced hyperparameters `tx` was built on, and its builder: the per-shard
+        step rebuilds `tx` from them inside its ``shard_map``; None: `tx` as it is.
 
     Returns:
       The step. `metrics` is a dict of scalars; those computed on statistics steps only are
@@ -126,7 +140,8 @@ def make_train_step(
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}.")
     task_loss = (precision or Precision()).loss_fn(loss_fn(task))
-    program = _StepProgram(task_loss, tx, mesh, spec, level_flags(level), layout, set())
+    flags = level_flags(level)
+    program = _StepProgram(task_loss, tx, mesh, spec, flags, layout, set(), inputs)
     if spec.grad_impl == "gspmd":
         return TrainStep(program.gspmd, program.stats_keys)
     return TrainStep(program.manual_zero if program.zero else program.manual, program.stats_keys)
@@ -144,6 +159,7 @@ class _StepProgram:
       flags: the level's statistics flags.
       layout: the ZeRO layout, or None.
       stats_keys: the metrics only statistics steps compute, filled when tracing.
+      inputs: the hyperparameters `tx` was built on (`OptimizerInputs`), or None.
     """
 
     task_loss: LossFn
@@ -153,6 +169,7 @@ class _StepProgram:
     flags: LevelFlags
     layout: ZeroLayout | None
     stats_keys: set[str]
+    inputs: OptimizerInputs | None = None
 
     @property
     def zero(self) -> bool:
@@ -222,7 +239,7 @@ class _StepProgram:
         trained, model_state = jax.shard_map(
             self._manual_shard_step,
             mesh=self.mesh,
-            in_specs=(P(), opt_specs, P(), P(axes), P()),
+            in_specs=(P(), opt_specs, P(), P(axes), P(), P()),
             # Specs in place of values: a pytree prefix of the result's structure.
             out_specs=(Trained(P(), opt_specs, P(), P()), P()),  # type: ignore[arg-type]
             axis_names=set(axes),
@@ -232,16 +249,26 @@ class _StepProgram:
             state.model_state,
             batch,
             step_rng(self.spec.seed, state.step),
+            {} if self.inputs is None else self.inputs.values,
         )
         new_state = TrainState(state.step + 1, trained.params, trained.opt_state, model_state)
         return StepResult(new_state, trained.metrics, trained.diag)
 
     def _manual_shard_step(
-        self, params: Any, opt_state: Any, model_state: Any, batch: Any, rng: jax.Array
+        self,
+        params: Any,
+        opt_state: Any,
+        model_state: Any,
+        batch: Any,
+        rng: jax.Array,
+        hyperparams: Any,
     ) -> tuple[Trained, Any]:
         axes = self.spec.data_axes
         out = self._loss_and_grads(params, model_state, batch, rng)
-        trained = self.train_and_measure(params, opt_state, out.grads)
+        program = self  # the optimizer on this shard_map's own hyperparameters
+        if self.inputs is not None:
+            program = dataclasses.replace(self, tx=self.inputs.build(hyperparams))
+        trained = program.train_and_measure(params, opt_state, out.grads)
         trained.metrics["train/loss"] = jax.lax.pmean(out.loss, axes)
         trained.metrics.update({f"train/{k}": jax.lax.pmean(v, axes) for k, v in out.aux.items()})
         return trained, reduce_over_shards(out.model_state, axes)

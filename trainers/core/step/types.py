@@ -1,16 +1,20 @@
 """The train step's data: the state it updates (`TrainState`), its static description
 (`StepSpec`), its result (`StepResult`, and `TrainStep`: the step function and what its metrics
-mean), its RNG, a pure function of (seed, step) (`step_rng`), and the shardings a state's
-arrays keep (`state_shardings`). The step itself is `trainers.core.step.train_step`."""
+mean), its RNG, a pure function of (seed, step) (`step_rng`), the shardings a state's
+arrays keep (`state_shardings`), and its hyperparameter inputs placed (`placed_inputs`). The
+step itself is `trainers.core.step.train_step`."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 class TrainState(NamedTuple):
@@ -70,3 +74,14 @@ def step_rng(seed: int, step: jax.Array) -> jax.Array:
 def state_shardings(state: TrainState) -> Any:
     """The shardings of `state`'s arrays (what a step program keeps them in)."""
     return jax.tree.map(lambda x: x.sharding, state)
+
+
+def placed_inputs(values: Mapping[str, float], mesh: Mesh) -> dict[str, jax.Array]:
+    """`values` as float32 scalars on every device of `mesh`: a program's hyperparameter
+    inputs, placed once per run (each process fills its own devices)."""
+    replicated = NamedSharding(mesh, P())
+
+    def place(value: float) -> jax.Array:
+        return jax.make_array_from_callback((), replicated, lambda _: np.float32(value))
+
+    return {key: place(value) for key, value in values.items()}

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help setup train test test-fast lint format bench bench-plots bench-zero bench-reductions device-wheels clean
+.PHONY: help setup train test test-fast lint format bench bench-plots bench-zero bench-reductions bench-dcn device-wheels clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -59,6 +59,11 @@ bench-plots: $(STAMP)  ## redraw the benchmark figures from the results files
 # compiled programs, tiny_gpt quality over 3 seeds, step times (benchmarks/reductions_results.md).
 bench-reductions: $(STAMP)  ## the per-axis reductions benchmark only
 	$(PY) -m benchmarks.reductions
+
+# DiLoCo's wall-clock on an emulated slow link: the two slices of cpu2x4_slices as two processes
+# in network namespaces joined by a tbf-limited veth pair (root; benchmarks/dcn_results.md).
+bench-dcn: $(STAMP)  ## time per step and utilisation per link rate and reduction (root)
+	$(PY) -m benchmarks.dcn $(ARGS)
 
 # ZeRO / FSDP against replicated: memory, collectives, step time (benchmarks/zero_results.md).
 bench-zero: $(STAMP)  ## ZeRO / FSDP against replicated only

@@ -140,6 +140,7 @@ def test_tests_mirror_the_wings():
         "test_bench_axis_traffic.py",
         "test_bench_plots.py",
         "test_benchmarks_smoke.py",
+        "test_dcn_bench_smoke.py",
         "test_device_check.py",
         "test_example_repo.py",
         "test_examples.py",

@@ -117,6 +117,9 @@ class Bench:
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, every10)
         if name == "xshard_trainer_gspmd":
             return variants.trainer_loop(name, wl, self.trainer(task, n, "gspmd"), params)
+        if name == "xshard_trainer_gspmd_stats10":
+            every10 = lambda i: STATS if i % 10 == 0 else PLAIN
+            return variants.trainer_loop(name, wl, self.trainer(task, n, "gspmd"), params, every10)
         if name.startswith("xshard_trainer+"):
             level = {"layer_stats": LAYERS, "histograms": HISTOGRAMS}[name.split("+", 1)[1]]
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, level)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from benchmarks import variants
 from benchmarks.timing import Plan
 from benchmarks.variants import StepLoop
-from benchmarks.workloads import Workload, make_mesh, make_workload
+from benchmarks.workloads import TASKS, Workload, make_mesh, make_workload
 from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.trainer import Trainer
 
@@ -27,6 +27,8 @@ class Settings:
     """How much to run. `smoke`: tiny models and step counts, to catch rot, not to measure."""
 
     smoke: bool = False
+    #: The workloads the sections run (``--tasks``; `benchmarks.workloads.TASKS` by default).
+    tasks: tuple[str, ...] = TASKS
 
     def plan(self, task: str, kind: str = "step") -> Plan:
         """Warm-up, rounds and steps per block for `task` ("mlp" is ~100x cheaper)."""

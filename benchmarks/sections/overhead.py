@@ -18,13 +18,12 @@ from benchmarks.hlo import program_breakdown
 from benchmarks.sections.steps import PATHS, STEP_VARIANTS, step_timings
 from benchmarks.timing import ratio
 from benchmarks.variants import HANDWRITTEN
-from benchmarks.workloads import TASKS
 
 
 def run(bench: Bench) -> dict[str, Any]:
     """Times the step variants of every task; returns step times and ratios."""
     out: dict[str, Any] = {}
-    for task in TASKS:
+    for task in bench.settings.tasks:
         timings = step_timings(bench, task)
         fastest = min(HANDWRITTEN, key=lambda n: timings[n].summary()["median_ms"])
         xshard = [n for n in STEP_VARIANTS if n not in HANDWRITTEN]

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from benchmarks import variants
 from benchmarks.timing import Plan
 from benchmarks.variants import StepLoop
-from benchmarks.workloads import Workload, make_mesh, make_workload
+from benchmarks.workloads import TASKS, Workload, make_mesh, make_workload
 from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.trainer import Trainer
 
@@ -27,6 +27,8 @@ class Settings:
     """How much to run. `smoke`: tiny models and step counts, to catch rot, not to measure."""
 
     smoke: bool = False
+    #: The workloads the sections run (``--tasks``; `benchmarks.workloads.TASKS` by default).
+    tasks: tuple[str, ...] = TASKS
 
     def plan(self, task: str, kind: str = "step") -> Plan:
         """Warm-up, rounds and steps per block for `task` ("mlp" is ~100x cheaper)."""
@@ -117,6 +119,9 @@ class Bench:
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, every10)
         if name == "xshard_trainer_gspmd":
             return variants.trainer_loop(name, wl, self.trainer(task, n, "gspmd"), params)
+        if name == "xshard_trainer_gspmd_stats10":
+            every10 = lambda i: STATS if i % 10 == 0 else PLAIN
+            return variants.trainer_loop(name, wl, self.trainer(task, n, "gspmd"), params, every10)
         if name.startswith("xshard_trainer+"):
             level = {"layer_stats": LAYERS, "histograms": HISTOGRAMS}[name.split("+", 1)[1]]
             return variants.trainer_loop(name, wl, self.trainer(task, n), params, level)

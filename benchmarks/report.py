@@ -68,7 +68,34 @@ def _overhead(sec: dict[str, Any]) -> str:
         ],
         rows,
     )
-    return f"{table}\n\nKernels per step by origin (from the compiled HLO):\n\n{_breakdown(sec)}"
+    return (
+        f"{_paths(sec)}\n\n{table}\n\n"
+        f"Kernels per step by origin (from the compiled HLO):\n\n{_breakdown(sec)}"
+    )
+
+
+def _paths(sec: dict[str, Any]) -> str:
+    """Both ``trainer.grad_impl`` paths at the CLI's cadence against the fastest hand-written
+    step, one row per task; the CLI's default in bold."""
+    tasks = [t for t in _tasks(sec) if "paths" in sec[t]]
+    if not tasks:
+        return ""
+    impls = list(sec[tasks[0]]["paths"])
+    rows = []
+    for task in tasks:
+        t = sec[task]
+        hand = t["variants"][t["fastest_handwritten"]]
+        cells = [
+            f"**{_ratio(r)}**" if impl == t["default_grad_impl"] else _ratio(r)
+            for impl, r in t["paths"].items()
+        ]
+        rows.append([task, f"`{t['fastest_handwritten']}` {_ms(hand)}", *cells])
+    header = ["task", "fastest hand-written, ms/step", *(f"`grad_impl={i}`" for i in impls)]
+    note = (
+        "Both gradient paths at the CLI's cadence (statistics every 10th step), x the fastest "
+        "hand-written step; the CLI's default in bold:"
+    )
+    return f"{note}\n\n{_table(header, rows)}"
 
 
 def _breakdown(sec: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.run [--smoke] [--out PATH] [--only NAME,...]`` (``make bench``).
+"""``python -m benchmarks.run [--smoke] [--out PATH] [--only NAME,...] [--tasks NAME,...]``
+(``make bench``).
 
 Runs the benchmark sections (see `benchmarks.sections.SECTIONS`) in one process on every
 device present (8 simulated CPU devices on the CPU platform), writes the results as JSON to
@@ -22,12 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.env import configure_devices, environment, load_average
+from benchmarks.workloads import TASKS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results.json"
 
 
-def parse_args(argv: list[str] | None, section_names: list[str]) -> argparse.Namespace:
-    """Parses the command line; `--only` must name sections from `section_names`."""
+def parse_args(
+    argv: list[str] | None, section_names: list[str], tasks: tuple[str, ...] = TASKS
+) -> argparse.Namespace:
+    """Parses the command line; `--only` must name sections from `section_names`, `--tasks`
+    workloads from `tasks`."""
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.run", description=__doc__.split("\n\n")[1]
     )
@@ -38,7 +43,15 @@ def parse_args(argv: list[str] | None, section_names: list[str]) -> argparse.Nam
         default="",
         help=f"comma-separated sections to run (default: all): {','.join(section_names)}",
     )
+    parser.add_argument(
+        "--tasks",
+        default=",".join(tasks),
+        help=f"comma-separated workloads the sections run (default: all): {','.join(tasks)}",
+    )
     args = parser.parse_args(argv)
+    args.tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    if not args.tasks or set(args.tasks) - set(tasks):
+        parser.error(f"--tasks: expected some of {list(tasks)}, got {list(args.tasks)}")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [s for s in only if s not in section_names]
     if unknown:
@@ -70,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv, list(SECTIONS))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    bench = Bench(Settings(smoke=args.smoke))
+    bench = Bench(Settings(smoke=args.smoke, tasks=args.tasks))
     meta = {
         **environment(),
         "mode": "smoke" if args.smoke else "full",

@@ -13,6 +13,8 @@ Names used in the report:
 * ``xshard_trainer_stats10`` — `Trainer.step` with the statistics on every 10th step only,
   what `trainer.stats_every=${trainer.log_every}` (10) gives the CLI by default.
 * ``xshard_trainer_gspmd`` — the same with ``grad_impl="gspmd"``.
+* ``xshard_trainer_gspmd_stats10`` — ``grad_impl="gspmd"`` with the statistics on every 10th
+  step: the other gradient path at the CLI's cadence.
 * ``xshard_guard`` — `cross_shard(optax.adam, track_stats=False, skip_nonfinite=True)` in
   shard_map, loss only: the library with its non-finite guard, no trainer statistics.
 * ``xshard_nostats`` — the same with the guard off: the library's reduction alone.

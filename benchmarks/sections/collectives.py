@@ -12,7 +12,6 @@ from typing import Any
 
 from benchmarks.context import Bench
 from benchmarks.hlo import collectives
-from benchmarks.workloads import TASKS
 
 VARIANTS = ("xshard_trainer", "xshard_trainer_gspmd", "xshard_nostats", "jit_gspmd", "pmap_pmean")
 
@@ -20,7 +19,7 @@ VARIANTS = ("xshard_trainer", "xshard_trainer_gspmd", "xshard_nostats", "jit_gsp
 def run(bench: Bench) -> dict[str, Any]:
     """Returns, per task and variant, the collectives of the compiled step."""
     out: dict[str, Any] = {}
-    for task in TASKS:
+    for task in bench.settings.tasks:
         per_variant = {}
         for name in VARIANTS:
             loop = bench.loop(task, name)

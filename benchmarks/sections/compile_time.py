@@ -20,13 +20,12 @@ import numpy as np
 from benchmarks.compile_events import CompileEvents
 from benchmarks.context import Bench
 from benchmarks.sections.steps import STEP_VARIANTS
-from benchmarks.workloads import TASKS
 
 
 def run(bench: Bench) -> dict[str, Any]:
     """Returns first-call costs and the recompilation checks, per task and variant."""
     out: dict[str, Any] = {}
-    for task in TASKS:
+    for task in bench.settings.tasks:
         per_variant = {}
         for name in STEP_VARIANTS:
             loop = bench.loop(task, name)

@@ -13,7 +13,6 @@ import jax
 
 from benchmarks.context import Bench
 from benchmarks.hlo import memory, state_bytes
-from benchmarks.workloads import TASKS
 
 VARIANTS = ("xshard_trainer", "xshard_trainer_gspmd", "xshard_nostats", "jit_gspmd", "pmap_pmean")
 
@@ -21,7 +20,7 @@ VARIANTS = ("xshard_trainer", "xshard_trainer_gspmd", "xshard_nostats", "jit_gsp
 def run(bench: Bench) -> dict[str, Any]:
     """Returns, per task and variant, compiled memory stats and state bytes per device."""
     out: dict[str, Any] = {}
-    for task in TASKS:
+    for task in bench.settings.tasks:
         per_variant = {}
         for name in VARIANTS:
             loop = bench.loop(task, name)

@@ -37,7 +37,7 @@ def run(bench: Bench) -> dict[str, Any]:
         if bench.mesh().devices.flat[0].platform == "cpu"
         else "accelerator devices",
     }
-    for task in SMALL_TASKS:
+    for task in [t for t in SMALL_TASKS if t in bench.settings.tasks]:
         loops = [
             Renamed(f"{name}@{n}", bench.loop(task, name, n)) for n in counts for name in VARIANTS
         ]

@@ -18,7 +18,6 @@ from benchmarks.context import Bench
 from benchmarks.sections.steps import step_timings
 from benchmarks.timing import interleave, ratio
 from benchmarks.variants import HANDWRITTEN
-from benchmarks.workloads import TASKS
 
 DIAG_VARIANTS = ("xshard_trainer", "xshard_trainer+layer_stats", "xshard_trainer+histograms")
 
@@ -26,7 +25,7 @@ DIAG_VARIANTS = ("xshard_trainer", "xshard_trainer+layer_stats", "xshard_trainer
 def run(bench: Bench) -> dict[str, Any]:
     """Returns the statistics' cost per task."""
     out: dict[str, Any] = {}
-    for task in TASKS:
+    for task in bench.settings.tasks:
         steps = step_timings(bench, task)
         full_vs_none = ratio(steps["xshard_trainer"], steps["xshard_nostats"])
         loops = [bench.loop(task, n) for n in (*DIAG_VARIANTS, *HANDWRITTEN)]

@@ -9,16 +9,22 @@ from __future__ import annotations
 from benchmarks.context import Bench
 from benchmarks.timing import Timing, interleave
 
-#: The full-step variants of `benchmarks.variants`, timed together.
+#: The full-step variants of `benchmarks.variants`, timed together: both gradient paths at the
+#: CLI's statistics cadence (`PATHS`) and with every statistic, the library alone, and the
+#: hand-written steps.
 STEP_VARIANTS = (
     "xshard_trainer",
     "xshard_trainer_stats10",
     "xshard_trainer_gspmd",
+    "xshard_trainer_gspmd_stats10",
     "xshard_guard",
     "xshard_nostats",
     "jit_gspmd",
     "pmap_pmean",
 )
+
+#: ``trainer.grad_impl`` -> its variant at the CLI's cadence (statistics every 10th step).
+PATHS = {"manual": "xshard_trainer_stats10", "gspmd": "xshard_trainer_gspmd_stats10"}
 
 
 def step_timings(bench: Bench, task: str) -> dict[str, Timing]:

@@ -172,6 +172,16 @@ def test_psum_tree_equals_per_leaf_psum_and_unpacks_what_its_parts_become(mesh, 
     assert (("f32", "509") in shapes and ("f16", "64") in shapes) == pack
 
 
+def test_psum_tree_packs_matrices_column_by_column(mesh):
+    """The order XLA:CPU writes a weight's gradient in (`_column_major`): the buffer holds a
+    matrix's columns one after the other, other leaves row by row."""
+    tree = {"b": jnp.arange(2.0), "w": jnp.arange(6.0).reshape(2, 3), "t": jnp.ones((1, 2, 2))}
+    body = lambda t: psum_tree(t, AXES, pack=True).parts[0] / 8
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),), out_specs=P()))
+    want = [0, 1, 1, 1, 1, 1, 0, 3, 1, 4, 2, 5]  # b, t, then w's columns (0 3) (1 4) (2 5)
+    np.testing.assert_array_equal(np.asarray(f(tree)), np.asarray(want, np.float32))
+
+
 def test_packing_by_default_only_where_xla_does_not_combine_collectives():
     assert packs_by_default() == (jax.default_backend() in UNCOMBINED_BACKENDS)
     assert packs_by_default()  # the tests run on the CPU backend, which does not combine

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec
 
 from trainers.config.precision import NO_REMAT, check_dtype, check_remat
@@ -59,9 +60,8 @@ def softmax_cross_entropy(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean cross-entropy of logits (..., classes) against integer labels (...); aux accuracy."""
     logits = outputs.astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
     labels = targets.astype(jnp.int32)
-    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32))
     return jnp.mean(nll), {"accuracy": accuracy}
 

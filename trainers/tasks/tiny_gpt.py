@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 from trainers.config.precision import check_remat
@@ -260,8 +261,7 @@ class TinyGPTTask(CorpusWindows):
         del rng
         logits = self.apply(params, batch["inputs"])
         targets = batch["targets"]
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         accuracy = jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
         return jnp.mean(nll), {"accuracy": accuracy}
 

@@ -160,6 +160,25 @@ def all_gather_tree(tree: Any, dims: Any, axis_name: AxisNames, *, pack: bool | 
     return _packed(tree, dims, one, many, pack)
 
 
+def _column_major(x: jax.Array) -> jax.Array:
+    """`x` flattened for `psum_tree`'s packed buffer: a matrix column by column, any other
+    leaf row by row.
+
+    A weight ``W (in, out)`` of ``x @ W`` has the gradient ``x.T @ dy``, which XLA:CPU writes
+    as ``dy.T @ x``: ``(out, in)`` row by row, i.e. ``W``'s shape column by column. Packed in
+    that order, the gradient is written into the buffer as the dot leaves it; packed row by
+    row, XLA transposes the activations first and runs the dot outside its fast (YNNPACK)
+    kernels: 12 such dots and transposes on tiny_gpt cost the manual step ~20%
+    (docs/benchmarks.md). Only the order of the buffer changes; every sum is the same.
+    """
+    return (x.T if x.ndim == 2 else x).reshape(-1)
+
+
+def _from_column_major(flat: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The leaf of `shape` that `_column_major` flattened into `flat`."""
+    return flat.reshape(shape[::-1]).T if len(shape) == 2 else flat.reshape(shape)
+
+
 class Packed(NamedTuple):
     """The result of `psum_tree`: summed buffers, and how to read the tree out of them.
 
@@ -183,7 +202,7 @@ class Packed(NamedTuple):
 
 def psum_tree(tree: Any, axis_name: AxisNames, *, pack: bool | None = None) -> Packed:
     """``psum`` of every leaf, the leaves of one dtype packed into one flat buffer
-    (`packs_by_default`).
+    (`packs_by_default`), matrices column by column (`_column_major`).
 
     XLA:CPU combines per-leaf all-reduces into one collective itself, but that collective
     carries a tuple of buffers; one packed buffer is faster to reduce across its in-process
@@ -208,7 +227,7 @@ def psum_tree(tree: Any, axis_name: AxisNames, *, pack: bool | None = None) -> P
         jax.lax.psum(
             leaves[idx[0]]
             if len(idx) == 1
-            else jnp.concatenate([leaves[i].reshape(-1) for i in idx]),
+            else jnp.concatenate([_column_major(leaves[i]) for i in idx]),
             axis_name,
         )
         for idx in groups
@@ -225,7 +244,7 @@ def psum_tree(tree: Any, axis_name: AxisNames, *, pack: bool | None = None) -> P
                 shape = shapes[i]
                 assert shape is not None  # grouped leaves are never None (`_by_dtype`)
                 size = math.prod(shape)
-                out[i] = part[start : start + size].reshape(shape)
+                out[i] = _from_column_major(part[start : start + size], shape)
                 start += size
         return treedef.unflatten(out)  # type: ignore[attr-defined]  # jaxlib: no stubs
 

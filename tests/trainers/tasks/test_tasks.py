@@ -196,6 +196,39 @@ def test_tiny_gpt_is_causal(gpt, gpt_params):
     assert not np.allclose(after[:, 10:], before[:, 10:])
 
 
+def _written_out_attention(p, x, n_heads):
+    """The causal attention as tiny_gpt wrote it before `jax.nn.dot_product_attention`."""
+    b, t, d = x.shape
+    split = lambda y: y.reshape(b, t, n_heads, d // n_heads)
+    q, k, v = split(x @ p["wq"]), split(x @ p["wk"]), split(x @ p["wv"])
+    scores = jnp.einsum("bqhc,bkhc->bhqk", q, k).astype(jnp.float32) / math.sqrt(d // n_heads)
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d) @ p["wo"]
+
+
+@pytest.mark.parametrize("n_heads", [2, 4])  # head widths 16 and 8: scale 1/4 and 1/sqrt(8)
+def test_tiny_gpt_library_attention_and_loss_match_the_written_out_formulas(
+    gpt, gpt_params, n_heads
+):
+    from trainers.tasks.gpt_layers import causal_attention
+
+    attn = gpt_params["blocks"][0]["attn"]
+    x = jax.random.normal(jax.random.key(1), (4, 16, 32))
+    ours = jax.jit(causal_attention, static_argnums=2)
+    written = jax.jit(_written_out_attention, static_argnums=2)
+    np.testing.assert_array_equal(ours(attn, x, n_heads), written(attn, x, n_heads))  # bitwise
+    grad = lambda f: jax.jit(jax.grad(lambda p: jnp.sum(f(p, x, n_heads) ** 2)))(attn)
+    for a, b in zip(jax.tree.leaves(grad(causal_attention)), jax.tree.leaves(grad(written))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # transposes in another order
+
+    batch = next(gpt.batches(4, seed=0))
+    logits = gpt.apply(gpt_params, batch["inputs"])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -np.take_along_axis(np.asarray(logp), batch["targets"][..., None], axis=-1)
+    np.testing.assert_allclose(gpt.loss(gpt_params, batch, None)[0], nll.mean(), rtol=1e-6)
+
+
 def test_tiny_gpt_loss_decreases_with_adam(gpt, gpt_params):
     losses = _adam_losses(gpt, gpt_params, steps=50, batch_size=16, lr=1e-2)
     assert all(math.isfinite(x) for x in losses)

@@ -200,7 +200,11 @@ def render(results: dict[str, Any]) -> str:
                 f"params {_kib(sec['variants']['manual/zero0']['params_bytes_logical'])} KiB)"
             ),
             "",
-            *([f"Measured by `--models {model}`: {_run_line(sec['meta'])}", ""] * ("meta" in sec)),
+            *(
+                [f"Measured by `--models {model}`: {_run_line(sec['meta'])}", ""]
+                if "meta" in sec
+                else []
+            ),
             (
                 "| variant | params KiB/dev | opt state KiB/dev | args KiB | temps KiB | "
                 "collectives (> 16 elements) | sent KiB/dev | ring limit KiB | step ms | "

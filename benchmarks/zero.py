@@ -1,8 +1,8 @@
 """``python -m benchmarks.zero [--smoke] [--out PATH]``: ZeRO / FSDP against replicated.
 
 For each model (tiny_gpt as configured, and an 8-layer, 256-wide GPT where the state, not the
-temporaries, dominates) and each ``sharding.zero_stage`` 0-3, in one process on every device
-present (8 simulated CPU devices), with adam and both gradient paths:
+temporaries, dominates, with adam and with muon) and each ``sharding.zero_stage`` 0-3, in one
+process on every device present (8 simulated CPU devices), on both gradient paths:
 
 * bytes per device: ``compiled.memory_analysis()`` of the step (arguments, outputs,
   temporaries) and the live arrays of params and optimizer state (from their shardings);
@@ -15,6 +15,8 @@ present (8 simulated CPU devices), with adam and both gradient paths:
 
 Writes JSON to ``--out`` (default ``benchmarks/zero_results.json``) and a Markdown table next to
 it, and prints the table. ``--smoke`` shrinks everything (CI); its numbers mean nothing.
+``--models a,b`` measures only those, replacing their sections of an existing ``--out`` (each
+section records the run that measured it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "zero_results.json"
 #: Collective operands (whole arrays) up to this many elements are scalar statistics (the
 #: loss, norms, counts), not data; the plain step measured here has no larger statistics.
 SMALL = 16
-MODELS: dict[str, tuple[str, ...]] = {"tiny_gpt": (), "gpt_8x256": GPT_8X256}
+MODELS: dict[str, tuple[str, ...]] = {
+    "tiny_gpt": (),
+    "gpt_8x256": GPT_8X256,
+    # Muon orthogonalises each hidden matrix whole: under ZeRO its momentum is gathered once.
+    "gpt_8x256_muon": (*GPT_8X256, "optimizer=muon"),
+}
 SMOKE: tuple[str, ...] = ("task.n_layers=1", "task.d_model=32", "task.d_ff=64", "task.seq_len=16")
 STAGES = (0, 1, 2, 3)
 IMPLS = ("manual", "gspmd")
@@ -173,15 +180,18 @@ def _kib(b: int | None) -> str:
     return "-" if b is None else f"{b / 1024:,.1f}"
 
 
-def render(results: dict[str, Any]) -> str:
-    """The results as Markdown: one table per model."""
-    lines = ["# ZeRO / FSDP against replicated (`python -m benchmarks.zero`)", ""]
-    meta = results["meta"]
-    lines.append(
+def _run_line(meta: dict[str, Any]) -> str:
+    return (
         f"{meta.get('mode')} run on {meta.get('device_count')} {meta.get('platform')} devices "
         f"({meta.get('cpus_usable')} usable CPUs), jax {meta.get('jax_version')}, "
         f"{meta.get('date_utc')}, commit {meta.get('git_commit')}"
     )
+
+
+def render(results: dict[str, Any]) -> str:
+    """The results as Markdown: one table per model."""
+    lines = ["# ZeRO / FSDP against replicated (`python -m benchmarks.zero`)", ""]
+    lines.append(_run_line(results["meta"]))
     for model, sec in results["models"].items():
         lines += [
             "",
@@ -190,6 +200,11 @@ def render(results: dict[str, Any]) -> str:
                 f"params {_kib(sec['variants']['manual/zero0']['params_bytes_logical'])} KiB)"
             ),
             "",
+            *(
+                [f"Measured by `--models {model}`: {_run_line(sec['meta'])}", ""]
+                if "meta" in sec
+                else []
+            ),
             (
                 "| variant | params KiB/dev | opt state KiB/dev | args KiB | temps KiB | "
                 "collectives (> 16 elements) | sent KiB/dev | ring limit KiB | step ms | "
@@ -219,14 +234,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny models, one block each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
+    parser.add_argument(
+        "--models",
+        type=lambda text: text.split(","),
+        help=f"comma-separated subset of {', '.join(MODELS)}, merged into an existing --out",
+    )
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.models or ()) - set(MODELS))
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
     # --smoke shrinks every model to the same one (SMOKE): measuring it once is enough.
     chosen = list(MODELS.items())[:1] if args.smoke else MODELS.items()
+    if args.models:
+        chosen = [(m, MODELS[m]) for m in args.models]
     models = {m: measure(m, o, args.smoke) for m, o in chosen}
-    results = {
-        "meta": {**environment(), "mode": "smoke" if args.smoke else "full"},
-        "models": models,
-    }
+    meta = {**environment(), "mode": "smoke" if args.smoke else "full"}
+    results = {"meta": meta, "models": models}
+    if args.models and args.out.exists():  # a subset: its sections replace those measured before
+        results = json.loads(args.out.read_text())
+        results["models"] |= {m: {**sec, "meta": meta} for m, sec in models.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     markdown = render(results)

@@ -117,9 +117,10 @@ class AdamWConf(AdamConf):
 @dataclass
 class MuonConf(OptimizerConf):
     """optax.contrib.muon: Newton-Schulz-orthogonalised momentum for the parameters
-    ``muon_mask`` names (a rule of `xshard.optim.muon_masks`), AdamW for the others."""
+    ``muon_mask`` names (a rule of `xshard.optim.muon_masks`), AdamW for the others; built as
+    `xshard.optim.muon.muon` (optax's, each matrix orthogonalised whole under ZeRO)."""
 
-    _target_: str = "optax.contrib.muon"
+    _target_: str = "xshard.optim.muon.muon"
     ns_steps: int = 5
     beta: float = 0.95
     eps: float = 1e-8

@@ -30,8 +30,14 @@ from typing import Any
 from xshard.errors import ConfigError
 
 #: Entries every config may use; `allowed_targets` in the config adds to these. optax's public
-#: API (optimizers, schedules), xshard's schedules and the trainer's tasks.
-DEFAULT_ALLOWED_TARGETS: tuple[str, ...] = ("optax.", "xshard.schedules.", "trainers.tasks.")
+#: API (optimizers, schedules), xshard's schedules, its Muon (optax's, gathering each matrix
+#: once under a sharded state: `xshard.optim.muon`) and the trainer's tasks.
+DEFAULT_ALLOWED_TARGETS: tuple[str, ...] = (
+    "optax.",
+    "xshard.schedules.",
+    "xshard.optim.muon.muon",
+    "trainers.tasks.",
+)
 
 #: Config key that lists additional allowed prefixes or exact paths.
 ALLOWED_TARGETS_KEY = "allowed_targets"

@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers
 
 from tests import REPO
 from trainers.config import ShardingOptions
@@ -22,6 +23,7 @@ from trainers.core.zero import state_report, zero_dim
 from trainers.tasks.mlp import MLPTask
 from xshard.errors import ConfigError
 from xshard.optim.factory import build_optimizer
+from xshard.optim.muon_masks import hidden_matrices
 from xshard.optim.slots import get_slot
 
 pytestmark = pytest.mark.long
@@ -327,3 +329,23 @@ def test_zero1_all_reduces_the_gradient_and_all_gathers_the_params():
     assert (total,) in reduced
     sliced, _ = sliced_elements(state)
     assert [shapes for op, shapes in ops if op == "all-gather"] == [[(8, sliced // 8)]]
+
+
+@pytest.mark.parametrize("impl", ["manual", "gspmd"])
+def test_zero1_muon_gathers_each_hidden_matrix_once_whole(impl):
+    # Newton-Schulz needs whole matrices: each matrix's momentum is gathered once
+    # (xshard.optim.muon), never the iterations partitioned over the row-sharded state.
+    state, _, trainer = train(("optimizer=muon",), stage=1, impl=impl, steps=1)
+    muon = jax.tree.map(
+        lambda d, x: d is not None and zero_dim(x.shape, P(), 8) is not None,
+        hidden_matrices(state.params),
+        state.params,
+        is_leaf=lambda d: d is None or isinstance(d, MuonDimensionNumbers),
+    )
+    matrices = [tuple(x.shape) for x, m in zip(*map(jax.tree.leaves, (state.params, muon))) if m]
+    assert matrices  # the MLP's hidden layers, sliced by ZeRO
+    sliced, _ = sliced_elements(state)
+    gathers = [shapes for op, shapes in collectives(trainer) if op == "all-gather"]
+    assert gathers.count([(8, sliced // 8)]) == 1  # the updated params, as with adam
+    others = sorted(s for shapes in gathers if shapes != [(8, sliced // 8)] for s in shapes)
+    assert others == sorted(matrices)

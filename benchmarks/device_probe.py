@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.hlo import dot_operand_dtypes
+
 #: Dense bfloat16 FLOP/s per device by device kind (vendor datasheets), for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "TPU v5e": 197e12}
 
@@ -61,15 +63,17 @@ def _trainer(task, batch: int, compute: str = "float32", **kwargs: Any) -> tuple
     return trainer, trainer.init(*trainer.init_variables(first)), first
 
 
-#: What a matrix multiplication is in compiled HLO: a ``dot``, or on a GPU the cuBLAS / cuBLASLt
-#: custom call or the Triton GEMM fusion XLA rewrites it to.
-_GEMM = re.compile(r" dot\(|__cublas\$|__triton_gemm|kind=kCustom, calls=%gemm_fusion")
+#: What a matrix multiplication is in compiled HLO besides a ``dot``: on a GPU the cuBLAS /
+#: cuBLASLt custom call or the Triton GEMM fusion XLA rewrites it to.
+_GEMM = re.compile(r"__cublas\$|__triton_gemm|kind=kCustom, calls=%gemm_fusion")
 
 
 def dot_dtypes(text: str) -> list[str]:
-    """The result dtypes of the matrix multiplications of a StableHLO or HLO text (a GEMM custom
-    call's result is a tuple: its first element)."""
-    found = set(re.findall(r"stablehlo\.dot_general.*-> tensor<[^>]*x(\w+)>", text))
+    """The dtypes of the matrix multiplications of a StableHLO or HLO text: a dot's operands'
+    (`benchmarks.hlo.dot_operand_dtypes`: bfloat16 operands accumulated into float32 still
+    compute in bfloat16), a GEMM custom call's or fusion's result (a custom call's result is a
+    tuple: its first element)."""
+    found = dot_operand_dtypes(text)
     for line in text.splitlines():
         if _GEMM.search(line):
             result = re.search(r"= \(?(\w+)\[", line)

@@ -165,7 +165,9 @@ def test_the_compiled_step_measures_its_activations_and_refuses_what_cannot_fit(
         measured.append(step_memory(trainer.executables()))
     short, long = measured
     assert short is not None and long is not None
-    assert long.temporaries > 4 * short.temporaries  # seq_len 4x: scores 16x, the rest 4x
+    # seq_len 4x: activations 4x (the attention scores 16x), over buffers that do not grow
+    # with it (the gradient's, the optimizer update's): 3.8x with jax.nn.dot_product_attention
+    assert long.temporaries > 3 * short.temporaries
     assert long.arguments < 2 * short.arguments  # the state barely changes (positions)
 
     roomy = MemoryAvailable(long.total * 8 * 2, 8, "plenty")

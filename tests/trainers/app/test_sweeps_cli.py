@@ -311,5 +311,7 @@ def test_help_lists_groups_exit_codes_and_allowlist(tmp_path):
     assert "xshard_schemas" not in text and "hydra/launcher" not in text
     for code in ("0 ", "1 ", "2 ", "3 ", "75 "):
         assert f"\n  {code}" in text
-    assert "optax., xshard.schedules., trainers.tasks." in text
+    from xshard.config.targets import DEFAULT_ALLOWED_TARGETS
+
+    assert ", ".join(DEFAULT_ALLOWED_TARGETS) in text
     assert "allowed_targets=[mypkg.]" in text

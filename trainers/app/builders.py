@@ -90,6 +90,9 @@ class RunParts:
     tx: Any  # the cross-shard optimizer (`xshard.optim.cross_shard.CrossShardTransformation`)
     spec: Any  # its `xshard.optim.cross_shard.CrossShardSpec` (``tx.spec``)
     trainer: Any  # a `trainers.Trainer`
+    #: ``trainer.grad_impl`` -> its `Trainer`: the one path configured, or with ``auto`` each
+    #: path the config can run (`trainers.app.grad_path`), `trainer` the first.
+    paths: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def build_run(
@@ -104,6 +107,7 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
+    from trainers.app.grad_path import path_trainers
     from trainers.core.precision import Precision
     from trainers.core.step.step_spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
@@ -116,21 +120,26 @@ def build_run(
     built = build_optimizer_with_rules(cfg, mesh=mesh)  # reads `reduction` once
     tx, periodic = built.tx, built.periodic
     check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
-    trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
-        task,
-        tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
-        mesh,
-        data_axes=data_axes,
-        global_batch_size=opts.batch_size,
-        microbatches=opts.microbatches,
-        grad_impl=opts.grad_impl,
-        seed=options.seed,
-        zero_stage=options.sharding.zero_stage,
-        periodic=periodic,
-        precision=Precision.of(precision.param_dtype, precision.compute_dtype),
-        hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
-    )
-    return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
+
+    def trainer_of(grad_impl: str) -> Trainer:  # validates trainer.* against the mesh
+        return Trainer(
+            task,
+            tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
+            mesh,
+            data_axes=data_axes,
+            global_batch_size=opts.batch_size,
+            microbatches=opts.microbatches,
+            grad_impl=grad_impl,
+            seed=options.seed,
+            zero_stage=options.sharding.zero_stage,
+            periodic=periodic,
+            precision=Precision.of(precision.param_dtype, precision.compute_dtype),
+            hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
+        )
+
+    paths = path_trainers(trainer_of, opts.grad_impl)
+    trainer = next(iter(paths.values()))
+    return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer, paths=paths)
 
 
 def build_task(cfg: DictConfig) -> Task:

@@ -92,6 +92,9 @@ def choose_path(
     config["trainer"] = {**config.get("trainer", {}), "grad_impl": chosen}
     summary.use_grad_impl(chosen, record)
     trainer = parts.paths[chosen]
+    periodic = trainer.periodic_programs  # `Trainer.init` prepared the first path's only
+    if trainer is not parts.trainer and periodic is not None:
+        periodic.prepare(trainer.state_shapes(started.first).params)
     return dataclasses.replace(parts, trainer=trainer), started._replace(config=config)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -107,7 +108,6 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
-    from trainers.app.grad_path import path_trainers
     from trainers.core.precision import Precision
     from trainers.core.step.step_spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
@@ -140,6 +140,32 @@ def build_run(
     paths = path_trainers(trainer_of, opts.grad_impl)
     trainer = next(iter(paths.values()))
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer, paths=paths)
+
+
+def path_trainers(trainer_of: Callable[[str], Any], grad_impl: str) -> dict[str, Any]:
+    """``grad_impl`` -> its `Trainer` (``trainer_of(grad_impl)``); with ``auto``, each path
+    of `GRAD_IMPLS` whose trainer the config allows, in that order.
+
+    Raises:
+      ConfigError: the configured path's error; with ``auto``, the first path's if none is
+        allowed.
+    """
+    from trainers.config.run import GRAD_IMPL_AUTO, GRAD_IMPLS
+    from xshard.errors import ConfigError
+
+    if grad_impl != GRAD_IMPL_AUTO:
+        return {grad_impl: trainer_of(grad_impl)}
+    paths, refused = {}, {}
+    for name in GRAD_IMPLS:
+        try:
+            paths[name] = trainer_of(name)
+        except ConfigError as e:
+            refused[name] = str(e)
+    if not paths:
+        raise ConfigError(refused[GRAD_IMPLS[0]])
+    for name, why in refused.items():
+        log.info("trainer.grad_impl=auto: not %s: %s", name, why)  # trainers.app.grad_path
+    return paths
 
 
 def build_task(cfg: DictConfig) -> Task:

@@ -1,7 +1,7 @@
 """``trainer.grad_impl=auto`` (the default): the gradient path a run keeps.
 
-`path_trainers` builds a `Trainer` per path the config can run (`build_run`); `choose_path`,
-once the state is ready, keeps one of them:
+`trainers.app.builders.path_trainers` builds a `Trainer` per path the config can run
+(`build_run`); `choose_path`, once the state is ready, keeps one of them:
 
 * a resumed run keeps the path saved in its checkpoint's config (the run that wrote it
   resolved ``auto`` to it): it runs the same program and times nothing;
@@ -18,39 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from trainers.app.builders import RunOptions, RunParts
 from trainers.app.stages import Placement, Started
-from trainers.config.run import GRAD_IMPL_AUTO, GRAD_IMPLS
+from trainers.config.run import GRAD_IMPL_AUTO
 from trainers.hooks.summary import RunSummary
-from xshard.errors import ConfigError
 
 log = logging.getLogger("trainers.train")
-
-
-def path_trainers(trainer_of: Callable[[str], Any], grad_impl: str) -> dict[str, Any]:
-    """``grad_impl`` -> its `Trainer` (``trainer_of(grad_impl)``); with ``auto``, each path
-    of `GRAD_IMPLS` whose trainer the config allows, in that order.
-
-    Raises:
-      ConfigError: the configured path's error; with ``auto``, the first path's if none is
-        allowed.
-    """
-    if grad_impl != GRAD_IMPL_AUTO:
-        return {grad_impl: trainer_of(grad_impl)}
-    paths, refused = {}, {}
-    for name in GRAD_IMPLS:
-        try:
-            paths[name] = trainer_of(name)
-        except ConfigError as e:
-            refused[name] = str(e)
-    if not paths:
-        raise ConfigError(refused[GRAD_IMPLS[0]])
-    for name, why in refused.items():
-        log.info("trainer.grad_impl=auto: not %s: %s", name, why)
-    return paths
 
 
 def choose_path(

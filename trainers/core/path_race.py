@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -77,10 +78,17 @@ def race(
     """
     start = time.perf_counter()
     ready, refused = {}, {}
-    for name, trainer in trainers.items():
+    # Concurrently, as `Trainer.compile_run` compiles a path's levels (XLA compiles without
+    # the GIL): one after the other, the two plain programs took ~2x as long on 2 busy cores.
+    with ThreadPoolExecutor(len(trainers), thread_name_prefix="xshard-race") as pool:
+        futures = {
+            name: pool.submit(trainer.compile_levels, state, batch, [0])
+            for name, trainer in trainers.items()
+        }
+    for name, future in futures.items():
         try:
-            trainer.compile_levels(state, batch, [0])
-            ready[name] = trainer
+            future.result()
+            ready[name] = trainers[name]
         except ConfigError as e:
             refused[name] = str(e)
     if not ready:

@@ -79,7 +79,7 @@ def race(
     start = time.perf_counter()
     ready, refused = {}, {}
     # Concurrently, as `Trainer.compile_run` compiles a path's levels (XLA compiles without
-    # the GIL): one after the other, the two plain programs took ~2x as long on 2 busy cores.
+    # the GIL).
     with ThreadPoolExecutor(len(trainers), thread_name_prefix="xshard-race") as pool:
         futures = {
             name: pool.submit(trainer.compile_levels, state, batch, [0])

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests import REPO
+from tests.cli import one_path
 
 COMMON = [
     "task=mlp",
@@ -44,8 +45,7 @@ def cli(run_dir: Path, *overrides: str, env: dict[str, str] | None = None):
                 "-m",
                 "trainers.train",
                 "trainer.progress=false",
-                *COMMON,
-                *overrides,
+                *one_path([*COMMON, *overrides]),
                 f"hydra.run.dir={run_dir}",
             ],
             cwd=REPO,

@@ -12,6 +12,19 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainers.exits import EXIT_CONFIG_ERROR
 
+#: The gradient path the CLI tests run unless they name one: the CLI's default,
+#: ``trainer.grad_impl=auto``, races both paths at start-up (a second compilation and up to
+#: 2 s a run), and two runs of one command may keep different paths (they agree to rounding,
+#: not bitwise), which the tests comparing runs cannot have. tests/trainers/app/
+#: test_grad_path_cli.py runs auto.
+ONE_PATH = "trainer.grad_impl=manual"
+
+
+def one_path(overrides: list[str]) -> list[str]:
+    """`overrides` with `ONE_PATH` first, unless they set ``trainer.grad_impl``."""
+    named = any(o.startswith("trainer.grad_impl=") for o in overrides)
+    return overrides if named else [ONE_PATH, *overrides]
+
 
 def run_train(
     *overrides: str,
@@ -23,7 +36,7 @@ def run_train(
     """Runs `python -m trainers.train OVERRIDES` in `cwd`; fails the test on a non-zero exit."""
     full_env = {**os.environ, "HYDRA_FULL_ERROR": "0", **(env or {})}
     flags = [o for o in overrides if o.startswith("-")]  # Hydra flags go before overrides
-    rest = [o for o in overrides if not o.startswith("-")]
+    rest = one_path([o for o in overrides if not o.startswith("-")])
     proc = subprocess.run(
         [sys.executable, "-m", "trainers.train", *flags, "trainer.progress=false", *rest],
         cwd=cwd,

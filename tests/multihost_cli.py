@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from tests import REPO
+from tests.cli import one_path
 
 PROCESSES = 2
 #: A small run: task=mlp on mesh=cpu8 (4 devices per process), metrics every step.
@@ -97,7 +98,7 @@ def start_run(run_dir: Path, *overrides: str, logs: Sequence[Path]) -> list[subp
     return start(
         logs,
         [
-            [*SMALL, *overrides, *distributed(port, pid), f"hydra.run.dir={run_dir}"]
+            [*one_path([*SMALL, *overrides]), *distributed(port, pid), f"hydra.run.dir={run_dir}"]
             for pid in range(PROCESSES)
         ],
     )

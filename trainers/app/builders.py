@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -90,6 +91,9 @@ class RunParts:
     tx: Any  # the cross-shard optimizer (`xshard.optim.cross_shard.CrossShardTransformation`)
     spec: Any  # its `xshard.optim.cross_shard.CrossShardSpec` (``tx.spec``)
     trainer: Any  # a `trainers.Trainer`
+    #: ``trainer.grad_impl`` -> its `Trainer`: the one path configured, or with ``auto`` each
+    #: path the config can run (`trainers.app.grad_path`), `trainer` the first.
+    paths: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def build_run(
@@ -116,21 +120,52 @@ def build_run(
     built = build_optimizer_with_rules(cfg, mesh=mesh)  # reads `reduction` once
     tx, periodic = built.tx, built.periodic
     check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
-    trainer = Trainer(  # validates trainer.* against the mesh (ConfigError)
-        task,
-        tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
-        mesh,
-        data_axes=data_axes,
-        global_batch_size=opts.batch_size,
-        microbatches=opts.microbatches,
-        grad_impl=opts.grad_impl,
-        seed=options.seed,
-        zero_stage=options.sharding.zero_stage,
-        periodic=periodic,
-        precision=Precision.of(precision.param_dtype, precision.compute_dtype),
-        hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
-    )
-    return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
+
+    def trainer_of(grad_impl: str) -> Trainer:  # validates trainer.* against the mesh
+        return Trainer(
+            task,
+            tx,  # it reduces as the reduction node says: the trainer reads `tx.spec`
+            mesh,
+            data_axes=data_axes,
+            global_batch_size=opts.batch_size,
+            microbatches=opts.microbatches,
+            grad_impl=grad_impl,
+            seed=options.seed,
+            zero_stage=options.sharding.zero_stage,
+            periodic=periodic,
+            precision=Precision.of(precision.param_dtype, precision.compute_dtype),
+            hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
+        )
+
+    paths = path_trainers(trainer_of, opts.grad_impl)
+    trainer = next(iter(paths.values()))
+    return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer, paths=paths)
+
+
+def path_trainers(trainer_of: Callable[[str], Any], grad_impl: str) -> dict[str, Any]:
+    """``grad_impl`` -> its `Trainer` (``trainer_of(grad_impl)``); with ``auto``, each path
+    of `GRAD_IMPLS` whose trainer the config allows, in that order.
+
+    Raises:
+      ConfigError: the configured path's error; with ``auto``, the first path's if none is
+        allowed.
+    """
+    from trainers.config.run import GRAD_IMPL_AUTO, GRAD_IMPLS
+    from xshard.errors import ConfigError
+
+    if grad_impl != GRAD_IMPL_AUTO:
+        return {grad_impl: trainer_of(grad_impl)}
+    paths, refused = {}, {}
+    for name in GRAD_IMPLS:
+        try:
+            paths[name] = trainer_of(name)
+        except ConfigError as e:
+            refused[name] = str(e)
+    if not paths:
+        raise ConfigError(refused[GRAD_IMPLS[0]])
+    for name, why in refused.items():
+        log.info("trainer.grad_impl=auto: not %s: %s", name, why)  # trainers.app.grad_path
+    return paths
 
 
 def build_task(cfg: DictConfig) -> Task:

@@ -21,10 +21,12 @@ class Placement(NamedTuple):
 
 class Started(NamedTuple):
     """The state training starts from, and the data from its step on (a checkpointable
-    iterator already at the saved position: `trainers.checkpoint.data_state`)."""
+    iterator already at the saved position: `trainers.checkpoint.data_state`); `first` is the
+    run's first batch (its shapes compile the steps; ``grad_impl=auto`` times steps on it)."""
 
     state: Any
     start_step: int
     data: Iterator[Any]
     evaluator: Any
     config: dict[str, Any]
+    first: Any = None

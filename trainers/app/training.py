@@ -4,6 +4,7 @@
             -> claim and check the run's dirs, find what to resume from (`prepare_dirs`)
             -> build the task, optimizer and trainer (`trainers.app.builders.build_run`)
             -> a new or restored state (`start`)
+            -> the gradient path, with ``trainer.grad_impl=auto`` (`trainers.app.grad_path`)
             -> the hooks (`run_hooks`) -> `Trainer.fit` -> how it ended (`check_end`)
 
 Every check a process can fail alone runs under `Cluster.agreed`, so that no process waits for
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from trainers.app.builders import RunOptions, RunParts, build_run, read_options
+from trainers.app.grad_path import choose_path
 from trainers.app.stages import Placement, Started
 from trainers.app.wiring import run_hooks
 from trainers.cluster.multihost import current, join_cluster
@@ -75,6 +77,7 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
     source = prepare_dirs(where, options)
     parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
     started = start(cfg, options, where, parts, source, stop)
+    parts, started = choose_path(options, where, parts, started, source, summary)
     from trainers.hooks.monitor import NonFiniteMonitor
 
     monitor = NonFiniteMonitor(
@@ -242,7 +245,7 @@ def start(
         compute_dtype=trainer.precision.compute_dtype,
         all_gather=cluster.all_gather,
     )
-    return Started(state, start_step, data, evaluator, config)
+    return Started(state, start_step, data, evaluator, config, first)
 
 
 def _batches(options: RunOptions, parts: RunParts, start_step: int) -> Iterator[Any]:

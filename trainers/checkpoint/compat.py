@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.checkpoint.save import FORMAT
+from trainers.config.run import GRAD_IMPL_AUTO
 from trainers.config.trainer_schemas import LOCATION_KEYS
 from trainers.exits import CheckpointError, CorruptCheckpointError
 from xshard.config.targets import ALLOWED_TARGETS_KEY
@@ -35,6 +36,10 @@ QUIET_KEYS = (
     ALLOWED_TARGETS_KEY,
     *LOCATION_KEYS,
 )
+#: Config keys whose value a run resolves at start-up, and the value that says so: the
+#: checkpoint holds what the run resolved (``trainer.grad_impl=auto`` saved as the path it
+#: chose), and a run resuming with that value again runs the saved one (`trainers.app.grad_path`).
+RESOLVED_KEYS = {"trainer.grad_impl": GRAD_IMPL_AUTO}
 _ABSENT = object()
 
 
@@ -92,7 +97,12 @@ def check_compatible(
         `MUST_MATCH_KEYS` config value differs; the message lists both.
     """
     saved, now = _flatten(metadata.get("config", {})), _flatten(config)
-    changed = {k for k in saved.keys() | now.keys() if saved.get(k, _ABSENT) != now.get(k, _ABSENT)}
+    changed = {
+        k
+        for k in saved.keys() | now.keys()
+        if saved.get(k, _ABSENT) != now.get(k, _ABSENT)
+        and not (k in RESOLVED_KEYS and now.get(k) == RESOLVED_KEYS[k])
+    }
     config_diff = [
         f"{k}: {_json(saved.get(k, _ABSENT))} in the checkpoint, {_json(now.get(k, _ABSENT))} now"
         for k in sorted(changed)

@@ -205,6 +205,18 @@ def _restore_step(
     return state
 
 
+def saved_config(source: RestoreSource, step: int) -> Mapping[str, Any]:
+    """The run config saved with `step` of `source` (`restore_checkpoint` restored it): what
+    the run that wrote it resolved at start-up, e.g. its ``trainer.grad_impl``.
+
+    Raises:
+      CheckpointError: if its metadata cannot be read.
+    """
+    path = user_path(source.directory) / str(step)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
+        return _read_metadata(checkpointer, path)["config"]
+
+
 def _read_metadata(checkpointer: ocp.Checkpointer, path: Path) -> Mapping[str, Any]:
     """A step's JSON metadata, checked to be xshard's (`_check_metadata`)."""
     try:

@@ -19,6 +19,9 @@ from xshard.errors import ConfigError
 
 #: How per-shard gradients are computed: in `jax.shard_map` or by the compiler (GSPMD).
 GRAD_IMPLS = ("manual", "gspmd")
+#: ``trainer.grad_impl`` that races both paths at start-up and keeps the faster
+#: (`trainers.app.grad_path`); the default.
+GRAD_IMPL_AUTO = "auto"
 #: Keys removed from the run's nodes, and what a user of one should know: an override of one
 #: is refused with this (`trainers.app.cli_overrides.removed_key_error`), not with Hydra's "not in
 #: struct".
@@ -129,7 +132,10 @@ class TrainerOptions:
       steps: updates of the whole run (a resumed run continues to this count).
       batch_size: the global batch, split over the data-parallel axes.
       microbatches: gradient accumulation steps per update.
-      grad_impl: "manual" (per-shard gradients in shard_map) or "gspmd" (grad under plain jit).
+      grad_impl: "manual" (per-shard gradients in shard_map), "gspmd" (grad under plain jit),
+        or "auto": both compiled and timed for a few plain steps at start-up, the faster kept
+        (a path only one of them supports, per-shard clipping, forces it; a resume runs the
+        checkpoint's path).
       log_every: TensorBoard scalars every N steps (the last step always).
       stats_every: update/param norms and per-shard statistics every N steps (0: the last
         only; null: every `log_every`); the loss and the reduced gradient's norm come every
@@ -168,7 +174,7 @@ class TrainerOptions:
     steps: int = 300
     batch_size: int = 64
     microbatches: int = 1
-    grad_impl: str = "manual"
+    grad_impl: str = GRAD_IMPL_AUTO
     log_every: int = 10
     stats_every: int | None = None
     layer_stats_every: int | None = 100
@@ -204,10 +210,10 @@ class TrainerOptions:
         check_steps(self.steps, "trainer.steps", 1, "the number of updates, >= 1")
         check_int(self.batch_size, "trainer.batch_size", 1, "the global batch size, >= 1")
         check_int(self.microbatches, "trainer.microbatches", 1, ">= 1 (1: no accumulation)")
-        if self.grad_impl not in GRAD_IMPLS:
+        if self.grad_impl not in (*GRAD_IMPLS, GRAD_IMPL_AUTO):
             raise ConfigError(
                 f"trainer.grad_impl={shown(self.grad_impl)} is not allowed; choose one of "
-                f"{list(GRAD_IMPLS)}."
+                f"{[*GRAD_IMPLS, GRAD_IMPL_AUTO]}."
             )
         check_steps(self.log_every, "trainer.log_every", 1, "a period in steps, >= 1")
 

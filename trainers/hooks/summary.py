@@ -54,11 +54,19 @@ class RunSummary(Hook):
         self.best_eval_step: int | None = None
         self.compile_seconds: float | None = None  # the train steps' compile time so far
         self.cache_dir: Path | None = None  # the persistent compilation cache, if any
+        self.grad_impl: str | None = None  # the gradient path the steps ran
+        self.grad_impl_race: dict[str, Any] | None = None  # trainer.grad_impl=auto's race
         self._cache_start = cache_counts()
 
     def use_compilation_cache(self, directory: Path | None) -> None:
         """The run's compilation cache dir (None: none); its hits and misses count from now."""
         self.cache_dir, self._cache_start = directory, cache_counts()
+
+    def use_grad_impl(self, grad_impl: str, race: dict[str, Any] | None) -> None:
+        """The gradient path the run's steps run, and with ``trainer.grad_impl=auto`` what its
+        start-up race measured (`trainers.core.path_race.RaceResult` as a dict; None: not
+        raced: configured, or the path of the checkpoint resumed from)."""
+        self.grad_impl, self.grad_impl_race = grad_impl, race
 
     @property
     def cache(self) -> CacheCounts:
@@ -259,6 +267,8 @@ class RunSummary(Hook):
             "compilation_cache": None if self.cache_dir is None else str(self.cache_dir),
             "compilation_cache_hits": self.cache.hits,
             "compilation_cache_misses": self.cache.misses,
+            "grad_impl": self.grad_impl,
+            "grad_impl_race": self.grad_impl_race,
         }
 
 

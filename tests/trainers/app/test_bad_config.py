@@ -33,7 +33,11 @@ from xshard.errors import ConfigError
         (["trainer.steps=0"], "trainer.steps=0"),
         (["trainer.steps=-3"], "trainer.steps=-3"),
         (["trainer.microbatches=3"], "trainer.microbatches=3"),
-        (["trainer.grad_impl=pjit"], "trainer.grad_impl='pjit' is not allowed"),
+        (
+            ["trainer.grad_impl=pjit"],
+            "trainer.grad_impl='pjit' is not allowed; choose one of ['manual', 'gspmd', 'auto']",
+        ),
+        (["trainer.grad_impl=AUTO"], "trainer.grad_impl='AUTO' is not allowed"),
         (
             ["mesh=cpu4x2", "reduction.axis_name=[data,model]"],
             "reduction.axis_name=['data', 'model'] must name the data-parallel axes",

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tests.reliability_helpers import assert_bitwise_equal, snapshot, truncate_data
+from trainers.checkpoint.compat import check_compatible
 from trainers.checkpoint.io import read_damage
 from trainers.checkpoint.resume import (
     RestoreSource,
@@ -319,3 +320,11 @@ def test_mlp_nan_at_step_accepts_a_list():
     assert bad == [1, 3]
     with pytest.raises(ValueError, match="task.nan_at_step='3'"):
         MLPTask(nan_at_step="3")
+
+
+@pytest.mark.parametrize(("now", "reported"), [("auto", False), ("gspmd", True)])
+def test_a_path_auto_resolved_is_no_config_change_but_another_path_is(caplog, now, reported):
+    saved = {"config": {"trainer": {"grad_impl": "manual"}}, "signature": {}}
+    with caplog.at_level("WARNING", logger="trainers.checkpoint.compat"):
+        check_compatible(saved, {}, {"trainer": {"grad_impl": now}}, where="ckpt")
+    assert ("trainer.grad_impl" in caplog.text) is reported

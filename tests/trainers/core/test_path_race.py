@@ -1,0 +1,68 @@
+"""`trainers.core.path_race.race` (``trainer.grad_impl=auto``) on 8 simulated CPU devices:
+the paths timed on a copy, the run's state untouched, a path the config refuses left out."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import xshard
+from tests.trainers.core.test_trainer import BATCH, mesh_of
+from trainers.core.path_race import race
+from trainers.core.trainer import Trainer
+from trainers.tasks.mlp import MLPTask
+
+
+def _trainers(task, clip_per_shard=None):
+    tx = xshard.cross_shard(
+        optax.adam(1e-3), "mean", skip_nonfinite=True, clip_per_shard=clip_per_shard
+    )
+    mesh = mesh_of((8,), ("data",))
+    return {
+        impl: Trainer(task, tx, mesh, global_batch_size=BATCH, grad_impl=impl)
+        for impl in ("manual", "gspmd")
+    }
+
+
+@pytest.fixture(scope="module")
+def raced():
+    task = MLPTask()
+    trainers = _trainers(task)
+    first = next(iter(task.batches(BATCH, seed=0)))
+    state = trainers["manual"].init(trainers["manual"].init_params(first))
+    before = jax.device_get(state)
+    return race(trainers, state, first), trainers, state, before, task
+
+
+def test_race_times_both_paths_and_leaves_the_state_as_it_was(raced):
+    found, trainers, state, before, _ = raced
+    assert set(found.ms_per_step) == {"manual", "gspmd"} and found.refused == {}
+    assert all(ms > 0 for ms in found.ms_per_step.values())
+    assert found.chosen == min(found.ms_per_step, key=found.ms_per_step.__getitem__)
+    assert found.steps_per_block >= 1 and found.seconds > 0
+    # The timed steps ran on a copy: the run's state is neither donated nor changed.
+    assert int(state.step) == 0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
+    # Both plain programs were compiled once, by the race; the run's steps reuse them.
+    assert all(t.executable_for(0) is not None for t in trainers.values())
+
+
+def test_a_run_after_the_race_equals_a_run_on_the_chosen_path_alone(raced):
+    found, trainers, state, _, task = raced
+    fresh = _trainers(task)[found.chosen]
+    first = next(iter(task.batches(BATCH, seed=0)))
+    alone = fresh.init(fresh.init_params(first))
+    for _, batch in zip(range(3), task.batches(BATCH, seed=0)):  # the raced program's steps
+        state, _ = trainers[found.chosen].step(state, batch, with_stats=False)
+        alone, _ = fresh.step(alone, batch, with_stats=False)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), jax.device_get(alone))
+
+
+def test_per_shard_clipping_leaves_the_manual_path_alone_without_timing():
+    task = MLPTask()
+    trainers = _trainers(task, clip_per_shard=1.0)
+    first = next(iter(task.batches(BATCH, seed=0)))
+    state = trainers["manual"].init(trainers["manual"].init_params(first))
+    found = race(trainers, state, first)
+    assert found.chosen == "manual" and found.ms_per_step == {} and found.steps_per_block == 0
+    assert "trainer.grad_impl='gspmd' computes no per-shard gradients" in found.refused["gspmd"]

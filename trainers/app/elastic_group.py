@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
+import importlib
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,21 @@ def elastic_axis(cfg: DictConfig) -> tuple[str, Any] | None:
     return None
 
 
+def require_extra(key: str) -> None:
+    """Refuses an elastic axis (its node's `key`) where torch or torchft cannot be imported.
+
+    Raises:
+      ConfigError: one line naming `key` and the extra to install.
+    """
+    from xshard.errors import ConfigError
+
+    for module in ("torch", "torchft"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(f"{key}: needs {module}, not installed: {EXTRA}.") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticGroup:
     """A run that is one replica group: its key, id, and the trainer's periodic programs."""
@@ -53,7 +68,9 @@ class ElasticGroup:
 
     def join(self, state: Any) -> Any:
         """The first round with the peers: `state`, or a live peer's when this group is
-        behind them (its step, outer and inner optimizer states)."""
+        behind them (its step, outer and inner optimizer states). It waits there for the
+        others' next sync (a live group asks for a quorum only at its syncs)."""
+        log.info("Group %d joining its peers (waiting for their next sync).", self.group)
         return self.programs.join(state, self.shardings)
 
 
@@ -73,9 +90,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
         return
     axis, node = found
     key = f"reduction.axes.{axis}.elastic"
-    missing = [m for m in ("torch", "torchft") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise ConfigError(f"{key}: needs {' and '.join(missing)}, not installed: {EXTRA}.")
+    require_extra(key)
     from trainers.cluster.torchft_group import GroupOptions, TorchftExchange
 
     programs = parts.trainer.periodic_programs

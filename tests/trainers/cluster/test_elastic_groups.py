@@ -82,7 +82,7 @@ def test_without_an_elastic_axis_nothing_imports_torch():
 
     code = (
         "import sys, xshard, trainers.train, trainers.app.training, trainers.app.elastic_group;"
-        "from trainers.app.help import help_text; print(\"xshard[elastic]\" in help_text());"
+        'from trainers.app.help import help_text; print("xshard[elastic]" in help_text());'
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchft')))"
     )
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

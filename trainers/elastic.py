@@ -24,13 +24,18 @@ from trainers.exits import EXIT_CONFIG_ERROR
 
 
 def _lighthouse_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bind", default="127.0.0.1:29510", help="host:port to listen on")
-    parser.add_argument("--min-groups", type=int, default=1, help="fewest groups in a quorum")
+    from trainers.cluster.elastic_launch import LighthouseOptions as Opts
+
+    parser.add_argument("--bind", default=Opts.bind, help="host:port to listen on")
+    parser.add_argument("--min-groups", type=int, default=Opts.min_groups, help="fewest groups")
     parser.add_argument(
-        "--join-timeout-s", type=float, default=60.0, help="wait for heartbeating groups to join"
+        "--join-timeout-s", type=float, default=Opts.join_timeout_s, help="wait for stragglers"
     )
     parser.add_argument(
-        "--heartbeat-timeout-s", type=float, default=5.0, help="drop a silent group after this"
+        "--heartbeat-timeout-s",
+        type=float,
+        default=Opts.heartbeat_timeout_s,
+        help="drop a silent group after this",
     )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.exits import EXIT_PEER_LOST
+from xshard.config.elastic_groups import DEFAULT_LIGHTHOUSE
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class LighthouseOptions:
         stall the others see when one dies).
     """
 
-    bind: str = "127.0.0.1:29510"
+    bind: str = DEFAULT_LIGHTHOUSE
     min_groups: int = 1
     join_timeout_s: float = 60.0
     heartbeat_timeout_s: float = 5.0
@@ -87,8 +88,9 @@ class GroupLaunch:
     axis: str = "slice"
     restarts: int = 3
 
-    def command(self, group: int, lighthouse: str) -> list[str]:
-        """The command line of `group`."""
+    def command(self, group: int, lighthouse: LighthouseOptions) -> list[str]:
+        """The command line of `group`: the lighthouse's address and its ``min_groups`` are the
+        group's too (a group commits with as few groups as the lighthouse forms a quorum of)."""
         node = f"reduction.axes.{self.axis}.elastic"
         return [
             sys.executable,
@@ -96,12 +98,13 @@ class GroupLaunch:
             "trainers.train",
             *self.overrides,
             f"{node}.group={group}",
-            f"{node}.lighthouse={lighthouse}",
+            f"{node}.lighthouse={lighthouse.bind}",
+            f"{node}.min_groups={lighthouse.min_groups}",
             f"hydra.run.dir={self.out / f'group_{group}'}",
         ]
 
 
-def _spawn(launch: GroupLaunch, group: int, lighthouse: str) -> subprocess.Popen:
+def _spawn(launch: GroupLaunch, group: int, lighthouse: LighthouseOptions) -> subprocess.Popen:
     """Starts `group`, appending to its log; its process id is written to ``group_<i>.pid``."""
     with open(launch.out / f"group_{group}.log", "ab") as log_file:  # the child keeps its own
         proc = subprocess.Popen(
@@ -117,7 +120,7 @@ def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:
     are stopped then)."""
     launch.out.mkdir(parents=True, exist_ok=True)
     server = start_lighthouse(lighthouse)
-    procs = {g: _spawn(launch, g, lighthouse.bind) for g in range(launch.groups)}
+    procs = {g: _spawn(launch, g, lighthouse) for g in range(launch.groups)}
     restarted = dict.fromkeys(procs, 0)
     try:
         while procs:
@@ -137,7 +140,7 @@ def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:
                 else:
                     restarted[g] += 1
                     log.warning("Group %d exited %d; restarting it (%d).", g, code, restarted[g])
-                    procs[g] = _spawn(launch, g, lighthouse.bind)
+                    procs[g] = _spawn(launch, g, lighthouse)
         return 0
     finally:
         for proc in procs.values():

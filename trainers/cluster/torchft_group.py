@@ -34,6 +34,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
+from xshard.config.elastic_groups import lighthouse_url
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ class TorchftExchange:
     """
 
     def __init__(self, options: GroupOptions, axis_key: str):
-        from xshard.config.elastic_groups import lighthouse_url
-
         torch.set_num_threads(1)  # the devices are JAX's; torch only sums a vector
         self.options, self.key = options, axis_key
         self._snapshot: Callable[[], GroupState] | None = None

@@ -23,6 +23,8 @@ from xshard.config.nodes import LOCATION, shown
 from xshard.config.ranges import Range
 from xshard.errors import ConfigError
 
+#: Where the lighthouse listens unless told otherwise (torchft's port, this host only).
+DEFAULT_LIGHTHOUSE = "127.0.0.1:29510"
 #: ``host:port`` of the lighthouse (``http://`` optional): a host name or IPv4 address.
 _ADDRESS = re.compile(r"^(?:http://)?([A-Za-z0-9.\-]+):([0-9]{1,5})$")
 #: What an elastic axis does not support yet (its key, the value that means "off").
@@ -56,7 +58,7 @@ class ElasticConf:
     """
 
     group: Any = None
-    lighthouse: str = dataclasses.field(default="127.0.0.1:29510", metadata=LOCATION)
+    lighthouse: str = dataclasses.field(default=DEFAULT_LIGHTHOUSE, metadata=LOCATION)
     host: str = dataclasses.field(default="127.0.0.1", metadata=LOCATION)
     min_groups: Any = 1
     heartbeat_s: Any = 0.1

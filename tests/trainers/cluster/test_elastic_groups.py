@@ -87,3 +87,20 @@ def test_without_an_elastic_axis_nothing_imports_torch():
     )
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.split() == ["True", "[]"]  # --help names the extra
+
+
+def test_the_supervisor_gives_each_group_its_id_the_lighthouse_and_its_own_run_dir(tmp_path):
+    from trainers.cluster.elastic_launch import GroupLaunch, LighthouseOptions
+
+    launch = GroupLaunch(2, tmp_path, ("task=mlp", "reduction=diloco_elastic"), axis="dcn")
+    command = launch.command(1, LighthouseOptions(bind="127.0.0.1:1234", min_groups=2))
+    assert command[1:] == [
+        "-m",
+        "trainers.train",
+        "task=mlp",
+        "reduction=diloco_elastic",
+        "reduction.axes.dcn.elastic.group=1",
+        "reduction.axes.dcn.elastic.lighthouse=127.0.0.1:1234",
+        "reduction.axes.dcn.elastic.min_groups=2",
+        f"hydra.run.dir={tmp_path / 'group_1'}",
+    ]

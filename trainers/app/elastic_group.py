@@ -70,7 +70,6 @@ class ElasticGroup:
         """The first round with the peers: `state`, or a live peer's when this group is
         behind them (its step, outer and inner optimizer states). It waits there for the
         others' next sync (a live group asks for a quorum only at its syncs)."""
-        log.info("Group %d joining its peers (waiting for their next sync).", self.group)
         return self.programs.join(state, self.shardings)
 
 

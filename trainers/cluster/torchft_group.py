@@ -121,6 +121,10 @@ class TorchftExchange:
         """
         manager, healed = self.manager, None
         message = np.append(np.asarray(delta, np.float32) * np.float32(weight), np.float32(weight))
+        if not weight:
+            log.info(
+                "Group %d joining its peers (waiting for their next sync).", self.options.group
+            )
         for attempt in range(self.options.max_retries + 1):
             self._snapshot, self._healed = snapshot, None
             manager.start_quorum()

@@ -122,7 +122,7 @@ class ElasticSync:
             params=jax.device_put(peer.outer_params, target.outer.params),
             opt_state=jax.device_put(peer.outer_opt_state, target.outer.opt_state),
         )
-        leaves, treedef = jax.tree.flatten(state.params)
+        treedef = jax.tree.structure(state.params)
         restarted = [x[None] for frag in peer.outer_params for x in frag]
         params = jax.device_put(treedef.unflatten(restarted), target.params)  # type: ignore[attr-defined]
         return state._replace(

@@ -20,7 +20,7 @@ import pytest
 from tests import REPO
 from tests.multihost_cli import free_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]  # ~1.5-2 min
 
 EVERY, STEPS, KILL_AFTER, HOLD_AT = 8, 64, 16, 32
 

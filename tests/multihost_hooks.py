@@ -42,3 +42,21 @@ class DumpOuter(Hook):
         arrays = {f"outer_{j}": x for j, x in enumerate(outer)}
         arrays |= {f"replica_{j}": x for j, x in enumerate(replicas)}
         np.savez(self.dir / f"step{step}.process{jax.process_index()}.npz", **arrays)
+
+
+class WaitForText(Hook):
+    """After step `step`, waits (up to `timeout` seconds) until the file `path` holds `text`
+    at least `count` times: an elastic group held until a peer has (re)started."""
+
+    def __init__(self, path: str, text: str, count: int, step: int, timeout: float = 120.0):
+        self.path, self.text, self.count = Path(path), text, count
+        self.step, self.timeout = step, timeout
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> None:
+        if step != self.step:
+            return
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if self.path.exists() and self.path.read_text().count(self.text) >= self.count:
+                return
+            time.sleep(0.1)

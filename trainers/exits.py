@@ -58,7 +58,9 @@ EXIT_STATUSES = (
     ExitStatus(
         EXIT_PEER_LOST,
         "multi-process runs: another process was lost (killed, crashed, unreachable, or failed "
-        "on its own); the last complete checkpoint is valid: restart every process to resume",
+        "on its own); the last complete checkpoint is valid: restart every process to resume. "
+        "An elastic replica group: its syncs stopped committing or it fell behind its peers; "
+        "restart that group alone, it rejoins from a live peer",
     ),
     ExitStatus(
         EXIT_PREEMPTED,
@@ -108,6 +110,11 @@ class PeerError(ConfigError):
     A `ConfigError` (exit status 2): it is raised on the processes that did not fail
     themselves, in place of the error the failing process raises.
     """
+
+
+class GroupLost(RuntimeError):
+    """An elastic replica group lost its peers (its syncs stopped committing) or fell behind
+    them (exit status 4): restarted, it rejoins from a live peer (docs/reductions.md)."""
 
 
 class TrialFailed(RuntimeError):

@@ -139,6 +139,8 @@ def test_option_composes_builds_and_runs(compose_cfg, mesh, slices_mesh, group, 
     overrides = [f"{group}={option}"]
     if group == "optimizer":
         overrides.append("schedule=constant")  # the rate is non-zero from the first step
+    if option == "diloco_elastic":  # each group names its id (no default: two would clash)
+        overrides.append("reduction.axes.slice.elastic.group=0")
     cfg = compose_cfg(*overrides)
     if "slice" in cfg.reduction.axes:  # a per-axis preset of the DCN axis: on its mesh
         cfg, mesh = compose_cfg(*overrides, "+mesh=cpu2x4_slices"), slices_mesh

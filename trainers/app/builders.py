@@ -44,6 +44,9 @@ class RunOptions:
     checkpoint: CheckpointOptions
     logger: LoggerOptions
     precision: PrecisionOptions
+    #: The training data's seed when it is not ``seed``: an elastic replica group's, a function
+    #: of (seed, group) (`trainers.app.elastic_group`); None: ``seed``.
+    data_seed: int | None = None
 
 
 def read_options(cfg: DictConfig) -> RunOptions:

@@ -65,7 +65,9 @@ def run(cfg: DictConfig) -> float | None:
     from trainers.app.training import train
     from trainers.exits import (
         EXIT_NONFINITE,
+        EXIT_PEER_LOST,
         CheckpointError,
+        GroupLost,
         LoggerError,
         NonFiniteError,
         Preempted,
@@ -83,6 +85,8 @@ def run(cfg: DictConfig) -> float | None:
         _exit(e, EXIT_PREEMPTED, label="preempted")
     except NonFiniteError as e:
         return _failed(cfg, summary, e, status.DIVERGED, EXIT_NONFINITE)
+    except GroupLost as e:  # an elastic group: restarted, it rejoins from a live peer
+        return _failed(cfg, summary, e, status.FAILED, EXIT_PEER_LOST)
     except (ConfigError, CheckpointError, LoggerError) as e:  # name the key, value, what's allowed
         return _failed(cfg, summary, e, status.FAILED, EXIT_CONFIG_ERROR)
     except Exception as e:

@@ -57,6 +57,7 @@ def _exit_codes() -> str:
 
 def help_text() -> str:
     """The app's help (Hydra's ``$FLAGS_HELP`` is appended by the template)."""
+    from trainers.app.elastic_group import EXTRA
     from xshard.config.targets import DEFAULT_ALLOWED_TARGETS
 
     allowed = ", ".join(DEFAULT_ALLOWED_TARGETS)
@@ -70,6 +71,8 @@ def help_text() -> str:
         f"_target_ allowlist: classes and functions under {allowed};\n"
         "add your own modules with allowed_targets=[mypkg.] (in your primary config or on the\n"
         "command line only).\n\n"
+        f"Optional extra: {EXTRA};\n"
+        "reduction=diloco_elastic and python -m trainers.elastic (docs/reductions.md).\n\n"
         "Docs: README.md, docs/config.md, docs/sweeps.md, docs/reliability.md.\n\n"
         "Hydra flags:\n$FLAGS_HELP"
     )

@@ -14,6 +14,7 @@ start-up stops the run before its first step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from trainers.cluster.preemption import StopOnSignal, stop_signals
 from trainers.hooks.summary import RunSummary
 
 if TYPE_CHECKING:
+    from trainers.app.elastic_group import ElasticGroup
     from trainers.core.loop import FitResult
 
 log = logging.getLogger("trainers.train")
@@ -65,6 +67,7 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
 
 def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: RunSummary) -> float:
     """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
+    from trainers.app.elastic_group import open_group
     from trainers.core.compile_cache import enable_compilation_cache
     from trainers.rundir.user_paths import launch_dir, user_path
 
@@ -76,8 +79,25 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
     where = place(cfg, options)
     source = prepare_dirs(where, options)
     parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
-    started = start(cfg, options, where, parts, source, stop)
-    parts, started = choose_path(options, where, parts, started, source, summary)
+    with open_group(cfg, parts) as group:  # an elastic replica group (else None)
+        options = options if group is None else group.data_options(options)
+        if group is not None:  # its sync is wired to the first path's programs: no race
+            parts = dataclasses.replace(parts, paths=dict([next(iter(parts.paths.items()))]))
+        started = start(cfg, options, where, parts, source, stop, group)
+        parts, started = choose_path(options, where, parts, started, source, summary)
+        return _fit(cfg, options, where, parts, started, stop, summary)
+
+
+def _fit(
+    cfg: DictConfig,
+    options: RunOptions,
+    where: Placement,
+    parts: RunParts,
+    started: Started,
+    stop: StopOnSignal,
+    summary: RunSummary,
+) -> float:
+    """`train`'s last sections: the hooks, the fit, how it ended; the final loss."""
     from trainers.hooks.monitor import NonFiniteMonitor
 
     monitor = NonFiniteMonitor(
@@ -200,8 +220,10 @@ def start(
     parts: RunParts,
     source: Any,
     stop: StopOnSignal,
+    group: ElasticGroup | None = None,
 ) -> Started:
-    """The state to train from (new, or restored from `source`) and the run's evaluator.
+    """The state to train from (new, or restored from `source`; an elastic `group`'s from a
+    live peer when it is behind them) and the run's evaluator.
 
     Raises:
       ConfigError: if the data yields no batch, or the disk has no room for a checkpoint.
@@ -229,6 +251,8 @@ def start(
     if source is not None:
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
+    if group is not None:
+        state = group.join(state)
     start_step = int(jax.device_get(state.step))
     data = _batches(options, parts, start_step)
     if source is not None and is_checkpointable(data):  # a stream: its saved position
@@ -254,7 +278,7 @@ def _batches(options: RunOptions, parts: RunParts, start_step: int) -> Iterator[
 
     return parts.task.batches(
         options.trainer.batch_size,
-        seed=options.seed,
+        seed=options.seed if options.data_seed is None else options.data_seed,
         start_step=start_step,
         process_index=jax.process_index(),
         process_count=jax.process_count(),

@@ -97,8 +97,19 @@ def under(key: str, prefix: str) -> bool:
 
 
 def is_location(key: str) -> bool:
-    """Whether setting `key` sets a location (`LOCATION_KEYS`), or a node that holds one."""
-    return any(under(key, loc) or under(loc, key) for loc in LOCATION_KEYS)
+    """Whether setting `key` sets a location (`LOCATION_KEYS`; a ``*`` there stands for any
+    one part, as the axis in ``reduction.axes.*.elastic.lighthouse``), or a node that holds one."""
+    parts = key.split(".")
+    return any(_nested(parts, loc.split(".")) for loc in LOCATION_KEYS)
+
+
+def _nested(parts: list[str], loc: list[str]) -> bool:
+    """Whether one of the dotted keys `parts` and `loc` (``*``: any part) lies in the other; a
+    node above a ``*`` (``reduction``, ``reduction.axes``) does not count as holding it."""
+    above = loc.index("*") if "*" in loc else len(loc)
+    if len(parts) <= above < len(loc):
+        return False
+    return all(a == b or "*" in (a, b) for a, b in zip(parts, loc, strict=False))
 
 
 def unsafe_resolvers(value: Any) -> list[str]:

@@ -18,6 +18,7 @@ from trainers.config.outputs import CheckpointOptions, LoggerOptions, PathsOptio
 from trainers.config.precision import PrecisionOptions
 from trainers.config.run import DistributedOptions, TrainerOptions
 from trainers.config.zero_options import ShardingOptions
+from xshard.config.elastic_groups import ElasticConf
 from xshard.config.nodes import location_keys, permissive
 from xshard.config.schemas import register_schemas
 
@@ -42,10 +43,11 @@ TRAINER_SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 #: Every key marked `xshard.config.nodes.LOCATION` in the trainer's schemas: where a run writes
-#: or connects (``paths.*``, ``logger.csv.path``, ``trainer.compilation_cache_dir``, ...).
+#: or connects (``paths.*``, ``logger.csv.path``, ``trainer.compilation_cache_dir``, ...; an
+#: elastic axis's lighthouse and host, ``*`` standing for the axis).
 LOCATION_KEYS: tuple[str, ...] = tuple(
     key for node, schema in NODES.items() for key in location_keys(schema, node)
-)
+) + location_keys(ElasticConf, "reduction.axes.*.elastic")  # the lighthouse, the host
 
 
 def register_trainer_schemas(cs: ConfigStore | None = None) -> None:

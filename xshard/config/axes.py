@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from xshard.config.elastic_groups import ElasticConf, check_elastic
 from xshard.config.nodes import shown
 from xshard.config.ranges import Range
 from xshard.errors import ConfigError
@@ -233,11 +234,14 @@ def _node_of(rule: type[AxisRule]) -> type:
     ``periodic``), for Hydra and `xshard.config.read_node` to merge a node into: OmegaConf
     cannot write into a frozen dataclass nested in another. The fields with a range
     (`RANGES`) are typed ``Any``: `check_rule` reads them, so that a non-number is its one line
-    naming the range (exit 2), not a composition error."""
+    naming the range (exit 2), not a composition error. The node adds ``elastic``
+    (`xshard.config.elastic_groups.ElasticConf`, null: off), which the trainer reads, not the
+    rule."""
     fields = [
         (f.name, Any if f.name in RANGES else f.type, dataclasses.field(default=f.default))
         for f in dataclasses.fields(rule)
     ]
+    fields.append(("elastic", ElasticConf | None, dataclasses.field(default=None)))
     node = dataclasses.make_dataclass(
         "AxisReductionConf",
         fields,
@@ -272,4 +276,5 @@ def check_axes(axes: Mapping[str, AxisReductionConf], key: str = "reduction.axes
                 "(parameter averaging)."
             )
         check_rule(conf, f"{key}.{name}")
+        check_elastic(getattr(conf, "elastic", None), f"{key}.{name}.elastic", conf)
     check_rules(axes, key)

@@ -12,11 +12,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import BYTES_TAG, Periodic
+from trainers.core.periodic.group_sync import ElasticSync, Exchange
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
 from xshard.config.axes import AxisRule
@@ -68,6 +70,7 @@ class PeriodicPrograms:
       groups: the parameter leaves of each fragment (set by `prepare`).
       bytes_per_step: bytes a device sends over the axis per step, over a period.
       compile_seconds: the seconds spent compiling its programs so far; None before the first.
+      elastic: the sync over replica groups of an elastic axis (`use_exchange`), or None.
     """
 
     def __init__(self, periodic: Periodic, hyperparams: Hyperparams | None = None):
@@ -80,6 +83,23 @@ class PeriodicPrograms:
         self._sends: dict[int, jax.stages.Compiled] = {}
         self._start: jax.stages.Compiled | None = None
         self.compile_seconds: float | None = None
+        self.elastic: ElasticSync | None = None
+        self._apply: jax.stages.Compiled | None = None
+
+    def use_exchange(self, exchange: Exchange) -> None:
+        """Makes the axis elastic: its syncs average over the replica groups reached through
+        `exchange` (`trainers.core.periodic.group_sync`).
+
+        Raises:
+          ConfigError: if the axis has more than one replica in this group's mesh.
+        """
+        self.elastic = ElasticSync(self.periodic, exchange)
+
+    def join(self, state: TrainState, shardings: Callable[[TrainState], Any]) -> TrainState:
+        """A (re)starting group's first round with its peers (elastic axes only): it sends
+        nothing and takes a live peer's state (its step among it) when it is behind them."""
+        assert self.elastic is not None, "join: the axis is not elastic"
+        return self._elastic_sync(state, shardings, join=True)[0]
 
     def prepare(self, params: Any) -> None:
         """Splits one replica's `params` into the fragments and measures the bytes sent.
@@ -159,6 +179,11 @@ class PeriodicPrograms:
         fragment = due_update(step, periodic.rule)
         if fragment is None:
             return AfterStep(state, metrics, seconds)
+        if self.elastic is not None:
+            state, values, more = self._elastic_sync(state, shardings, join=False)
+            if values is not None:
+                metrics = metrics.with_device_values(periodic.sync_keys(0), values)
+            return AfterStep(state, metrics, seconds + more)
         if fragment not in self._syncs:
             sync = lambda s, hp: self._periodic(hp).sync(s, fragment, self.groups)
             self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
@@ -168,6 +193,20 @@ class PeriodicPrograms:
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
         return AfterStep(state, metrics.with_host_values(**sent), seconds)
 
+    def _elastic_sync(
+        self, state: TrainState, shardings: Callable[[TrainState], Any], join: bool
+    ) -> tuple[TrainState, Any, float]:
+        """An elastic axis's sync (`ElasticSync.sync`), its apply program compiled when first
+        needed: the state, the sync's statistics and the seconds spent compiling."""
+        assert self.elastic is not None
+        seconds = 0.0
+        if self._apply is None:
+            fn = self.elastic.apply_fn(self.groups)
+            apply = lambda s, hp, mean: fn(s, self._periodic(hp), mean)
+            self._apply, seconds = self._compile(apply, state, shardings(state), True, 1)
+        state, values = self.elastic.sync(state, self._hyperparams, shardings, self._apply, join)
+        return state, values, seconds
+
     def _periodic(self, hyperparams: Mapping[str, Any]) -> Periodic:
         """The axis, its rule's outer optimizer built on the (traced) `hyperparams` when the
         programs take them as inputs."""
@@ -176,10 +215,11 @@ class PeriodicPrograms:
         return dataclasses.replace(self.periodic, rule=self.inputs.rule(hyperparams))
 
     def _compile(
-        self, fn: Callable, state: TrainState, shardings: Any, with_stats: bool
+        self, fn: Callable, state: TrainState, shardings: Any, with_stats: bool, vectors: int = 0
     ) -> tuple[jax.stages.Compiled, float]:
         """`fn` ((state, hyperparameters) -> state, or (state, statistics) with `with_stats`)
-        compiled for `state`, donating it, and the seconds it took."""
+        compiled for `state`, donating it, and the seconds it took; with `vectors` it takes
+        that many more float32 vectors of the outer params' size (replicated)."""
         mesh = self.periodic.mesh
         replicated = NamedSharding(mesh, P())
         out = (shardings, replicated) if with_stats else shardings
@@ -188,13 +228,18 @@ class PeriodicPrograms:
             compiled = (
                 jax.jit(
                     fn,
-                    in_shardings=(shardings, replicated),
+                    in_shardings=(shardings, replicated) + (replicated,) * vectors,
                     out_shardings=out,
                     donate_argnums=(0,),
                 )
-                .lower(state, self._hyperparams)
+                .lower(state, self._hyperparams, *[self._vector(state)] * vectors)
                 .compile()
             )
         seconds = time.perf_counter() - start
         self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         return compiled, seconds
+
+    def _vector(self, state: TrainState) -> jax.ShapeDtypeStruct:
+        """A float32 vector of the outer params' size (the shape of an elastic sync's mean)."""
+        size = sum(int(np.prod(x.shape)) for frag in state.outer.params for x in frag)
+        return jax.ShapeDtypeStruct((size,), np.float32)

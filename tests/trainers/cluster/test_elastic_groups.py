@@ -1,0 +1,106 @@
+"""Elastic replica groups (reduction.axes.<axis>.elastic): the keys' one-line errors, the
+trust rule on the lighthouse, and a run without the optional extra. Cheap: no process, no
+torchft server (the end-to-end runs are in test_elastic_groups_cli.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from trainers.app.trust import is_location
+from xshard.config.axes import AxisReductionConf, check_axes
+from xshard.config.elastic_groups import ElasticConf
+from xshard.errors import ConfigError
+
+DILOCO = {"_target_": "optax.sgd", "learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def axis(elastic: dict | None, **rule) -> dict:
+    """A periodic ``slice`` node with `elastic`, read as the config reads it."""
+    node = OmegaConf.structured(AxisReductionConf)
+    merged = OmegaConf.merge(
+        node, {"every_steps": 8, "outer_optimizer": DILOCO, "elastic": elastic, **rule}
+    )
+    return {"slice": OmegaConf.to_object(merged)}
+
+
+@pytest.mark.parametrize(
+    "elastic, rule, message",
+    [
+        ({}, {}, r"^reduction\.axes\.slice\.elastic\.group=None: expected this replica group"),
+        ({"group": -1}, {}, r"^reduction\.axes\.slice\.elastic\.group=-1: expected"),
+        ({"group": 0, "min_groups": 0}, {}, r"\.elastic\.min_groups=0: expected the fewest"),
+        ({"group": 0, "timeout_s": 0}, {}, r"\.elastic\.timeout_s=0: expected"),
+        ({"group": 0, "lighthouse": "nohost"}, {}, r"\.elastic\.lighthouse='nohost': expected"),
+        ({"group": 0, "lighthouse": "h:70000"}, {}, r"\.lighthouse='h:70000': expected .* 65535"),
+        ({"group": 0}, {"fragments": 2}, r"^reduction\.axes\.slice\.fragments=2: not supported"),
+        ({"group": 0}, {"comm_dtype": "int8"}, r"\.comm_dtype='int8': not supported with"),
+        ({"group": 0}, {"sync_delay": 1}, r"\.sync_delay=1: not supported with .*elastic"),
+        ({"group": 0}, {"outer_optimizer": None, "every_steps": 1}, r"is a periodic one"),
+    ],
+)
+def test_a_bad_elastic_key_is_one_line_naming_it(elastic, rule, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        check_axes(axis(elastic, **rule))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_good_node_passes_and_null_is_off():
+    check_axes(axis({"group": 3, "lighthouse": "10.0.0.2:29510", "min_groups": 2}))
+    check_axes(axis(None))
+    assert ElasticConf().group is None  # no default id: two groups would claim one
+
+
+def test_a_copied_config_may_not_choose_the_lighthouse_or_the_host():
+    """Locations, as paths.* are: only the primary config or the command line sets them."""
+    assert is_location("reduction.axes.slice.elastic.lighthouse")
+    assert is_location("reduction.axes.dcn.elastic.host")
+    assert is_location("reduction.axes.slice.elastic")  # the node that holds them
+    assert not is_location("reduction.axes.slice.elastic.group")
+    assert not is_location("reduction")  # sweeping reduction=mean,sum stays allowed
+    assert not is_location("reduction.axes.slice.every_steps")
+
+
+def test_without_the_extra_an_elastic_axis_is_one_line_naming_the_key(monkeypatch):
+    from trainers.app.elastic_group import require_extra
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # what Python does for a missing module
+    with pytest.raises(ConfigError) as caught:
+        require_extra("reduction.axes.slice.elastic")
+    line = str(caught.value)
+    assert line.startswith("reduction.axes.slice.elastic: needs torch, not installed")
+    assert "pip install 'xshard[elastic]'" in line and "\n" not in line
+
+
+@pytest.mark.slow  # a fresh interpreter importing the app: ~5-10 s on loaded cores
+def test_without_an_elastic_axis_nothing_imports_torch():
+    """Installs without the extra are unchanged: the app, the trainer, the library and
+    ``--help``'s text import no torch (a fresh interpreter: this one may hold it)."""
+    import subprocess
+
+    code = (
+        "import sys, xshard, trainers.train, trainers.app.training, trainers.app.elastic_group;"
+        'from trainers.app.help import help_text; print("xshard[elastic]" in help_text());'
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchft')))"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["True", "[]"]  # --help names the extra
+
+
+def test_the_supervisor_gives_each_group_its_id_the_lighthouse_and_its_own_run_dir(tmp_path):
+    from trainers.cluster.elastic_launch import GroupLaunch, LighthouseOptions
+
+    launch = GroupLaunch(2, tmp_path, ("task=mlp", "reduction=diloco_elastic"), axis="dcn")
+    command = launch.command(1, LighthouseOptions(bind="127.0.0.1:1234", min_groups=2))
+    assert command[1:] == [
+        "-m",
+        "trainers.train",
+        "task=mlp",
+        "reduction=diloco_elastic",
+        "reduction.axes.dcn.elastic.group=1",
+        "reduction.axes.dcn.elastic.lighthouse=127.0.0.1:1234",
+        "reduction.axes.dcn.elastic.min_groups=2",
+        f"hydra.run.dir={tmp_path / 'group_1'}",
+    ]

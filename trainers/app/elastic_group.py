@@ -1,0 +1,105 @@
+"""This run as an elastic replica group (``reduction.axes.<axis>.elastic``, docs/reductions.md).
+
+`open_group` reads the axis's ``elastic`` node (checked with the reduction,
+`xshard.config.elastic_groups`), refuses a run without the optional extra (torch and torchft: one
+line, exit 2), starts the group's torchft manager (`trainers.cluster.torchft_group`) and makes the
+trainer's periodic axis elastic. `ElasticGroup.join` is the group's first round with its peers
+(a restarted group takes a live peer's state and step there); the group leaves the quorum when
+the run ends. Without an elastic axis nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from trainers.app.builders import RunOptions, RunParts
+
+log = logging.getLogger(__name__)
+
+#: What the optional extra adds (``--help`` and the missing-extra message say it).
+EXTRA = "pip install 'xshard[elastic]' (CPU torch and torchft: elastic replica groups)"
+
+
+def elastic_axis(cfg: DictConfig) -> tuple[str, Any] | None:
+    """The axis whose ``elastic`` node is set and that node (as composed), or None."""
+    for axis, node in (cfg.get("reduction") or {}).get("axes", {}).items():
+        if node.get("elastic") is not None:
+            return str(axis), node.elastic
+    return None
+
+
+def require_extra(key: str) -> None:
+    """Refuses an elastic axis (its node's `key`) where torch or torchft cannot be imported.
+
+    Raises:
+      ConfigError: one line naming `key` and the extra to install.
+    """
+    from xshard.errors import ConfigError
+
+    for module in ("torch", "torchft"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(f"{key}: needs {module}, not installed: {EXTRA}.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticGroup:
+    """A run that is one replica group: its key, id, and the trainer's periodic programs."""
+
+    key: str
+    group: int
+    programs: Any  # trainers.core.periodic.PeriodicPrograms
+    shardings: Any  # the trainer's state_shardings
+
+    def data_options(self, options: RunOptions) -> RunOptions:
+        """`options` with this group's data seed (a function of (seed, group))."""
+        from trainers.cluster.torchft_group import group_seed
+
+        return dataclasses.replace(options, data_seed=group_seed(options.seed, self.group))
+
+    def join(self, state: Any) -> Any:
+        """The first round with the peers: `state`, or a live peer's when this group is
+        behind them (its step, outer and inner optimizer states). It waits there for the
+        others' next sync (a live group asks for a quorum only at its syncs)."""
+        return self.programs.join(state, self.shardings)
+
+
+@contextlib.contextmanager
+def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None]:
+    """This run's replica group (None: no elastic axis), its manager stopped on exit.
+
+    Raises:
+      ConfigError: without the optional extra, or for a mesh where the axis has more than
+        one replica.
+    """
+    from xshard.errors import ConfigError
+
+    found = elastic_axis(cfg)
+    if found is None:
+        yield None
+        return
+    axis, node = found
+    key = f"reduction.axes.{axis}.elastic"
+    require_extra(key)
+    from trainers.cluster.torchft_group import GroupOptions, TorchftExchange
+
+    programs = parts.trainer.periodic_programs
+    if programs is None:  # check_elastic refuses an elastic axis that is not periodic
+        raise ConfigError(f"{key}: the axis is not periodic.")
+    options = GroupOptions(**{f: node[f] for f in GroupOptions._fields})
+    exchange = TorchftExchange(options, key)
+    try:
+        programs.use_exchange(exchange)
+        log.info("Replica group %d of %s, lighthouse %s.", options.group, key, options.lighthouse)
+        yield ElasticGroup(key, options.group, programs, parts.trainer.state_shardings)
+    finally:
+        exchange.close()

@@ -1,0 +1,150 @@
+"""Launching elastic replica groups: torchft's lighthouse and a local supervisor.
+
+`serve_lighthouse` runs torchft's lighthouse (the quorum server) in this process until a
+signal. `supervise` starts the lighthouse and N groups on one host, each
+``python -m trainers.train <overrides> reduction.axes.<axis>.elastic.group=<i>`` with its own
+run dir and log (``<out>/group_<i>/``, ``<out>/group_<i>.log``), and restarts a group that
+dies (any exit but 0, a signal too) up to ``restarts`` times; the others go on. Each group's
+process id is in ``<out>/group_<i>.pid``. Used by ``python -m trainers.elastic`` (its
+``--help``; docs/reductions.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainers.exits import EXIT_PEER_LOST
+from xshard.config.elastic_groups import DEFAULT_LIGHTHOUSE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LighthouseOptions:
+    """torchft's lighthouse: where it listens and when it forms a quorum.
+
+    Attributes:
+      bind: ``host:port`` it listens on (127.0.0.1: this host only).
+      min_groups: the fewest groups a quorum has.
+      join_timeout_s: seconds it waits for heartbeating groups to join a quorum (longer than a
+        period of inner steps, or a restarted group forms a quorum alone).
+      heartbeat_timeout_s: seconds without a heartbeat after which a group is dropped (the
+        stall the others see when one dies).
+    """
+
+    bind: str = DEFAULT_LIGHTHOUSE
+    min_groups: int = 1
+    join_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 5.0
+
+
+def start_lighthouse(options: LighthouseOptions) -> Any:
+    """torchft's `LighthouseServer` with `options`, started (its ``shutdown`` stops it)."""
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(
+        bind=options.bind,
+        min_replicas=options.min_groups,
+        join_timeout_ms=int(options.join_timeout_s * 1000),
+        heartbeat_timeout_ms=int(options.heartbeat_timeout_s * 1000),
+    )
+
+
+def serve_lighthouse(options: LighthouseOptions) -> int:
+    """Runs the lighthouse until SIGINT or SIGTERM; returns the exit status (0)."""
+    server = start_lighthouse(options)
+    log.info("Lighthouse on %s (min_groups %d).", options.bind, options.min_groups)
+    stopping: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _: stopping.append(s))
+    while not stopping:
+        time.sleep(0.2)
+    server.shutdown()
+    return 0
+
+
+@dataclass(frozen=True)
+class GroupLaunch:
+    """How the supervisor starts the groups.
+
+    Attributes:
+      groups: how many groups.
+      out: the folder of their run dirs (``group_<i>``) and logs (``group_<i>.log``).
+      overrides: the ``trainers.train`` overrides every group gets (the same config).
+      axis: the elastic axis.
+      restarts: how many times one group is restarted before the supervisor gives up.
+    """
+
+    groups: int
+    out: Path
+    overrides: tuple[str, ...]
+    axis: str = "slice"
+    restarts: int = 3
+
+    def command(self, group: int, lighthouse: LighthouseOptions) -> list[str]:
+        """The command line of `group`: the lighthouse's address and its ``min_groups`` are the
+        group's too (a group commits with as few groups as the lighthouse forms a quorum of)."""
+        node = f"reduction.axes.{self.axis}.elastic"
+        return [
+            sys.executable,
+            "-m",
+            "trainers.train",
+            *self.overrides,
+            f"{node}.group={group}",
+            f"{node}.lighthouse={lighthouse.bind}",
+            f"{node}.min_groups={lighthouse.min_groups}",
+            f"hydra.run.dir={self.out / f'group_{group}'}",
+        ]
+
+
+def _spawn(launch: GroupLaunch, group: int, lighthouse: LighthouseOptions) -> subprocess.Popen:
+    """Starts `group`, appending to its log; its process id is written to ``group_<i>.pid``."""
+    with open(launch.out / f"group_{group}.log", "ab") as log_file:  # the child keeps its own
+        proc = subprocess.Popen(
+            launch.command(group, lighthouse), stdout=log_file, stderr=subprocess.STDOUT
+        )
+    (launch.out / f"group_{group}.pid").write_text(f"{proc.pid}\n")
+    return proc
+
+
+def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:
+    """Starts the lighthouse and the groups, restarts a group that dies; returns 0 once every
+    group finished, `EXIT_PEER_LOST` if a group died more than ``restarts`` times (the others
+    are stopped then)."""
+    launch.out.mkdir(parents=True, exist_ok=True)
+    server = start_lighthouse(lighthouse)
+    procs = {g: _spawn(launch, g, lighthouse) for g in range(launch.groups)}
+    restarted = dict.fromkeys(procs, 0)
+    try:
+        while procs:
+            time.sleep(0.2)
+            for g, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                if code == 0:
+                    del procs[g]
+                    log.info("Group %d finished.", g)
+                elif restarted[g] >= launch.restarts:
+                    log.error(
+                        "Group %d exited %d after %d restarts; stopping.", g, code, launch.restarts
+                    )
+                    return EXIT_PEER_LOST
+                else:
+                    restarted[g] += 1
+                    log.warning("Group %d exited %d; restarting it (%d).", g, code, restarted[g])
+                    procs[g] = _spawn(launch, g, lighthouse)
+        return 0
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait()
+        server.shutdown()

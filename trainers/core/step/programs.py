@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,9 @@ from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation
 from xshard.reduce.gradients import PerShardGradientsRequired
 from xshard.stats.layers import leaf_names
+
+if TYPE_CHECKING:
+    from trainers.core.population import PopulationSeat
 
 logger = logging.getLogger(__name__)
 
@@ -240,10 +243,13 @@ class StepPrograms:
         gradients.
       inputs: the float hyperparameters the programs take as inputs, and the step functions
         built on them (`StepInputs`); None: none, the optimizer's values are constants.
+      seat: this run's place in a population of trials whose steps run as one program
+        (`trainers.core.population`); None: the run's steps are its own programs.
 
     Attributes:
       compiled: the compiled programs, with what their tracing recorded.
       compile_seconds: the seconds spent compiling them so far; None before the first.
+      hyperparams: the values of `inputs`, placed on every device (what the programs take).
     """
 
     def __init__(
@@ -257,7 +263,11 @@ class StepPrograms:
         agree_stop: bool,
         grad_impl: str,
         inputs: StepInputs | None = None,
+        seat: PopulationSeat | None = None,
     ):
+        if seat is not None and (periodic is not None or agree_stop):
+            raise ValueError("a population runs one process's trials without a periodic axis")
+        self.seat = seat
         self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
         self.inputs = inputs
         self.mesh, self.batch_sharding, self.periodic = mesh, batch_sharding, periodic
@@ -268,7 +278,7 @@ class StepPrograms:
         self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
         self._vote_arrays: dict[int, jax.Array] = {}
         self._replicated = NamedSharding(mesh, P())
-        self._hyperparams = placed_inputs({} if inputs is None else inputs.values, mesh)
+        self.hyperparams = placed_inputs({} if inputs is None else inputs.values, mesh)
 
     @property
     def has_warmup(self) -> bool:
@@ -289,7 +299,7 @@ class StepPrograms:
         stats_keys: list[set[str]] = []
 
         def run(state, batch, hyperparams, vote):
-            step_fn = self._step_fn(key, hyperparams)
+            step_fn = self.step_fn(key, hyperparams)
             state, metrics, diag = step_fn.fn(state, batch)
             stats_keys.append(step_fn.stats_keys)
             if vote is not None:  # agree_stop: the highest vote of all devices
@@ -317,7 +327,7 @@ class StepPrograms:
         )
         try:
             with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(state, batch, self._hyperparams, *self._votes(0))
+                lowered = jitted.lower(state, batch, self.hyperparams, *self._votes(0))
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
@@ -326,7 +336,7 @@ class StepPrograms:
             ) from None
         return Traced(lowered, keys[0], layouts[0], frozenset(stats_keys[0]))
 
-    def _step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
+    def step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
         """The step function of `key`: built on the (traced) `hyperparams` when the programs
         take them as inputs."""
         if self.inputs is None:
@@ -339,7 +349,7 @@ class StepPrograms:
         """Compiles, concurrently, the programs of `keys` not compiled yet, for `state` and
         batches like `batch` (global arrays); their seconds join `compile_seconds`."""
         missing = sorted(key for key in set(keys) if self.compiled.get(key) is None)
-        if not missing:
+        if not missing or self.seat is not None:  # a population compiles its own programs
             return
         seconds = self.compiled.compile_concurrently(
             missing, lambda key: self.lower(key, state, batch), tuple(leaf_names(state.params))
@@ -372,10 +382,14 @@ class StepPrograms:
         """
         if key.warmup and not self.has_warmup:
             raise ValueError("warmup=True needs a periodic axis with warmup_steps > 0.")
+        if self.seat is not None:  # one round of the population's program
+            state, metrics = self.seat.run(self, key, state, batch)
+            self.compile_seconds = self.seat.compile_seconds
+            return state, metrics
         self.compile_missing([key], state, batch)
         executable = self.compiled.get(key)
         assert executable is not None
-        state, values = executable(state, batch, self._hyperparams, *self._votes(stop_vote))
+        state, values = executable(state, batch, self.hyperparams, *self._votes(stop_vote))
         return state, self.compiled.metrics(key.level, values)
 
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:

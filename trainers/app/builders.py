@@ -104,6 +104,7 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
+    from trainers.app.population_run import trial_seat
     from trainers.core.precision import Precision
     from trainers.core.step.step_spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
@@ -129,6 +130,7 @@ def build_run(
         periodic=periodic,
         precision=Precision.of(precision.param_dtype, precision.compute_dtype),
         hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
+        seat=trial_seat(),  # hydra/launcher=population: the job's place in its population
     )
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -59,6 +59,11 @@ class PopulationSeat(NamedTuple):
         """The seconds the population spent compiling so far (None before the first)."""
         return self.population.compile_seconds
 
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """The kinds of step this trial's run will meet: compiled together, at the first round
+        that needs one of them."""
+        self.population.expect(keys)
+
 
 @dataclasses.dataclass
 class Population:
@@ -77,6 +82,7 @@ class Population:
     _last: dict[int, Handed] = dataclasses.field(default_factory=dict)
     _results: dict[int, Any] = dataclasses.field(default_factory=dict)
     _compiled: CompiledSteps = dataclasses.field(default_factory=CompiledSteps)
+    _expected: set[ProgramKey] = dataclasses.field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._active = set(range(self.size))
@@ -106,6 +112,11 @@ class Population:
         if isinstance(result, BaseException):
             raise result
         return result
+
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """Kinds of step a trial will meet (`PopulationSeat.expect`)."""
+        with self._cond:
+            self._expected.update(keys)
 
     def leave(self, index: int) -> None:
         """Trial `index` steps no more: its slot is frozen; a round waiting only for it runs."""
@@ -138,9 +149,12 @@ class Population:
         lead = next(iter(handed.values()))
         slots = [self._last.get(i, lead) for i in range(self.size)]  # frozen: their last
         key = lead.key
-        if self._compiled.get(key) is None:
+        if self._compiled.get(key) is None:  # with the others expected, concurrently
+            missing = {k for k in self._expected | {key} if self._compiled.get(k) is None}
             seconds = self._compiled.compile_concurrently(
-                [key], lambda k: self._lower(k, slots), tuple(leaf_names(lead.state.params))
+                sorted(missing),
+                lambda k: self._lower(k, slots),
+                tuple(leaf_names(lead.state.params)),
             )
             self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         executable = self._compiled.get(key)

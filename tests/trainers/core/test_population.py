@@ -67,8 +67,7 @@ def _population(builts, task, **trainer_kw) -> list[list[np.ndarray]]:
     "optimizer, trainer_kw",
     [
         ("adam", {}),  # shard_map (trainer.grad_impl=manual) under vmap
-        ("momentum", {"zero_stage": 1, "microbatches": 2}),
-        ("adam", {"grad_impl": "gspmd"}),
+        ("momentum", {"grad_impl": "gspmd", "zero_stage": 1, "microbatches": 2}),
     ],
 )
 def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):

@@ -348,8 +348,11 @@ class StepPrograms:
     ) -> None:
         """Compiles, concurrently, the programs of `keys` not compiled yet, for `state` and
         batches like `batch` (global arrays); their seconds join `compile_seconds`."""
+        if self.seat is not None:  # a population compiles its own programs, these with them
+            self.seat.expect(keys)
+            return
         missing = sorted(key for key in set(keys) if self.compiled.get(key) is None)
-        if not missing or self.seat is not None:  # a population compiles its own programs
+        if not missing:
             return
         seconds = self.compiled.compile_concurrently(
             missing, lambda key: self.lower(key, state, batch), tuple(leaf_names(state.params))

@@ -16,6 +16,7 @@ annotations up.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,25 @@ class PopulationLauncher(Launcher):
                 returns[j] = ret
         return returns
 
-    def _run(self, config: DictConfig, configure_logging: bool) -> JobReturn:
-        """One job, as Hydra's basic launcher runs it."""
+    def _run(
+        self,
+        config: DictConfig,
+        configure_logging: bool,
+        before_task: Callable[[], Any] | None = None,
+    ) -> JobReturn:
+        """One job, as Hydra's basic launcher runs it; `before_task` is called first in its
+        task (once Hydra configured the job)."""
         assert self.hydra_context is not None and self.task_function is not None
+        task, run_before = self.task_function, before_task
+
+        def task_function(cfg: DictConfig) -> Any:
+            if run_before is not None:
+                run_before()
+            return task(cfg)
+
         return run_job(
             hydra_context=self.hydra_context,
-            task_function=self.task_function,
+            task_function=task_function,
             config=config,
             job_dir_key="hydra.sweep.dir",
             job_subdir_key="hydra.sweep.subdir",

@@ -72,10 +72,13 @@ class Population:
     Attributes:
       size: the number of trials.
       compile_seconds: the seconds spent compiling the population's programs (None: none).
+      stepping: set once a trial handed in its first step or left: what it compiled to start
+        (its initial state, its evaluation) is then in the compilation cache, for the others.
     """
 
     size: int
     compile_seconds: float | None = None
+    stepping: threading.Event = dataclasses.field(default_factory=threading.Event)
     _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     _active: set[int] = dataclasses.field(default_factory=set)
     _handed: dict[int, Handed] = dataclasses.field(default_factory=dict)
@@ -105,6 +108,7 @@ class Population:
             if index not in self._active:
                 raise RuntimeError(f"trial {index} left the population and cannot step again")
             self._handed[index] = handed
+            self.stepping.set()
             self._maybe_run_round()
             while index not in self._results:
                 self._cond.wait()
@@ -123,6 +127,7 @@ class Population:
         with self._cond:
             self._active.discard(index)
             self._handed.pop(index, None)
+            self.stepping.set()
             self._maybe_run_round()
 
     def _maybe_run_round(self) -> None:

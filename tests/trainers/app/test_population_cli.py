@@ -1,6 +1,6 @@
 """``hydra/launcher=population`` as a user meets it: a real Hydra multirun whose jobs that
 differ only in the learning rate train as one population, jobs of another optimizer in
-another; every job with its run dir, ``result.json`` and TensorBoard run; a diverging trial
+another; every job with its run dir, ``result.json``, log file and TensorBoard run; a diverging trial
 stops alone; the others train as they would alone (docs/sweeps.md)."""
 
 from __future__ import annotations
@@ -49,6 +49,12 @@ def test_population_sweep(tmp_path):
         tb = sweep / "tb" / f"{job}_learning_rate=0.05,optimizer={'sgd' if job == 1 else 'adam'}"
         last = load_events(tb).Scalars("train/loss")[-1]
         assert last.step == 8 and last.value == pytest.approx(results[job]["final_loss"])
+    for job, record in results.items():  # each job's own log file, its own lines only
+        (log,) = sweep.glob(f"{job}_*/train.log")
+        text = log.read_text()
+        assert text.count("Training mlp for 8 steps") == 1
+        end = "Run diverged" if record["status"] == "diverged" else "Run completed"
+        assert text.count("Run ") == 1 and end in text
     assert "4 jobs: 3 completed, 1 did not." in proc.stdout  # the sweep table sees 4 jobs
 
     # Job 1 alone (the basic launcher, a single run) trains as in its population.

@@ -24,11 +24,10 @@ from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import Periodic
 from trainers.core.periodic.sync import PeriodicPrograms
 from trainers.core.placement import DevicePlacement, StateShapes
-from trainers.core.population import PopulationSeat
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms
+from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms, StepSeat
 from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
@@ -75,8 +74,8 @@ class Trainer:
       hyperparams: the float hyperparameters `tx` and the periodic rule were built on
         (``xshard.build_optimizer_with_rules(cfg).hyperparams``): inputs of the programs, so
         runs that differ only in them share their programs; None: constants of `tx`.
-      seat: the run's place in a population (`trainers.core.population`): its steps run in
-        one vmapped program with the other trials'; None (default): its own programs.
+      seat: the run's place in a population (`trainers.core.population.PopulationSeat`): its
+        steps run in one vmapped program with the other trials'; None (default): its own.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -124,7 +123,7 @@ class Trainer:
         periodic: tuple[str, AxisRule] | None = None,
         precision: Precision | None = None,
         hyperparams: Hyperparams | None = None,
-        seat: PopulationSeat | None = None,
+        seat: StepSeat | None = None,
     ):
         data_axes = tuple(data_axes)
         self.precision = Precision() if precision is None else precision
@@ -169,7 +168,7 @@ class Trainer:
         inner_axes: tuple[str, ...],
         rules: Callable[[], Any],
         agree: bool,
-        seat: PopulationSeat | None = None,
+        seat: StepSeat | None = None,
     ) -> StepPrograms:
         """The step programs: a step function per level (validating ``grad_impl`` now, not at
         the first step), and a periodic axis's warm-up ones (the same step reducing over that

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,6 @@ from xshard.errors import ConfigError
 from xshard.optim.cross_shard import CrossShardTransformation
 from xshard.reduce.gradients import PerShardGradientsRequired
 from xshard.stats.layers import leaf_names
-
-if TYPE_CHECKING:
-    from trainers.core.population import PopulationSeat
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +224,23 @@ class StepFunctionSets:
         return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
+class StepSeat(Protocol):
+    """A run's place among others whose steps run as one program
+    (`trainers.core.population.PopulationSeat`)."""
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """The seconds spent compiling the shared programs so far (None before the first)."""
+
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """The kinds of step this run will meet (compiled together)."""
+
+    def run(
+        self, programs: StepPrograms, key: ProgramKey, state: TrainState, batch: dict[str, Any]
+    ) -> tuple[TrainState, StepMetrics]:
+        """This run's step of `key`, run with the others'."""
+
+
 class StepPrograms:
     """The step programs of a run: one jitted program per `ProgramKey`, lowered from its step
     function, compiled once (`CompiledSteps`), dispatched on global batches.
@@ -263,7 +277,7 @@ class StepPrograms:
         agree_stop: bool,
         grad_impl: str,
         inputs: StepInputs | None = None,
-        seat: PopulationSeat | None = None,
+        seat: StepSeat | None = None,
     ):
         if seat is not None and (periodic is not None or agree_stop):
             raise ValueError("a population runs one process's trials without a periodic axis")

@@ -6,26 +6,31 @@ Each trial runs its loop in its own thread and takes a `PopulationSeat`; its `St
 hand every step to `Population.run` instead of running it alone. A step is a round: once every
 trial still in the population has handed its step in, the last one to arrive runs the
 population's program of that kind of step (one compiled program per `ProgramKey`, for all the
-trials) and hands each trial its new state and its metrics. The program stacks the trials'
-states and hyperparameters on a leading axis inside, runs the step function under `jax.vmap`
-(the batch shared: the trials have one seed and one data order) and unstacks the results, so
-every trial keeps a state of its own, as it would alone.
+trials) and hands each trial its new state and its metrics. The population keeps the trials'
+states stacked on a leading axis (stacked once, at the first round, with their
+hyperparameters); its program runs the step function under `jax.vmap` over them (the batch
+shared: the trials have one seed and one data order) and donates the stacked state; a small
+jitted program unstacks each round's result into every trial's own state (its own shardings),
+which its hooks, checkpoints and evaluation read as they would alone.
 
 A trial that ends (its last step, early stopping, a non-finite loss, an error) leaves the
-population (`Population.leave`): its slot is frozen, fed its last state, its results dropped,
-so the program of the others never changes shape or compiles again. The programs donate
-nothing (a frozen trial's state is still its thread's).
+population (`Population.leave`): its slot still trains (the step is vmapped, so it cannot
+touch the others), its results are dropped, and the others' program never changes shape or
+compiles again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.step.programs import CompiledSteps, ProgramKey, StepPrograms, Traced
@@ -82,10 +87,13 @@ class Population:
     _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     _active: set[int] = dataclasses.field(default_factory=set)
     _handed: dict[int, Handed] = dataclasses.field(default_factory=dict)
-    _last: dict[int, Handed] = dataclasses.field(default_factory=dict)
     _results: dict[int, Any] = dataclasses.field(default_factory=dict)
     _compiled: CompiledSteps = dataclasses.field(default_factory=CompiledSteps)
     _expected: set[ProgramKey] = dataclasses.field(default_factory=set)
+    _stacked: Any = None  # the trials' states on a leading axis, once the first round ran
+    _inputs: Any = None  # their hyperparameters, likewise
+    _shardings: Any = None  # the stacked state's
+    _unstack: Any = None  # stacked state -> the trials' states (jitted)
 
     def __post_init__(self) -> None:
         self._active = set(range(self.size))
@@ -101,8 +109,8 @@ class Population:
         metrics. The last trial to arrive runs the round.
 
         Raises:
-          RuntimeError: if the trials still training ask for different kinds of step in one
-            round (they resumed from different steps), or what the round raised.
+          RuntimeError: if the trials start from different steps, or ask for different kinds
+            of step in one round, or what the round raised.
         """
         with self._cond:
             if index not in self._active:
@@ -123,7 +131,8 @@ class Population:
             self._expected.update(keys)
 
     def leave(self, index: int) -> None:
-        """Trial `index` steps no more: its slot is frozen; a round waiting only for it runs."""
+        """Trial `index` steps no more: its slot's results are dropped; a round waiting only
+        for it runs."""
         with self._cond:
             self._active.discard(index)
             self._handed.pop(index, None)
@@ -143,43 +152,67 @@ class Population:
         self._cond.notify_all()
 
     def _round(self, handed: dict[int, Handed]) -> dict[int, tuple[TrainState, StepMetrics]]:
-        """Runs one step of every trial in `handed`, the others' slots frozen."""
+        """Runs one step of every trial in `handed`; the others' slots are updated too (their
+        results dropped)."""
         keys = {h.key for h in handed.values()}
         if len(keys) > 1:
             raise RuntimeError(
                 f"the trials of a population ask for different kinds of step in one round "
                 f"({sorted(keys)}): they must train in lockstep from the same step"
             )
-        self._last.update(handed)
         lead = next(iter(handed.values()))
-        slots = [self._last.get(i, lead) for i in range(self.size)]  # frozen: their last
+        if self._stacked is None:  # the first round: the trials' states, stacked once
+            self._stack_trials(handed)
         key = lead.key
         if self._compiled.get(key) is None:  # with the others expected, concurrently
             missing = {k for k in self._expected | {key} if self._compiled.get(k) is None}
             seconds = self._compiled.compile_concurrently(
                 sorted(missing),
-                lambda k: self._lower(k, slots),
+                lambda k: self._lower(k, lead),
                 tuple(leaf_names(lead.state.params)),
             )
             self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         executable = self._compiled.get(key)
-        assert executable is not None
-        states, values = executable(
-            tuple(s.state for s in slots),
-            lead.batch,
-            tuple(s.programs.hyperparams for s in slots),
-        )
+        assert executable is not None and self._unstack is not None
+        self._stacked, values = executable(self._stacked, lead.batch, self._inputs)
+        states = self._unstack(self._stacked)
         return {i: (states[i], self._compiled.metrics(key.level, values[i])) for i in handed}
 
-    def _lower(self, key: ProgramKey, slots: list[Handed]) -> Traced:
-        """Traces and lowers the population's program of `key` (module doc)."""
-        lead = slots[0].programs
+    def _stack_trials(self, handed: dict[int, Handed]) -> None:
+        """The first round: checks the trials start from one step, stacks their states and
+        hyperparameters (a trial that left before: the lead's in its slot), and jits the
+        unstacking of the stacked state into the trials' (their own shardings)."""
+        steps = {i: int(jax.device_get(h.state.step)) for i, h in handed.items()}
+        if len(set(steps.values())) > 1:
+            raise RuntimeError(
+                f"the trials of a population start from different steps ({steps}, by "
+                "trial; resumed from different checkpoints?): they share one batch a step. "
+                "Rerun them with Hydra's basic launcher."
+            )
+        lead = next(iter(handed.values()))
+        slots = [handed.get(i, lead) for i in range(self.size)]
+        start = time.perf_counter()
+        trial = state_shardings(lead.state)
+        self._shardings = jax.tree.map(_stacked_sharding, trial)
+        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        self._stacked = jax.jit(stack, out_shardings=self._shardings)([s.state for s in slots])
+        self._inputs = jax.jit(stack)([s.programs.hyperparams for s in slots])
+        size = self.size
+        unstack = lambda tree: tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(size))
+        self._unstack = jax.jit(unstack, out_shardings=(trial,) * size)
+        self._unstack(self._stacked)  # compiled now, timed with the stacking
+        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+
+    def _lower(self, key: ProgramKey, lead: Handed) -> Traced:
+        """Traces and lowers the population's program of `key`: the step vmapped over the
+        stacked state and hyperparameters, the batch shared; the stacked state donated."""
+        programs = lead.programs
         names: list[tuple[str, ...]] = []
         layouts: list[dict[str, tuple[int, ...]]] = []
         stats_keys: list[frozenset[str]] = []
 
         def one(state: TrainState, batch: Any, hyperparams: Mapping[str, Any]) -> Any:
-            step_fn = lead.step_fn(key, hyperparams)
+            step_fn = programs.step_fn(key, hyperparams)
             state, metrics, diag = step_fn.fn(state, batch)
             stats_keys.append(frozenset(step_fn.stats_keys))
             keys, values = stack_metrics(metrics)
@@ -188,24 +221,23 @@ class Population:
             layouts.append(shapes)
             return state, jnp.concatenate([values, tail])
 
-        def program(states: tuple[Any, ...], batch: Any, hyperparams: tuple[Any, ...]) -> Any:
-            stack = lambda *xs: jnp.stack(xs)
-            stacked, inputs = jax.tree.map(stack, *states), jax.tree.map(stack, *hyperparams)
+        def program(stacked: Any, batch: Any, inputs: Any) -> Any:
             new, values = jax.vmap(one, in_axes=(0, None, 0))(stacked, batch, inputs)
-            unstacked = tuple(jax.tree.map(lambda x, i=i: x[i], new) for i in range(self.size))
-            return unstacked, tuple(values[i] for i in range(self.size))
+            return new, tuple(values[i] for i in range(self.size))
 
-        shardings = tuple(state_shardings(s.state) for s in slots)
-        replicated = tuple(
-            jax.tree.map(lambda x: x.sharding, s.programs.hyperparams) for s in slots
-        )
         jitted = jax.jit(
             program,
-            in_shardings=(shardings, lead.batch_sharding, replicated),
-            out_shardings=(shardings, None),
+            in_shardings=(self._shardings, programs.batch_sharding, None),
+            out_shardings=(self._shardings, None),
+            donate_argnums=(0,),
         )
-        states = tuple(s.state for s in slots)
-        hyperparams = tuple(s.programs.hyperparams for s in slots)
-        with jax.set_mesh(lead.mesh):
-            lowered = jitted.lower(states, slots[0].batch, hyperparams)
+        with jax.set_mesh(programs.mesh):
+            lowered = jitted.lower(self._stacked, lead.batch, self._inputs)
         return Traced(lowered, names[0], layouts[0], stats_keys[0])
+
+
+def _stacked_sharding(sharding: Any) -> Any:
+    """The sharding of a trial leaf's stack: the trial axis whole, the rest as the leaf's."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    return None  # XLA chooses

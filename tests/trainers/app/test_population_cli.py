@@ -1,7 +1,7 @@
 """``hydra/launcher=population`` as a user meets it: a real Hydra multirun whose jobs that
 differ only in the learning rate train as one population, jobs of another optimizer in
-another; every job with its run dir, ``result.json``, log file and TensorBoard run; a diverging trial
-stops alone; the others train as they would alone (docs/sweeps.md)."""
+another; every job with its run dir, ``result.json``, log file and TensorBoard run; a
+diverging trial stops alone; the others train as they would alone (docs/sweeps.md)."""
 
 from __future__ import annotations
 

@@ -32,3 +32,15 @@ def test_periodic_axis_trains_alone(compose_config):
         "job 0 trains alone: reduction.axes.slice.every_steps=8: a periodic axis syncs "
         "outside the step program"
     ]
+
+
+def test_hydra_launcher_population_is_xshards_launcher():
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("xshard.conf", version_base="1.3"):
+        cfg = compose(
+            "xshard_train", overrides=["hydra/launcher=population"], return_hydra_config=True
+        )
+    assert cfg.hydra.launcher._target_ == (
+        "hydra_plugins.xshard_population.xshard_population.PopulationLauncher"
+    )

@@ -1,6 +1,6 @@
 """A population (`trainers.core.population`): trials that differ only in their float
 hyperparameters, each with its own `Trainer` in its own thread, stepping through one vmapped
-program, train as each would alone (docs/sweeps.md)."""
+program, train as each would alone, also after another trial left (docs/sweeps.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ BATCH, STEPS = 16, 3
 MESH = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
 
 
-def _train(built, task: MLPTask, seat=None, **trainer_kw) -> list[np.ndarray]:
+def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list[np.ndarray]:
     trainer = Trainer(
         task,
         built.tx,
@@ -34,7 +34,7 @@ def _train(built, task: MLPTask, seat=None, **trainer_kw) -> list[np.ndarray]:
     first = next(batches)
     state = trainer.init(trainer.init_params(first))
     losses = []
-    for batch in [first, *(next(batches) for _ in range(STEPS - 1))]:
+    for batch in [first, *(next(batches) for _ in range(steps - 1))]:
         state, metrics = trainer.step(state, batch, with_stats=False)  # one program
         losses.append(metrics.host_values()["train/loss"])
     return losses + [np.asarray(x) for x in jax.tree.leaves(state.params)]
@@ -46,7 +46,8 @@ def _population(builts, task, **trainer_kw) -> list[list[np.ndarray]]:
 
     def trial(i: int) -> None:
         try:
-            results[i] = _train(builts[i], task, population.seat(i), **trainer_kw)
+            steps = 1 if i == 0 else STEPS  # trial 0 leaves after its first step
+            results[i] = _train(builts[i], task, population.seat(i), steps, **trainer_kw)
         except Exception as error:  # raised below, in the test's thread
             results[i] = error
         finally:
@@ -79,9 +80,12 @@ def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):
         for lr in lrs
     ]
     task = MLPTask()
-    together = _population(builts, task, **trainer_kw)
-    for built, got in zip(builts, together, strict=True):
-        alone = _train(built, task, **trainer_kw)
-        for a, b in zip(alone, got, strict=True):
-            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
-    assert not np.allclose(together[0][STEPS], together[1][STEPS])  # the trials differ
+    left, stayed = _population(builts, task, **trainer_kw)
+    # Trial 1 trains on as alone after trial 0 left (its slot trains on, its results dropped).
+    alone = _train(builts[1], task, **trainer_kw)
+    for a, b in zip(alone, stayed, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    alone = _train(builts[0], task, steps=1, **trainer_kw)
+    for a, b in zip(alone, left, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(left[1], stayed[STEPS])  # the trials differ

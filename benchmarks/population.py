@@ -1,7 +1,7 @@
 """An 8-trial learning rate x weight decay sweep of ``task=mlp``, Hydra's basic launcher
 against ``hydra/launcher=population``, and one trial alone:
-``python -m benchmarks.population [--steps N] [--out PATH]`` ->
-benchmarks/population_results.json.
+``python -m benchmarks.population [--task T] [--steps N] [--out PATH]`` ->
+benchmarks/population_results.json (``--task tiny_gpt``: population_results_tiny_gpt.json).
 
 Each is one CLI process (``python -m trainers.train``), each with its own empty
 ``trainer.compilation_cache_dir`` (so the basic launcher's jobs 2..8 read the first job's
@@ -26,8 +26,9 @@ from typing import Any
 from benchmarks.env import load_average
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = Path(__file__).resolve().parent / "population_results.json"
-STEPS = 50
+HERE = Path(__file__).resolve().parent
+#: Training steps per job, by task.
+STEPS = {"mlp": 50, "tiny_gpt": 20}
 SWEEP = ["optimizer=adamw", "optimizer.learning_rate=1e-3,3e-3,1e-2,3e-2"]
 SWEEP += ["optimizer.weight_decay=0,1e-2"]
 
@@ -59,9 +60,10 @@ def run_cli(overrides: list[str], out_dir: Path, timeout: float = 1800) -> dict[
     return {"wall_s": round(wall, 2), "jobs": dict(sorted(jobs.items()))}
 
 
-def measure(steps: int, work: Path) -> dict[str, Any]:
+def measure(task: str, steps: int, work: Path) -> dict[str, Any]:
     """One trial alone, the sweep with the basic launcher, the sweep as a population."""
-    common = [f"trainer.steps={steps}", "trainer.progress=false", "task=mlp", "checkpoint=none"]
+    common = [f"trainer.steps={steps}", "trainer.progress=false", f"task={task}"]
+    common.append("checkpoint=none")
     runs = {
         "one_trial": [*common, "optimizer=adamw", "optimizer.learning_rate=1e-3"],
         "basic": ["-m", *common, *SWEEP],
@@ -87,17 +89,21 @@ def measure(steps: int, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Runs `measure` in a temporary dir and writes the JSON (``--out``, default `OUT`)."""
+    """Runs `measure` in a temporary dir and writes the JSON (``--out``)."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.population")
-    parser.add_argument("--steps", type=int, default=STEPS, help="training steps per job")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--task", choices=sorted(STEPS), default="mlp")
+    parser.add_argument("--steps", type=int, help="training steps per job (default: by task)")
+    parser.add_argument("--out", type=Path, help="default: population_results[_<task>].json")
     args = parser.parse_args(argv)
+    steps = args.steps or STEPS[args.task]
+    suffix = "" if args.task == "mlp" else f"_{args.task}"
+    out = args.out or HERE / f"population_results{suffix}.json"
     record: dict[str, Any] = {"cpu_count": os.cpu_count(), "load_average_start": load_average()}
     with tempfile.TemporaryDirectory(prefix="xshard-population-") as work:
-        results = measure(args.steps, Path(work))
-    record.update(load_average_end=load_average(), steps=args.steps, sweep=SWEEP)
+        results = measure(args.task, steps, Path(work))
+    record.update(load_average_end=load_average(), task=args.task, steps=steps, sweep=SWEEP)
     record.update(results)
-    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    out.write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

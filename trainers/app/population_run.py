@@ -17,7 +17,8 @@ Two things travel per thread:
   its own thread's records only.
 
 Stop signals reach the main thread only: a population is not stopped cleanly by SIGTERM (each
-job logs so); kill it and rerun to resume its trials from their checkpoints.
+job logs so; the first signal is latched, a second exits at once); kill it and rerun to resume
+its trials from their checkpoints.
 """
 
 from __future__ import annotations

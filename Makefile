@@ -43,11 +43,12 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precision, cache, reductions)
+bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precision, cache, population, reductions)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 	$(PY) -m benchmarks.precision_memory
 	$(PY) -m benchmarks.compile_cache
+	$(PY) -m benchmarks.population
 	$(PY) -m benchmarks.reductions
 	$(PY) -m benchmarks.plots
 

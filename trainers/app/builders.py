@@ -111,6 +111,7 @@ def build_run(
       ConfigError: for a bad task, hook, optimizer, schedule or reduction value, or trainer
         values that do not fit the mesh (naming the key, the value and what is allowed).
     """
+    from trainers.app.population_run import trial_seat
     from trainers.core.precision import Precision
     from trainers.core.step.step_spec import periodic_inner_axes
     from trainers.core.trainer import Trainer
@@ -123,6 +124,7 @@ def build_run(
     built = build_optimizer_with_rules(cfg, mesh=mesh)  # reads `reduction` once
     tx, periodic = built.tx, built.periodic
     check_reduction_axes(tx.spec.axis_name, periodic_inner_axes(data_axes, periodic))
+    seat = trial_seat()  # hydra/launcher=population: the job's place in its population
 
     def trainer_of(grad_impl: str) -> Trainer:  # validates trainer.* against the mesh
         return Trainer(
@@ -138,16 +140,21 @@ def build_run(
             periodic=periodic,
             precision=Precision.of(precision.param_dtype, precision.compute_dtype),
             hyperparams=built.hyperparams,  # inputs of the compiled programs, not constants
+            seat=seat,
         )
 
-    paths = path_trainers(trainer_of, opts.grad_impl)
+    # A population's trials step as one program: one path for all, not raced per trial.
+    paths = path_trainers(trainer_of, opts.grad_impl, first_only=seat is not None)
     trainer = next(iter(paths.values()))
     return RunParts(task=task, hooks=hooks, tx=tx, spec=tx.spec, trainer=trainer, paths=paths)
 
 
-def path_trainers(trainer_of: Callable[[str], Any], grad_impl: str) -> dict[str, Any]:
+def path_trainers(
+    trainer_of: Callable[[str], Any], grad_impl: str, first_only: bool = False
+) -> dict[str, Any]:
     """``grad_impl`` -> its `Trainer` (``trainer_of(grad_impl)``); with ``auto``, each path
-    of `GRAD_IMPLS` whose trainer the config allows, in that order.
+    of `GRAD_IMPLS` whose trainer the config allows, in that order (only the first such path
+    with `first_only`).
 
     Raises:
       ConfigError: the configured path's error; with ``auto``, the first path's if none is
@@ -164,6 +171,8 @@ def path_trainers(trainer_of: Callable[[str], Any], grad_impl: str) -> dict[str,
             paths[name] = trainer_of(name)
         except ConfigError as e:
             refused[name] = str(e)
+        if paths and first_only:
+            break
     if not paths:
         raise ConfigError(refused[GRAD_IMPLS[0]])
     for name, why in refused.items():

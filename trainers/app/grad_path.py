@@ -59,6 +59,9 @@ def choose_path(
             chosen,
             started.start_step,
         )
+    elif len(parts.paths) == 1:  # the others refused at build, or a population's trial
+        chosen, record = next(iter(parts.paths)), None
+        log.info("trainer.grad_impl=auto: %s, the only path this run takes (not timed).", chosen)
     else:
         found = race(parts.paths, started.state, started.first, agree=where.cluster.broadcast)
         chosen, record = found.chosen, found._asdict()

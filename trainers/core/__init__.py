@@ -10,7 +10,8 @@ mesh axis's programs (`periodic`, a sub-package: the axis `periodic.axis`, its s
 `periodic.sync`). `fit`'s loop is `loop` (its result `loop.FitResult`). Besides: the `Hook`
 protocol (`hook`), the step's metrics (`metrics`), the model state of non-trained variables
 (`model_state`), the ZeRO layout (`zero`), the dtypes (`precision`), the agreed stop vote
-(`stop_vote`), JAX's persistent compilation cache (`compile_cache`).
+(`stop_vote`), JAX's persistent compilation cache (`compile_cache`), a population of trials
+whose steps run as one vmapped program (`population`).
 
 May import: `xshard`, `trainers.tasks` (sharding rules),
 `trainers.exits`. Never `trainers.config` (an import contract checks it), `trainers.app`, the

@@ -27,7 +27,7 @@ from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms
+from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms, StepSeat
 from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import StopVote
@@ -74,6 +74,8 @@ class Trainer:
       hyperparams: the float hyperparameters `tx` and the periodic rule were built on
         (``xshard.build_optimizer_with_rules(cfg).hyperparams``): inputs of the programs, so
         runs that differ only in them share their programs; None: constants of `tx`.
+      seat: the run's place in a population (`trainers.core.population.PopulationSeat`): its
+        steps run in one vmapped program with the other trials'; None (default): its own.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -121,6 +123,7 @@ class Trainer:
         periodic: tuple[str, AxisRule] | None = None,
         precision: Precision | None = None,
         hyperparams: Hyperparams | None = None,
+        seat: StepSeat | None = None,
     ):
         data_axes = tuple(data_axes)
         self.precision = Precision() if precision is None else precision
@@ -154,13 +157,18 @@ class Trainer:
         )
         agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
         self.hyperparams = hyperparams
-        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree)
+        self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, seat)
         self.periodic_programs = (
             None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams)
         )
 
     def _step_programs(
-        self, zero_stage: int, inner_axes: tuple[str, ...], rules: Callable[[], Any], agree: bool
+        self,
+        zero_stage: int,
+        inner_axes: tuple[str, ...],
+        rules: Callable[[], Any],
+        agree: bool,
+        seat: StepSeat | None = None,
     ) -> StepPrograms:
         """The step programs: a step function per level (validating ``grad_impl`` now, not at
         the first step), and a periodic axis's warm-up ones (the same step reducing over that
@@ -185,6 +193,7 @@ class Trainer:
             agree_stop=agree,
             grad_impl=self.spec.grad_impl,
             inputs=inputs,
+            seat=seat,
         )
 
     @property

@@ -80,3 +80,19 @@ def hyperparameter_table() -> str:
             shown = f"constant: {why}" if why else "input"
             lines.append(f"| {', '.join(nodes)} | `{name or '-'}` | {shown} |")
     return "\n".join(lines)
+
+
+def is_input_key(key: str, *values: Any) -> bool:
+    """Whether config key `key` (``optimizer.learning_rate``, ``clip``,
+    ``reduction.axes.slice.outer_optimizer.momentum``) is an input of the compiled programs
+    with each of `values` (`lifted` by its node's rule in `LIFTED_NODES`): jobs that differ only
+    in such keys run the same programs, and may train as one population."""
+    parts = key.split(".")
+    if len(parts) == 5 and parts[:2] == ["reduction", "axes"] and parts[3] == "outer_optimizer":
+        node, name = "reduction.axes.<axis>.outer_optimizer", parts[4]
+    elif len(parts) == 2:
+        node, name = parts
+    else:
+        node, name = key, ""
+    rules = LIFTED_NODES.get(node)
+    return rules is not None and all(lifted(rules.get(name), v) for v in values)

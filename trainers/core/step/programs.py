@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +224,23 @@ class StepFunctionSets:
         return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
+class StepSeat(Protocol):
+    """A run's place among others whose steps run as one program
+    (`trainers.core.population.PopulationSeat`)."""
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """The seconds spent compiling the shared programs so far (None before the first)."""
+
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """The kinds of step this run will meet (compiled together)."""
+
+    def run(
+        self, programs: StepPrograms, key: ProgramKey, state: TrainState, batch: dict[str, Any]
+    ) -> tuple[TrainState, StepMetrics]:
+        """This run's step of `key`, run with the others'."""
+
+
 class StepPrograms:
     """The step programs of a run: one jitted program per `ProgramKey`, lowered from its step
     function, compiled once (`CompiledSteps`), dispatched on global batches.
@@ -240,10 +257,13 @@ class StepPrograms:
         gradients.
       inputs: the float hyperparameters the programs take as inputs, and the step functions
         built on them (`StepInputs`); None: none, the optimizer's values are constants.
+      seat: this run's place in a population of trials whose steps run as one program
+        (`trainers.core.population`); None: the run's steps are its own programs.
 
     Attributes:
       compiled: the compiled programs, with what their tracing recorded.
       compile_seconds: the seconds spent compiling them so far; None before the first.
+      hyperparams: the values of `inputs`, placed on every device (what the programs take).
     """
 
     def __init__(
@@ -257,7 +277,11 @@ class StepPrograms:
         agree_stop: bool,
         grad_impl: str,
         inputs: StepInputs | None = None,
+        seat: StepSeat | None = None,
     ):
+        if seat is not None and (periodic is not None or agree_stop):
+            raise ValueError("a population runs one process's trials without a periodic axis")
+        self.seat = seat
         self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
         self.inputs = inputs
         self.mesh, self.batch_sharding, self.periodic = mesh, batch_sharding, periodic
@@ -268,7 +292,7 @@ class StepPrograms:
         self._vote_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
         self._vote_arrays: dict[int, jax.Array] = {}
         self._replicated = NamedSharding(mesh, P())
-        self._hyperparams = placed_inputs({} if inputs is None else inputs.values, mesh)
+        self.hyperparams = placed_inputs({} if inputs is None else inputs.values, mesh)
 
     @property
     def has_warmup(self) -> bool:
@@ -289,7 +313,7 @@ class StepPrograms:
         stats_keys: list[set[str]] = []
 
         def run(state, batch, hyperparams, vote):
-            step_fn = self._step_fn(key, hyperparams)
+            step_fn = self.step_fn(key, hyperparams)
             state, metrics, diag = step_fn.fn(state, batch)
             stats_keys.append(step_fn.stats_keys)
             if vote is not None:  # agree_stop: the highest vote of all devices
@@ -317,7 +341,7 @@ class StepPrograms:
         )
         try:
             with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(state, batch, self._hyperparams, *self._votes(0))
+                lowered = jitted.lower(state, batch, self.hyperparams, *self._votes(0))
         except PerShardGradientsRequired as e:
             raise ConfigError(
                 f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
@@ -326,7 +350,7 @@ class StepPrograms:
             ) from None
         return Traced(lowered, keys[0], layouts[0], frozenset(stats_keys[0]))
 
-    def _step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
+    def step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
         """The step function of `key`: built on the (traced) `hyperparams` when the programs
         take them as inputs."""
         if self.inputs is None:
@@ -338,6 +362,9 @@ class StepPrograms:
     ) -> None:
         """Compiles, concurrently, the programs of `keys` not compiled yet, for `state` and
         batches like `batch` (global arrays); their seconds join `compile_seconds`."""
+        if self.seat is not None:  # a population compiles its own programs, these with them
+            self.seat.expect(keys)
+            return
         missing = sorted(key for key in set(keys) if self.compiled.get(key) is None)
         if not missing:
             return
@@ -372,10 +399,14 @@ class StepPrograms:
         """
         if key.warmup and not self.has_warmup:
             raise ValueError("warmup=True needs a periodic axis with warmup_steps > 0.")
+        if self.seat is not None:  # one round of the population's program
+            state, metrics = self.seat.run(self, key, state, batch)
+            self.compile_seconds = self.seat.compile_seconds
+            return state, metrics
         self.compile_missing([key], state, batch)
         executable = self.compiled.get(key)
         assert executable is not None
-        state, values = executable(state, batch, self._hyperparams, *self._votes(stop_vote))
+        state, values = executable(state, batch, self.hyperparams, *self._votes(stop_vote))
         return state, self.compiled.metrics(key.level, values)
 
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:

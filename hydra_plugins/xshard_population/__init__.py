@@ -1,0 +1,1 @@
+"""xshard's population launcher, ``hydra/launcher=population`` (imports no JAX)."""

@@ -1,0 +1,65 @@
+"""``hydra/launcher=population`` as a user meets it: a real Hydra multirun whose jobs that
+differ only in the learning rate train as one population, jobs of another optimizer in
+another; every job with its run dir, ``result.json``, log file and TensorBoard run; a
+diverging trial stops alone; the others train as they would alone (docs/sweeps.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.cli import load_events, run_train
+from trainers.app.sweep import RESULT_FILE
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+# lr=1e4 makes sgd's gradients overflow from step ~4: 3 skipped steps in a row stop that job.
+TINY = ["task=mlp", "trainer.steps=8", "checkpoint=none", "trainer.max_consecutive_nonfinite=2"]
+
+
+def test_population_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        "-m",
+        "hydra/launcher=population",
+        "optimizer=sgd,adam",
+        "optimizer.learning_rate=1e4,0.05",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out
+    assert "Population: jobs [0, 1] train as one population" in out
+    assert "Population: jobs [2, 3] train as one population" in out
+    assert (
+        "Population: job 2 starts a population: not with job 0 "
+        "(optimizer._target_: 'optax.sgd' vs 'optax.adam')" in out
+    )
+    results = {}
+    for path in sweep.glob(f"*/{RESULT_FILE}"):
+        record = json.loads(path.read_text())
+        results[record["num"]] = record
+    assert sorted(results) == [0, 1, 2, 3]
+    assert results[0]["status"] == "diverged" and results[0]["last_step"] < 8  # sgd, lr=1e4
+    assert all(results[j]["status"] == "completed" for j in (1, 2, 3))
+    assert all(results[j]["last_step"] == 8 for j in (1, 2, 3))  # the others went on
+    for job in (1, 3):  # TensorBoard's own reader: one run per job, its own last loss
+        tb = sweep / "tb" / f"{job}_learning_rate=0.05,optimizer={'sgd' if job == 1 else 'adam'}"
+        last = load_events(tb).Scalars("train/loss")[-1]
+        assert last.step == 8 and last.value == pytest.approx(results[job]["final_loss"])
+    for job, record in results.items():  # each job's own log file, its own lines only
+        (log,) = sweep.glob(f"{job}_*/train.log")
+        text = log.read_text()
+        assert text.count("Training mlp for 8 steps") == 1
+        end = "Run diverged" if record["status"] == "diverged" else "Run completed"
+        assert text.count("Run ") == 1 and end in text
+    assert "4 jobs: 3 completed, 1 did not." in proc.stdout  # the sweep table sees 4 jobs
+
+    # Job 1 alone (the basic launcher, a single run) trains as in its population.
+    alone = run_train("optimizer=sgd", "optimizer.learning_rate=0.05", *TINY, cwd=tmp_path)
+    assert "Traceback" not in alone.stdout + alone.stderr
+    (path,) = tmp_path.glob(f"outputs/*/*/{RESULT_FILE}")
+    record = json.loads(path.read_text())
+    assert record["final_loss"] == pytest.approx(results[1]["final_loss"], rel=1e-5)

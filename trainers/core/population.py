@@ -1,0 +1,243 @@
+"""A population: the trials of a sweep that differ only in their float hyperparameters, each
+trained by its own `trainers.core.trainer.Trainer` (its own hooks, checkpoints, run dir), whose
+steps run together as one program, vmapped over a leading trial axis.
+
+Each trial runs its loop in its own thread and takes a `PopulationSeat`; its `StepPrograms`
+hand every step to `Population.run` instead of running it alone. A step is a round: once every
+trial still in the population has handed its step in, the last one to arrive runs the
+population's program of that kind of step (one compiled program per `ProgramKey`, for all the
+trials) and hands each trial its new state and its metrics. The population keeps the trials'
+states stacked on a leading axis (stacked once, at the first round, with their
+hyperparameters); its program runs the step function under `jax.vmap` over them (the batch
+shared: the trials have one seed and one data order) and donates the stacked state; a small
+jitted program unstacks each round's result into every trial's own state (its own shardings),
+which its hooks, checkpoints and evaluation read as they would alone.
+
+A trial that ends (its last step, early stopping, a non-finite loss, an error) leaves the
+population (`Population.leave`): its slot still trains (the step is vmapped, so it cannot
+touch the others), its results are dropped, and the others' program never changes shape or
+compiles again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
+from trainers.core.step.programs import CompiledSteps, ProgramKey, StepPrograms, Traced
+from trainers.core.step.types import TrainState, state_shardings
+from xshard.stats.layers import leaf_names
+
+
+class Handed(NamedTuple):
+    """A trial's step, handed in for a round."""
+
+    programs: StepPrograms
+    key: ProgramKey
+    state: TrainState
+    batch: dict[str, jax.Array]
+
+
+class PopulationSeat(NamedTuple):
+    """A trial's place in a `Population`: what its `StepPrograms` run their steps through."""
+
+    population: Population
+    trial: int
+
+    def run(
+        self, programs: StepPrograms, key: ProgramKey, state: TrainState, batch: dict[str, Any]
+    ) -> tuple[TrainState, StepMetrics]:
+        """`Population.run` of this trial's step."""
+        return self.population.run(self.trial, Handed(programs, key, state, batch))
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """The seconds the population spent compiling so far (None before the first)."""
+        return self.population.compile_seconds
+
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """The kinds of step this trial's run will meet: compiled together, at the first round
+        that needs one of them."""
+        self.population.expect(keys)
+
+
+@dataclasses.dataclass
+class Population:
+    """`size` trials whose steps run as one vmapped program per kind of step (module doc).
+
+    Attributes:
+      size: the number of trials.
+      compile_seconds: the seconds spent compiling the population's programs (None: none).
+      stepping: set once a trial handed in its first step or left: what it compiled to start
+        (its initial state, its evaluation) is then in the compilation cache, for the others.
+    """
+
+    size: int
+    compile_seconds: float | None = None
+    stepping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    _active: set[int] = dataclasses.field(default_factory=set)
+    _handed: dict[int, Handed] = dataclasses.field(default_factory=dict)
+    _results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    _compiled: CompiledSteps = dataclasses.field(default_factory=CompiledSteps)
+    _expected: set[ProgramKey] = dataclasses.field(default_factory=set)
+    _stacked: Any = None  # the trials' states on a leading axis, once the first round ran
+    _inputs: Any = None  # their hyperparameters, likewise
+    _shardings: Any = None  # the stacked state's
+    _unstack: Any = None  # stacked state -> the trials' states (jitted)
+
+    def __post_init__(self) -> None:
+        self._active = set(range(self.size))
+
+    def seat(self, index: int) -> PopulationSeat:
+        """The seat of trial `index` (0 .. size - 1)."""
+        if not 0 <= index < self.size:
+            raise ValueError(f"no trial {index} in a population of {self.size}")
+        return PopulationSeat(self, index)
+
+    def run(self, index: int, handed: Handed) -> tuple[TrainState, StepMetrics]:
+        """Hands trial `index`'s step in and waits for its round; returns its new state and
+        metrics. The last trial to arrive runs the round.
+
+        Raises:
+          RuntimeError: if the trials start from different steps, or ask for different kinds
+            of step in one round, or what the round raised.
+        """
+        with self._cond:
+            if index not in self._active:
+                raise RuntimeError(f"trial {index} left the population and cannot step again")
+            self._handed[index] = handed
+            self.stepping.set()
+            self._maybe_run_round()
+            while index not in self._results:
+                self._cond.wait()
+            result = self._results.pop(index)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def expect(self, keys: Iterable[ProgramKey]) -> None:
+        """Kinds of step a trial will meet (`PopulationSeat.expect`)."""
+        with self._cond:
+            self._expected.update(keys)
+
+    def leave(self, index: int) -> None:
+        """Trial `index` steps no more: its slot's results are dropped; a round waiting only
+        for it runs."""
+        with self._cond:
+            self._active.discard(index)
+            self._handed.pop(index, None)
+            self.stepping.set()
+            self._maybe_run_round()
+
+    def _maybe_run_round(self) -> None:
+        """Runs the round once every active trial has handed its step in (lock held)."""
+        if not self._handed or set(self._handed) != self._active:
+            return
+        handed, self._handed = self._handed, {}
+        try:
+            results: dict[int, Any] = self._round(handed)
+        except Exception as error:  # every waiting trial raises it
+            results = dict.fromkeys(handed, error)
+        self._results.update(results)
+        self._cond.notify_all()
+
+    def _round(self, handed: dict[int, Handed]) -> dict[int, tuple[TrainState, StepMetrics]]:
+        """Runs one step of every trial in `handed`; the others' slots are updated too (their
+        results dropped)."""
+        keys = {h.key for h in handed.values()}
+        if len(keys) > 1:
+            raise RuntimeError(
+                f"the trials of a population ask for different kinds of step in one round "
+                f"({sorted(keys)}): they must train in lockstep from the same step"
+            )
+        lead = next(iter(handed.values()))
+        if self._stacked is None:  # the first round: the trials' states, stacked once
+            self._stack_trials(handed)
+        key = lead.key
+        if self._compiled.get(key) is None:  # with the others expected, concurrently
+            missing = {k for k in self._expected | {key} if self._compiled.get(k) is None}
+            seconds = self._compiled.compile_concurrently(
+                sorted(missing),
+                lambda k: self._lower(k, lead),
+                tuple(leaf_names(lead.state.params)),
+            )
+            self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        executable = self._compiled.get(key)
+        assert executable is not None and self._unstack is not None
+        self._stacked, values = executable(self._stacked, lead.batch, self._inputs)
+        states = self._unstack(self._stacked)
+        return {i: (states[i], self._compiled.metrics(key.level, values[i])) for i in handed}
+
+    def _stack_trials(self, handed: dict[int, Handed]) -> None:
+        """The first round: checks the trials start from one step, stacks their states and
+        hyperparameters (a trial that left before: the lead's in its slot), and jits the
+        unstacking of the stacked state into the trials' (their own shardings)."""
+        steps = {i: int(jax.device_get(h.state.step)) for i, h in handed.items()}
+        if len(set(steps.values())) > 1:
+            raise RuntimeError(
+                f"the trials of a population start from different steps ({steps}, by "
+                "trial; resumed from different checkpoints?): they share one batch a step. "
+                "Rerun them with Hydra's basic launcher."
+            )
+        lead = next(iter(handed.values()))
+        slots = [handed.get(i, lead) for i in range(self.size)]
+        start = time.perf_counter()
+        trial = state_shardings(lead.state)
+        self._shardings = jax.tree.map(_stacked_sharding, trial)
+        stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        self._stacked = jax.jit(stack, out_shardings=self._shardings)([s.state for s in slots])
+        self._inputs = jax.jit(stack)([s.programs.hyperparams for s in slots])
+        size = self.size
+        unstack = lambda tree: tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(size))
+        self._unstack = jax.jit(unstack, out_shardings=(trial,) * size)
+        self._unstack(self._stacked)  # compiled now, timed with the stacking
+        self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+
+    def _lower(self, key: ProgramKey, lead: Handed) -> Traced:
+        """Traces and lowers the population's program of `key`: the step vmapped over the
+        stacked state and hyperparameters, the batch shared; the stacked state donated."""
+        programs = lead.programs
+        names: list[tuple[str, ...]] = []
+        layouts: list[dict[str, tuple[int, ...]]] = []
+        stats_keys: list[frozenset[str]] = []
+
+        def one(state: TrainState, batch: Any, hyperparams: Mapping[str, Any]) -> Any:
+            step_fn = programs.step_fn(key, hyperparams)
+            state, metrics, diag = step_fn.fn(state, batch)
+            stats_keys.append(frozenset(step_fn.stats_keys))
+            keys, values = stack_metrics(metrics)
+            names.append(keys)
+            shapes, tail = pack_diagnostics(diag)
+            layouts.append(shapes)
+            return state, jnp.concatenate([values, tail])
+
+        def program(stacked: Any, batch: Any, inputs: Any) -> Any:
+            new, values = jax.vmap(one, in_axes=(0, None, 0))(stacked, batch, inputs)
+            return new, tuple(values[i] for i in range(self.size))
+
+        jitted = jax.jit(
+            program,
+            in_shardings=(self._shardings, programs.batch_sharding, None),
+            out_shardings=(self._shardings, None),
+            donate_argnums=(0,),
+        )
+        with jax.set_mesh(programs.mesh):
+            lowered = jitted.lower(self._stacked, lead.batch, self._inputs)
+        return Traced(lowered, names[0], layouts[0], stats_keys[0])
+
+
+def _stacked_sharding(sharding: Any) -> Any:
+    """The sharding of a trial leaf's stack: the trial axis whole, the rest as the leaf's."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(None, *sharding.spec))
+    return None  # XLA chooses

@@ -4,6 +4,8 @@ the same params as the separate programs and as the reference of the equations
 (`tests.trainers.core.test_periodic_delay.reference`), and a compiled program whose collective
 over ``slice`` and the loop of inner steps do not read each other."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -19,9 +21,11 @@ from tests.trainers.core.test_periodic_delay import (
     STEPS,
     reference,
 )
+from trainers.core.hook import Hook
 from trainers.core.periodic.window import independence, overlapped_steps
 from trainers.tasks.mlp import MLPTask
-from xshard.config.axes import AxisRule
+from xshard.config.axes import AxisRule, check_rule
+from xshard.errors import ConfigError
 from xshard.reduce.periodic import due_fragment
 
 
@@ -126,3 +130,44 @@ def test_independence_sees_a_collective_that_reads_the_loop(mesh):
     assert len(found.collectives) >= 1
     assert found.collective_reads_loop
     assert not found.loop_reads_collective
+
+
+class _Steps(Hook):
+    """Records the steps whose metrics it was given, and the sync statistics' steps."""
+
+    def __init__(self):
+        self.steps, self.synced = [], []
+
+    def on_step(self, step, metrics):
+        self.steps.append(step)
+        if "sync/slice/pseudo_grad_norm" in metrics:
+            self.synced.append(step)
+
+
+def test_fit_with_overlap_trains_as_the_separate_programs(task, mesh):
+    """``overlap=True`` in `Trainer.fit`: the windows after steps 4 and 8 (tau 2) run as one
+    program each; the state equals the separate programs' bitwise, every step's metrics
+    reach the hooks in order, the sync statistics at the outer update's step."""
+    states, hooks = [], []
+    for overlap in (False, True):
+        rule = dataclasses.replace(_rule(2, 0.5, 1, None), overlap=overlap)
+        trainer, state = make(task, mesh, INNER, periodic=("slice", rule))
+        hook = _Steps()
+        batches = task.batches(BATCH, seed=0)
+        result = trainer.fit(state, batches, num_steps=STEPS, hooks=[hook], stats_every=0)
+        assert (trainer.periodic_programs.window_executable(0) is not None) == overlap
+        states.append(jax.device_get(result.state))
+        hooks.append(hook)
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert hooks[1].steps == hooks[0].steps == list(range(1, STEPS + 1))
+    assert hooks[1].synced == hooks[0].synced == [6, 10]
+
+
+def test_overlap_needs_a_delay_that_fits_the_window():
+    rule = dataclasses.replace(_rule(2, 0.0, 2, None), overlap=True)  # 2 !< 4 // 2
+    with pytest.raises(ConfigError) as error:
+        check_rule(rule, "reduction.axes.slice")
+    message = str(error.value)
+    assert "reduction.axes.slice.overlap=true" in message and "sync_delay=2" in message
+    assert "\n" not in message

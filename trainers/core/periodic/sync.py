@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import BYTES_TAG, Periodic
-from trainers.core.periodic.window import WindowParts, window_ok, window_program
+from trainers.core.periodic.window import WindowParts, window_program
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
 from xshard.config.axes import AxisRule
@@ -184,11 +184,11 @@ class PeriodicPrograms:
 
         Raises:
           ValueError: no fragment sent after `step`, a window holding another program of the
-            axis (`window_ok`), or not ``sync_delay`` batches.
+            axis (`xshard.config.axes.AxisRule.window_fits`), or not ``sync_delay`` batches.
         """
         rule = self.periodic.rule
         fragment = due_fragment(step, rule)
-        if fragment is None or not window_ok(rule) or len(batches) != rule.sync_delay:
+        if fragment is None or not rule.window_fits or len(batches) != rule.sync_delay:
             raise ValueError(
                 f"no overlapped window after step {step}: fragment {fragment}, "
                 f"{len(batches)} batches, sync_delay {rule.sync_delay}, every_steps "

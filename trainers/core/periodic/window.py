@@ -26,15 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.core.step.types import TrainState
-from xshard.config.axes import AxisRule
 from xshard.reduce.periodic import due_fragment
-
-
-def window_ok(rule: AxisRule) -> bool:
-    """Whether a fragment's window (steps t + 1 .. t + tau and its outer update) holds no
-    other program of the axis: tau below the shortest gap between two fragments' sync steps
-    (``every_steps // fragments``)."""
-    return 0 < rule.sync_delay < rule.every_steps // rule.fragments
 
 
 class WindowParts(NamedTuple):

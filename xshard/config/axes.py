@@ -90,17 +90,18 @@ class AxisRule:
     overlap: bool = False
 
     @property
-    def window_fits(self) -> bool:
-        """Whether a fragment's delay window (the ``sync_delay`` steps after its send and its
-        outer update) holds no other sync of the axis: ``0 < sync_delay < every_steps //
-        fragments`` (the shortest gap between two fragments' sync steps)."""
-        return 0 < self.sync_delay < self.every_steps // self.fragments
-
-    @property
     def periodic(self) -> bool:
         """Whether the axis syncs parameters in a separate step instead of reducing gradients
         (it has an outer optimizer; `check_rule` refuses the periodic fields without one)."""
         return self.outer_optimizer is not None
+
+
+def window_fits(rule: AxisRule) -> bool:
+    """Whether a fragment's delay window (the ``sync_delay`` steps after its send and its
+    outer update) holds no other sync of the axis: ``0 < sync_delay < every_steps //
+    fragments`` (the shortest gap between two fragments' sync steps). Reads the fields only:
+    `rule` may be the config's node."""
+    return 0 < rule.sync_delay < rule.every_steps // rule.fragments
 
 
 #: The rules a periodic axis may reduce its pseudo-gradient by.
@@ -176,7 +177,7 @@ def check_rule(rule: AxisRule, key: str) -> None:
                 f"{key}.rule={shown(rule.rule)}: a periodic axis (with {key}.outer_optimizer) "
                 f"reduces its pseudo-gradient by one of {list(PERIODIC_RULES)} or null."
             )
-        if rule.overlap and not rule.window_fits:
+        if rule.overlap and not window_fits(rule):
             raise ConfigError(
                 f"{key}.overlap=true: expected 0 < {key}.sync_delay < every_steps // "
                 f"fragments ({rule.every_steps} // {rule.fragments}), got sync_delay="

@@ -20,7 +20,7 @@ from trainers.core.periodic.axis import BYTES_TAG, Periodic
 from trainers.core.periodic.window import WindowParts, window_program
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
-from xshard.config.axes import AxisRule
+from xshard.config.axes import AxisRule, window_fits
 from xshard.errors import ConfigError
 from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.periodic import due_fragment, due_update
@@ -184,11 +184,11 @@ class PeriodicPrograms:
 
         Raises:
           ValueError: no fragment sent after `step`, a window holding another program of the
-            axis (`xshard.config.axes.AxisRule.window_fits`), or not ``sync_delay`` batches.
+            axis (`xshard.config.axes.window_fits`), or not ``sync_delay`` batches.
         """
         rule = self.periodic.rule
         fragment = due_fragment(step, rule)
-        if fragment is None or not rule.window_fits or len(batches) != rule.sync_delay:
+        if fragment is None or not window_fits(rule) or len(batches) != rule.sync_delay:
             raise ValueError(
                 f"no overlapped window after step {step}: fragment {fragment}, "
                 f"{len(batches)} batches, sync_delay {rule.sync_delay}, every_steps "

@@ -44,6 +44,13 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "diloco H=8": ("reduction=diloco",),
     "diloco H=32": ("reduction=diloco", "reduction.axes.slice.every_steps=32"),
     "diloco_int8 H=8": ("reduction=diloco_int8",),
+    # Streaming DiLoCo's delay, as separate programs and as the one window program (overlap).
+    "diloco H=8 tau=2": ("reduction=diloco", "reduction.axes.slice.sync_delay=2"),
+    "diloco H=8 tau=2 overlap": (
+        "reduction=diloco",
+        "reduction.axes.slice.sync_delay=2",
+        "reduction.axes.slice.overlap=true",
+    ),
 }
 #: Every run: the task and mesh, nothing but training (no checkpoints, no per-layer stats).
 BASE = (
@@ -254,10 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="one rate, two variants, few steps")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
     parser.add_argument("--rates", nargs="+", help="tc rates (default: 1gbit 100mbit 10mbit)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: all")
     args = parser.parse_args(argv)
     settings = SMOKE if args.smoke else FULL
     if args.rates:
         settings = settings._replace(rates=tuple(args.rates))
+    if args.variants:
+        settings = settings._replace(variants=tuple(args.variants))
     why = unavailable()
     if why:
         print(f"benchmarks.dcn: {why}", file=sys.stderr)

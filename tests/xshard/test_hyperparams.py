@@ -95,7 +95,7 @@ def test_an_outer_optimizer_lowers_to_the_same_program(compose_config, params):
     assert (
         a.hyperparams.values[f"{key}.learning_rate"],
         a.hyperparams.values[f"{key}.momentum"],
-    ) == (0.7, 0.9)
+    ) == (0.3, 0.9)  # the preset's, from the sweep in docs/reductions.md
 
     def text(built, constants: bool) -> str:
         values = {k: jnp.float32(v) for k, v in built.hyperparams.values.items()}

@@ -18,16 +18,19 @@ set on the trainer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
 
 from trainers.core.hook import Hook, StopTraining, end_hooks
 from trainers.core.metrics import COMPILE_TIME, StepMetrics
+from trainers.core.periodic.window import overlapped_steps
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, STATS, step_level
 from trainers.core.step.types import TrainState
 from trainers.core.stop_vote import STOP_VOTE_KEY, StopVote
+from xshard.reduce.periodic import due_fragment
 
 
 class Stepper(Protocol):
@@ -155,6 +158,8 @@ class FitLoop:
                         hook.on_compiled(self.trainer.executables())
                 if self.one_step(step, local):
                     reason = "stopped"
+                elif self.window_due(step):
+                    step, reason = self.window(step, batch_iter)
             if self.pending is not None:
                 self.emit(self.pending)
         except StopTraining as stop_request:
@@ -185,16 +190,55 @@ class FitLoop:
         if self.pending is not None:  # waits for step - 1 only: two steps in flight at most
             self.emit(self.pending)
         self.pending = (step, metrics)
+        return self.after_update(step, step)
+
+    def after_update(self, first: int, step: int) -> bool:
+        """After updates `first` .. `step` (one, or an overlapped window's): whether to stop,
+        and the state to the hooks that want it at any of them; returns whether to stop."""
         if self.agree:  # a vote cast at step k - 1 is known now on every process
             stop = self.agreed is not None and step > self.agreed.step
         else:
             stop = self.stop_requested()
-        if stop or any(h.wants_state(step) for h in self.hooks):
+        wanted = any(h.wants_state(s) for h in self.hooks for s in range(first, step + 1))
+        if self.pending is not None and (stop or wanted):
             self.emit(self.pending)  # the state's own metrics come first
             self.pending = None
             for h in self.hooks:
                 h.on_state(step, self.state)
         return stop
+
+    def window_due(self, step: int) -> bool:
+        """Whether updates ``step + 1 .. step + sync_delay`` and the delayed sync of the
+        fragment sent after `step` run as one overlapped window (the periodic axis's
+        ``overlap``), ending within the run."""
+        periodic = self.trainer.periodic
+        if periodic is None or not periodic.rule.overlap:
+            return False
+        rule = periodic.rule
+        return due_fragment(step, rule) is not None and step + rule.sync_delay <= self.num_steps
+
+    def window(self, step: int, batch_iter: Iterator[dict[str, Any]]) -> tuple[int, str]:
+        """The overlapped window after `step` (`trainers.core.periodic.window`): its updates'
+        metrics to the hooks in order, lag-one as ever. Returns the last update and why to
+        end ("done": go on); where the data ends inside the window, its batches run one by
+        one."""
+        batches = list(itertools.islice(batch_iter, self.trainer.periodic.rule.sync_delay))
+        if len(batches) < self.trainer.periodic.rule.sync_delay:
+            for local in batches:
+                step += 1
+                if self.one_step(step, local):
+                    return step, "stopped"
+            return step, "data_exhausted"
+        vote = self.vote() if self.agree else 0
+        self.state, metrics = overlapped_steps(self.trainer, self.state, step, batches, vote)
+        metrics[0] = self.with_compile_time(metrics[0])
+        first = step + 1
+        for m in metrics:
+            step += 1
+            if self.pending is not None:
+                self.emit(self.pending)
+            self.pending = (step, m)
+        return step, "stopped" if self.after_update(first, step) else "done"
 
     def with_compile_time(self, metrics: StepMetrics) -> StepMetrics:
         """`metrics` with `COMPILE_TIME` (the run's compile seconds so far) if programs were

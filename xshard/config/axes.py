@@ -74,6 +74,9 @@ class AxisRule:
         feeds (after step t + tau); 0: at once. Less than ``every_steps``.
       mix: alpha, Streaming DiLoCo's mixing factor: after the outer update each replica
         sets the fragment to ``mix * replica + (1 - mix) * outer``; 0: the outer params.
+      overlap: run the ``sync_delay`` inner steps after a fragment's send and its outer
+        update as ONE program, the collective independent of the steps
+        (`trainers.core.periodic.window`); needs `window_fits`.
     """
 
     every_steps: int = 1
@@ -85,12 +88,21 @@ class AxisRule:
     warmup_steps: int = 0
     sync_delay: int = 0
     mix: float = 0.0
+    overlap: bool = False
 
     @property
     def periodic(self) -> bool:
         """Whether the axis syncs parameters in a separate step instead of reducing gradients
         (it has an outer optimizer; `check_rule` refuses the periodic fields without one)."""
         return self.outer_optimizer is not None
+
+
+def window_fits(rule: AxisRule) -> bool:
+    """Whether a fragment's delay window (the ``sync_delay`` steps after its send and its
+    outer update) holds no other sync of the axis: ``0 < sync_delay < every_steps //
+    fragments`` (the shortest gap between two fragments' sync steps). Reads the fields only:
+    `rule` may be the config's node."""
+    return 0 < rule.sync_delay < rule.every_steps // rule.fragments
 
 
 #: The rules a periodic axis may reduce its pseudo-gradient by.
@@ -102,6 +114,7 @@ _PERIODIC_ONLY = (
     ("warmup_steps", 0),
     ("sync_delay", 0),
     ("mix", 0.0),
+    ("overlap", False),
 )
 #: The numeric fields and their ranges (the counts bounded by the int32 step counter); the
 #: config's node leaves their type to these (a non-number is one line naming the range too).
@@ -164,6 +177,12 @@ def check_rule(rule: AxisRule, key: str) -> None:
             raise ConfigError(
                 f"{key}.rule={shown(rule.rule)}: a periodic axis (with {key}.outer_optimizer) "
                 f"reduces its pseudo-gradient by one of {list(PERIODIC_RULES)} or null."
+            )
+        if rule.overlap and not window_fits(rule):
+            raise ConfigError(
+                f"{key}.overlap=true: expected 0 < {key}.sync_delay < every_steps // "
+                f"fragments ({rule.every_steps} // {rule.fragments}), got sync_delay="
+                f"{rule.sync_delay} (the delayed steps and the sync run as one program)."
             )
         return
     for name, default in _PERIODIC_ONLY:

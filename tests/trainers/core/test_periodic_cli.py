@@ -190,8 +190,12 @@ def test_cli_sweep_over_reductions(tmp_path):
             ["reduction=diloco", "reduction.axes.slice.mix=abc"],
             ["reduction.axes.slice.mix='abc'", "0 <= mix <= 1"],
         ),
+        (
+            ["reduction=diloco", "reduction.axes.slice.overlap=true"],
+            ["reduction.axes.slice.overlap=true", "sync_delay=0"],
+        ),
     ],
-    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target", "mix"],
+    ids=["no-slice-axis", "every-steps", "fragments", "codec", "target", "mix", "overlap"],
 )
 def test_cli_bad_axis_values_exit_2_naming_the_key(tmp_path, overrides, fragments):
     result = run_train(

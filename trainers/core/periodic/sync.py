@@ -19,9 +19,10 @@ from jax.sharding import PartitionSpec as P
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import BYTES_TAG, Periodic
 from trainers.core.periodic.group_sync import ElasticSync, Exchange
+from trainers.core.periodic.window import WindowParts, window_program
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
-from xshard.config.axes import AxisRule
+from xshard.config.axes import AxisRule, window_fits
 from xshard.errors import ConfigError
 from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.periodic import due_fragment, due_update
@@ -81,6 +82,7 @@ class PeriodicPrograms:
         self.bytes_per_step = 0.0
         self._syncs: dict[int, jax.stages.Compiled] = {}
         self._sends: dict[int, jax.stages.Compiled] = {}
+        self._windows: dict[int, jax.stages.Compiled] = {}
         self._start: jax.stages.Compiled | None = None
         self.compile_seconds: float | None = None
         self.elastic: ElasticSync | None = None
@@ -206,6 +208,53 @@ class PeriodicPrograms:
             self._apply, seconds = self._compile(apply, state, shardings(state), True, 1)
         state, values = self.elastic.sync(state, self._hyperparams, shardings, self._apply, join)
         return state, values, seconds
+
+    def window_executable(self, fragment: int) -> jax.stages.Compiled | None:
+        """The compiled window program of `fragment` (None: not compiled yet)."""
+        return self._windows.get(fragment)
+
+    def window(
+        self, state: TrainState, step: int, batches: tuple[Any, ...], parts: WindowParts
+    ) -> tuple[TrainState, jax.Array, jax.Array, float]:
+        """Updates ``step + 1 .. step + sync_delay`` on `batches` and the outer update of the
+        fragment sent after update `step`, in one program (`trainers.core.periodic.window`).
+        Donates `state`. Returns the state, the metrics rows of each update, the sync's
+        statistics vector and the seconds spent compiling.
+
+        Raises:
+          ValueError: no fragment sent after `step`, a window holding another program of the
+            axis (`xshard.config.axes.window_fits`), or not ``sync_delay`` batches.
+        """
+        rule = self.periodic.rule
+        fragment = due_fragment(step, rule)
+        if fragment is None or not window_fits(rule) or len(batches) != rule.sync_delay:
+            raise ValueError(
+                f"no overlapped window after step {step}: fragment {fragment}, "
+                f"{len(batches)} batches, sync_delay {rule.sync_delay}, every_steps "
+                f"{rule.every_steps}, fragments {rule.fragments}"
+            )
+        seconds = 0.0
+        if fragment not in self._windows:
+            sync = lambda s, hp: self._periodic(hp).sync(s, fragment, self.groups)
+            program = window_program(parts.step, sync, parts.batch_sharding)
+            replicated = NamedSharding(self.periodic.mesh, P())
+            jitted = jax.jit(
+                program,
+                in_shardings=(
+                    parts.state_shardings,
+                    (parts.batch_sharding,) * len(batches),
+                    *parts.extra_shardings,
+                ),
+                out_shardings=(parts.state_shardings, None, replicated),
+                donate_argnums=(0,),
+            )
+            start = time.perf_counter()
+            with jax.set_mesh(self.periodic.mesh):
+                self._windows[fragment] = jitted.lower(state, batches, *parts.extra).compile()
+            seconds = time.perf_counter() - start
+            self.compile_seconds = (self.compile_seconds or 0.0) + seconds
+        state, values, stats = self._windows[fragment](state, batches, *parts.extra)
+        return state, values, stats, seconds
 
     def _periodic(self, hyperparams: Mapping[str, Any]) -> Periodic:
         """The axis, its rule's outer optimizer built on the (traced) `hyperparams` when the

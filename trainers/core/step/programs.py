@@ -308,21 +308,42 @@ class StepPrograms:
             gradients.
         """
         shardings = state_shardings(state)
-        keys: list[tuple[str, ...]] = []
-        layouts: list[dict[str, tuple[int, ...]]] = []
-        stats_keys: list[set[str]] = []
+        seen: list[tuple[Any, ...]] = []
+        train_step = self.step_program(key, seen)
+        extra, extra_shardings = self.extra_inputs(0)
+        jitted = jax.jit(
+            train_step,
+            in_shardings=(shardings, self.batch_sharding, *extra_shardings),
+            out_shardings=(shardings, None),
+            donate_argnums=(0,),
+        )
+        try:
+            with jax.set_mesh(self.mesh):
+                lowered = jitted.lower(state, batch, *extra)
+        except PerShardGradientsRequired as e:
+            raise ConfigError(
+                f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
+                f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
+                "without per-shard clipping or weights (reduction.clip_per_shard=null)."
+            ) from None
+        names, layouts, stats_keys = seen[0]
+        return Traced(lowered, names, layouts, frozenset(stats_keys))
+
+    def step_program(self, key: ProgramKey, seen: list[tuple[Any, ...]]) -> Callable[..., Any]:
+        """The traceable program of `key`: ``(state, batch, hyperparams, *votes) -> (state,
+        metrics vector)``, every replica alone with a periodic axis; each trace appends to
+        `seen` what it recorded: (the metric names, the per-layer statistics' shapes, the
+        metrics only statistics steps compute)."""
 
         def run(state, batch, hyperparams, vote):
             step_fn = self.step_fn(key, hyperparams)
             state, metrics, diag = step_fn.fn(state, batch)
-            stats_keys.append(step_fn.stats_keys)
             if vote is not None:  # agree_stop: the highest vote of all devices
                 metrics = {**metrics, STOP_VOTE_KEY: vote}
             names, values = stack_metrics(metrics)
-            keys.append(names)  # at trace time
             # The per-layer statistics travel in the same vector: one transfer to the host.
             shapes, tail = pack_diagnostics(diag)
-            layouts.append(shapes)
+            seen.append((names, shapes, step_fn.stats_keys))  # at trace time
             return state, jnp.concatenate([values, tail])
 
         def train_step(state, batch, hyperparams, *votes):
@@ -332,23 +353,7 @@ class StepPrograms:
                 return self.periodic.inner(step, state, batch, vote)
             return step(state, batch, vote)
 
-        jitted = jax.jit(
-            train_step,
-            in_shardings=(shardings, self.batch_sharding, self._replicated)
-            + ((self._vote_sharding,) if self.agree_stop else ()),
-            out_shardings=(shardings, None),
-            donate_argnums=(0,),
-        )
-        try:
-            with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(state, batch, self.hyperparams, *self._votes(0))
-        except PerShardGradientsRequired as e:
-            raise ConfigError(
-                f"trainer.grad_impl={self.grad_impl!r} computes no per-shard gradients, "
-                f"but the optimizer needs them: {e} Use trainer.grad_impl=manual, or a reduction "
-                "without per-shard clipping or weights (reduction.clip_per_shard=null)."
-            ) from None
-        return Traced(lowered, keys[0], layouts[0], frozenset(stats_keys[0]))
+        return train_step
 
     def step_fn(self, key: ProgramKey, hyperparams: Mapping[str, Any]) -> TrainStep:
         """The step function of `key`: built on the (traced) `hyperparams` when the programs
@@ -406,8 +411,14 @@ class StepPrograms:
         self.compile_missing([key], state, batch)
         executable = self.compiled.get(key)
         assert executable is not None
-        state, values = executable(state, batch, self.hyperparams, *self._votes(stop_vote))
+        state, values = executable(state, batch, *self.extra_inputs(stop_vote)[0])
         return state, self.compiled.metrics(key.level, values)
+
+    def extra_inputs(self, stop_vote: int) -> tuple[tuple[Any, ...], tuple[NamedSharding, ...]]:
+        """What a step program takes after the state and the batch, and where it lives: the
+        hyperparameters and, with `agree_stop`, this process's `stop_vote` on its devices."""
+        shardings = (self._replicated,) + ((self._vote_sharding,) if self.agree_stop else ())
+        return (self.hyperparams, *self._votes(stop_vote)), shardings
 
     def _votes(self, vote: int) -> tuple[jax.Array, ...]:
         """The step's vote input: this process's `vote` on each of its devices (cached); none

@@ -202,6 +202,20 @@ def test_fsdp_over_two_data_axes_on_the_cpu2x4_preset():
             np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
 
 
+def test_muon_with_microbatches_and_a_skipped_step_trains_as_replicated_with_zero1():
+    # Stage 1 reduce-scatters Muon's matrices and all-reduces the rest (zero_update): the
+    # microbatches still reduce once, the guard skips the non-finite step on every shard, and
+    # the matrices updated whole keep the shardings init chose.
+    task = MLPTask(hidden=(128, 128), nan_at_step=1)
+    run = functools.partial(train, ("optimizer=muon",), steps=3, microbatches=2, task=task)
+    ref, _, _ = run(stage=0)
+    state, initial, _ = run(stage=1)
+    assert int(state.opt_state.skipped_steps) == int(ref.opt_state.skipped_steps) == 1
+    for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    assert trainer_shardings(state) == jax.tree.map(lambda s: s.spec, initial)
+
+
 # ------------------------------------------------------------------------------ shardings
 
 

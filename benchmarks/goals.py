@@ -18,6 +18,8 @@ ALL_STATS = 1.10
 LOGGING_STEP = 1.15
 #: `Trainer.fit` with the CLI's hooks against a bare Python loop over the same step.
 HOST_LOOP = 1.02
+#: Muon's step against AdamW's at the CLI's defaults (issue 36; section `optimizers`).
+MUON_STEP = 1.10
 
 
 def _row(what: str, task: str, target: float, r: dict[str, float] | None) -> dict[str, Any]:
@@ -59,6 +61,11 @@ def summary(sections: dict[str, Any]) -> list[dict[str, Any]]:
             ("xshard_trainer+histograms", "+ histograms, every step"),
         ):
             rows.append(_row(what, task, LOGGING_STEP, vs.get(name)))
+    for task, t in sections.get("optimizers", {}).items():
+        if isinstance(t, dict) and "vs_adamw" in t:
+            rows.append(
+                _row("muon vs adamw (CLI defaults)", task, MUON_STEP, t["vs_adamw"]["muon"])
+            )
     host = sections.get("host", {})
     if "fit_hooks_vs_bare" in host:
         rows.append(

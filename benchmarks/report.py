@@ -296,6 +296,18 @@ def _scaling(sec: dict[str, Any]) -> str:
     return f"{table}\n\nNote: {sec['note']}."
 
 
+def _optimizers(sec: dict[str, Any]) -> str:
+    rows = []
+    for task in _tasks(sec):
+        t = sec[task]
+        for name, s in t["variants"].items():
+            vs = t["vs_adamw"].get(name)
+            rows.append(
+                [task, f"`optimizer={name}`", _ms(s), "1.00x" if vs is None else _ratio(vs)]
+            )
+    return _table(["task", "optimizer (CLI defaults)", "ms/step", "vs adamw"], rows)
+
+
 _RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "overhead": ("1. Step time: xshard vs hand-written steps", _overhead),
     "stats": ("2. Cost of the statistics", _stats),
@@ -304,6 +316,7 @@ _RENDERERS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "compile": ("5. Compilation", _compile),
     "host": ("6. Host overhead of `Trainer.fit`", _host),
     "scaling": ("7. Scaling over simulated devices (same global batch)", _scaling),
+    "optimizers": ("8. Muon: step time against AdamW", _optimizers),
 }
 
 

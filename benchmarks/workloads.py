@@ -128,6 +128,26 @@ def make_workload(name: str, *, smoke: bool, num_batches: int = 4) -> Workload:
     `num_batches` batches."""
     task_option, overrides = WORKLOADS[name]
     cfg = compose_config(task_option, (*overrides, *(SMOKE_OVERRIDES[name] if smoke else ())))
+    return _workload(name, cfg, num_batches)
+
+
+def cli_workload(
+    name: str, overrides: Sequence[str], *, smoke: bool, num_batches: int = 4
+) -> Workload:
+    """Workload `name` as ``python -m trainers.train`` composes it with only `overrides`: the
+    CLI's own optimizer, schedule, reduction and clip, not the benchmark's (`compose_config`)."""
+    task_option, task_overrides = WORKLOADS[name]
+    smoke_overrides = SMOKE_OVERRIDES[name] if smoke else ()
+    with initialize_config_module(config_module="xshard.conf", version_base="1.3"):
+        cfg = compose(
+            "xshard_train",
+            overrides=[f"task={task_option}", *task_overrides, *overrides, *smoke_overrides],
+        )
+    return _workload(name, cfg, num_batches)
+
+
+def _workload(name: str, cfg: DictConfig, num_batches: int) -> Workload:
+    """The `Workload` of the composed `cfg`: its task and `num_batches` batches."""
     task = hydra.utils.instantiate(cfg.task, _convert_="all")
     batch_size = int(cfg.trainer.batch_size)
     batches = list(itertools.islice(task.batches(batch_size, seed=int(cfg.seed)), num_batches))

@@ -28,6 +28,7 @@ SECTIONS = (
     "compile",
     "host",
     "scaling",
+    "optimizers",
 )
 TASKS = ("mlp", "tiny_gpt")
 

@@ -11,6 +11,7 @@ from benchmarks.sections import (
     compile_time,
     host,
     memory,
+    optimizers,
     overhead,
     scaling,
     stats,
@@ -24,4 +25,5 @@ SECTIONS: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "compile": compile_time.run,
     "host": host.run,
     "scaling": scaling.run,
+    "optimizers": optimizers.run,
 }

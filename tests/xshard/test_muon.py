@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from xshard.optim.muon import muon
+from xshard.optim.muon import muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
 
 PARAMS = {
@@ -46,3 +46,16 @@ def test_muon_is_optax_contrib_muon_bit_for_bit(kwargs):
         u_theirs, s_theirs = update_theirs(grads, s_theirs, PARAMS)
         for a, b in zip(jax.tree.leaves((u_theirs, s_theirs)), jax.tree.leaves((u_ours, s_ours))):
             np.testing.assert_array_equal(b, a)
+
+
+def test_whole_updates_names_the_parameters_muon_orthogonalises():
+    # The ZeRO step leaves these out of the params' gather: their update is whole.
+    expected = jax.tree.map(lambda d: d is not None, hidden_matrices(PARAMS), is_leaf=_is_dims)
+    state = muon(1e-2, muon_weight_dimension_numbers=hidden_matrices).init(PARAMS)
+    assert whole_updates(state) == expected
+    assert whole_updates(muon(1e-2).init(PARAMS)) == jax.tree.map(lambda x: x.ndim == 2, PARAMS)
+    assert whole_updates(optax.adamw(1e-2).init(PARAMS)) is None
+
+
+def _is_dims(x):
+    return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)

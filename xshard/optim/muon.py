@@ -7,8 +7,9 @@ collectives (601 all-gathers and 41 all-reduces per step on an 8-layer GPT, 6.2x
 limit). optax has no per-matrix hook, so `muon` here is optax's, built from the same parts
 (same arguments, same state tree, same arithmetic), with one change in `scale_by_muon`: the
 momentum each matrix orthogonalises is laid out whole (`whole`) first, so it is gathered once
-and the iterations run without communication; the update leaves whole, and the step lays it
-out as the params.
+and the iterations run without communication; the update leaves whole. `whole_updates` names
+the parameters so updated: a ZeRO step whose params are whole at rest adds the whole update to
+the whole parameter and leaves it out of the params' gather.
 
 Adapted from optax.contrib._muon (optax 0.2.8, Apache 2.0, DeepMind).
 """
@@ -41,6 +42,38 @@ def whole(x: jax.Array) -> jax.Array:
     if mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, P())
+
+
+def _is_muon_state(x: Any) -> bool:
+    return isinstance(x, MuonState)
+
+
+def whole_updates(opt_state: Any) -> Any | None:
+    """Per parameter, whether a Muon state in `opt_state` holds its momentum: `scale_by_muon`
+    lays that parameter's update out whole on every device, so a sharded step can add it to
+    the whole parameter and skip the parameter's gather (`trainers.core.step.zero_update`).
+
+    Args:
+      opt_state: an optimizer state (any nesting: partitions, chains, injected hyperparams).
+
+    Returns:
+      A tree of bools shaped like the params (Muon's momentum, `optax.MaskedNode` where its
+      Adam fallback updates), or None if `opt_state` holds no `optax.contrib.MuonState`.
+    """
+    states = [
+        s for s in jax.tree.leaves(opt_state, is_leaf=_is_muon_state) if isinstance(s, MuonState)
+    ]
+    if not states:
+        return None
+    masks = [
+        jax.tree.map(
+            lambda m: not isinstance(m, MaskedNode),
+            s.mu,
+            is_leaf=lambda m: isinstance(m, MaskedNode),
+        )
+        for s in states
+    ]
+    return jax.tree.map(lambda *held: any(held), *masks)
 
 
 def _momentum(updates: Any, state: MuonState, beta: float, nesterov: bool) -> tuple[Any, Any]:

@@ -202,6 +202,20 @@ def test_fsdp_over_two_data_axes_on_the_cpu2x4_preset():
             np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
 
 
+def test_muon_with_microbatches_and_a_skipped_step_trains_as_replicated_with_zero1():
+    # Stage 1 reduce-scatters Muon's matrices and all-reduces the rest (zero_update): the
+    # microbatches still reduce once, the guard skips the non-finite step on every shard, and
+    # the matrices updated whole keep the shardings init chose.
+    task = MLPTask(hidden=(128, 128), nan_at_step=1)
+    run = functools.partial(train, ("optimizer=muon",), steps=3, microbatches=2, task=task)
+    ref, _, _ = run(stage=0)
+    state, initial, _ = run(stage=1)
+    assert int(state.opt_state.skipped_steps) == int(ref.opt_state.skipped_steps) == 1
+    for a, b in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    assert trainer_shardings(state) == jax.tree.map(lambda s: s.spec, initial)
+
+
 # ------------------------------------------------------------------------------ shardings
 
 
@@ -331,11 +345,12 @@ def test_zero1_all_reduces_the_gradient_and_all_gathers_the_params():
     assert [shapes for op, shapes in ops if op == "all-gather"] == [[(8, sliced // 8)]]
 
 
-@pytest.mark.parametrize("impl", ["manual", "gspmd"])
-def test_zero1_muon_gathers_each_hidden_matrix_once_whole(impl):
+@pytest.mark.parametrize(("stage", "impl"), [(1, "manual"), (1, "gspmd"), (2, "manual")])
+def test_muon_gathers_each_hidden_matrix_once_and_not_its_new_params(stage, impl):
     # Newton-Schulz needs whole matrices: each matrix's momentum is gathered once
-    # (xshard.optim.muon), never the iterations partitioned over the row-sharded state.
-    state, _, trainer = train(("optimizer=muon",), stage=1, impl=impl, steps=1)
+    # (xshard.optim.muon), never the iterations partitioned over the row-sharded state; its new
+    # params are then whole on every device, left out of the params' gather (zero_update).
+    state, _, trainer = train(("optimizer=muon",), stage=stage, impl=impl, steps=1)
     muon = jax.tree.map(
         lambda d, x: d is not None and zero_dim(x.shape, P(), 8) is not None,
         hidden_matrices(state.params),
@@ -344,8 +359,16 @@ def test_zero1_muon_gathers_each_hidden_matrix_once_whole(impl):
     )
     matrices = [tuple(x.shape) for x, m in zip(*map(jax.tree.leaves, (state.params, muon))) if m]
     assert matrices  # the MLP's hidden layers, sliced by ZeRO
+    in_muon = sum(int(np.prod(m)) for m in matrices)
     sliced, _ = sliced_elements(state)
-    gathers = [shapes for op, shapes in collectives(trainer) if op == "all-gather"]
-    assert gathers.count([(8, sliced // 8)]) == 1  # the updated params, as with adam
-    others = sorted(s for shapes in gathers if shapes != [(8, sliced // 8)] for s in shapes)
-    assert others == sorted(matrices)
+    ops = collectives(trainer)
+    gathered = sorted(s for op, shapes in ops if op == "all-gather" for s in shapes)
+    # one all-gather per hidden matrix, and one of the other updated params (as with adam)
+    assert len([op for op, _ in ops if op == "all-gather"]) == len(matrices) + 1
+    assert gathered == sorted([*matrices, (8, (sliced - in_muon) // 8)])
+    if impl == "manual":  # the matrices' gradient reduce-scattered, at stage 1 too
+        scattered = in_muon if stage == 1 else sliced
+        assert [shapes for op, shapes in ops if op == "reduce-scatter"] == [[(1, scattered // 8)]]
+        reduced = sum(int(np.prod(s)) for op, shapes in ops if op == "all-reduce" for s in shapes)
+        total = sum(x.size for x in jax.tree.leaves(state.params))
+        assert reduced < total - in_muon + 64  # the others' gradient (+ scalar statistics)

@@ -50,10 +50,17 @@ from trainers.core.step.levels import (
     level_flags,
 )
 from trainers.core.step.types import StepResult, StepSpec, TrainState, TrainStep, step_rng
-from trainers.core.step.zero_update import constrain_for_update, gathered, manual_zero_step, updated
+from trainers.core.step.zero_update import (
+    constrain_for_update,
+    gathered,
+    manual_zero_step,
+    updated,
+    whole_at_rest,
+)
 from trainers.core.zero import ZeroLayout
 from trainers.tasks.base import Task
 from xshard.optim.cross_shard import Applied, CrossShardTransformation, LocalReduction
+from xshard.optim.muon import whole_updates
 from xshard.reduce.per_axis import state_partition_specs
 from xshard.stats.tree import leaf_sq_norms
 
@@ -195,10 +202,11 @@ class _StepProgram:
     def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
         """The update, and the metrics and per-layer statistics of the step's level."""
         flags = self.flags
-        if self.zero:  # the update on each device's slice
-            params, grads = constrain_for_update(self.zero_layout, params, grads)
+        whole = whole_at_rest(self.zero_layout, whole_updates(opt_state)) if self.zero else None
+        if self.zero:  # the update on each device's slice (or whole, where `whole` says)
+            params, grads = constrain_for_update(self.zero_layout, params, grads, whole)
         done = self.update(params, opt_state, grads)
-        new_params = updated(self.zero_layout, done.params) if self.zero else done.params
+        new_params = updated(self.zero_layout, done.params, whole) if self.zero else done.params
         metrics, stats_only = state_metrics(
             done.state,
             skips=self.tx.spec.skip_nonfinite,
@@ -299,6 +307,7 @@ class _StepProgram:
             self.tx.phases.reduce,
             self._shard_grads,
             whole=bool(self.tx.spec.axes.rules),
+            updated_whole=whole_at_rest(self.zero_layout, whole_updates(state.opt_state)),
         )
         rng = step_rng(self.spec.seed, state.step)
         comm = state.opt_state.comm if self.tx.spec.axes.rules else None

@@ -13,8 +13,11 @@ sharding constraints that make GSPMD run the optimizer on each device's slice.
 In both, the params are constrained to the sharded layout for the update (a local slice at
 stages 1 and 2, already so at stage 3), so the update is computed on 1/N of every array; the
 new params are then all-gathered (stages 1 and 2), or kept sliced and gathered for the next
-forward pass (stage 3), one all-gather per dtype (`gather`). A norm over a sharded array is a
-global norm under GSPMD, which keeps lamb, lars, adafactor and global-norm clipping exact.
+forward pass (stage 3), one all-gather per dtype (`gather`). A param the optimizer updates
+whole (Muon's matrices: `xshard.optim.muon.whole_updates`) stays whole for the update at stages
+1 and 2 and is left out of that gather: its new value is already whole on every device. A norm
+over a sharded array is a global norm under GSPMD, which keeps lamb, lars, adafactor and
+global-norm clipping exact.
 """
 
 from __future__ import annotations
@@ -36,26 +39,40 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def constrain_for_update(layout: ZeroLayout, params: Any, grads: Any) -> tuple[Any, Any]:
+def _pick(whole: bool, at_whole: Any, sliced: Any) -> Any:
+    return at_whole if whole else sliced
+
+
+def whole_at_rest(layout: ZeroLayout, whole: Any) -> Any:
+    """`whole` (`xshard.optim.muon.whole_updates`: the params the optimizer updates whole),
+    or None where the params are sliced at rest (stage 3), so every param is updated sliced."""
+    return whole if layout.stage < 3 else None
+
+
+def constrain_for_update(
+    layout: ZeroLayout, params: Any, grads: Any, whole: Any = None
+) -> tuple[Any, Any]:
     """`params` and the reduced gradient (a tree, or a `LocalReduction`) in the sharded layout.
 
     Args:
       layout: the run's layout (stage >= 1).
       params: the params as the step received them.
       grads: the reduced gradient, or the `LocalReduction` holding it.
+      whole: per param, whether the optimizer updates it whole (`whole_at_rest`), or None.
 
     Returns:
       (params, grads) under sharding constraints: sliced over the data axes where `zero_dim`
-      allows, as the update runs on them.
+      allows, as the update runs on them; a param updated whole stays as it is.
     """
     base = layout.base_shardings(params)
     sharded = layout.sharded(params, base)
+    p_sharded = sharded if whole is None else jax.tree.map(_pick, whole, base, sharded)
     local = grads if isinstance(grads, LocalReduction) else None
     g = local.updates if local is not None else grads
     if layout.stage == 1 and local is None:  # GSPMD: the all-reduce of ZeRO-1, then a slice
         g = jax.lax.with_sharding_constraint(g, base)
     g = jax.lax.with_sharding_constraint(g, sharded)
-    params = jax.lax.with_sharding_constraint(params, sharded)
+    params = jax.lax.with_sharding_constraint(params, p_sharded)
     return params, (dataclasses.replace(local, updates=g) if local is not None else g)
 
 
@@ -66,11 +83,13 @@ def data_spec(dim: int | None, axes: tuple[str, ...]) -> P:
     return P(*([None] * dim), axes[0] if len(axes) == 1 else axes)
 
 
-def gather(layout: ZeroLayout, params: Any) -> Any:
+def gather(layout: ZeroLayout, params: Any, whole: Any = None) -> Any:
     """`params`, sliced over the data axes by `layout`, all-gathered whole: one all-gather per
     dtype (`xshard.mesh.collectives.all_gather_tree`: packed on CPU, combined by XLA elsewhere), not
-    one per parameter."""
+    one per parameter. Those `whole` marks (None: none) are whole already and not gathered."""
     dims = layout.data_dims(params, layout.base_shardings(params))
+    if whole is not None:
+        dims = jax.tree.map(lambda w, d: None if w else d, whole, dims, is_leaf=_is_none)
     specs = jax.tree.map(lambda d: data_spec(d, layout.axes), dims, is_leaf=_is_none)
     return jax.shard_map(
         lambda p: all_gather_tree(p, dims, layout.axes),
@@ -87,10 +106,10 @@ def gathered(layout: ZeroLayout, params: Any) -> Any:
     return gather(layout, params) if layout.stage >= 3 else params
 
 
-def updated(layout: ZeroLayout, params: Any) -> Any:
+def updated(layout: ZeroLayout, params: Any, whole: Any = None) -> Any:
     """The new params after the update on slices: gathered at stages 1 and 2 (replicated at
-    rest), kept sliced at stage 3."""
-    return gather(layout, params) if layout.stage < 3 else params
+    rest) but for those updated `whole` (`whole_at_rest`), kept sliced at stage 3."""
+    return gather(layout, params, whole) if layout.stage < 3 else params
 
 
 class ZeroReduced(NamedTuple):
@@ -112,6 +131,7 @@ def manual_zero_step(
     reduce_fn: Callable[..., LocalReduction],
     shard_grads: Callable[..., Any],
     whole: bool = False,
+    updated_whole: Any = None,
 ) -> Callable[..., ZeroReduced]:
     """The reducing half of a ZeRO step on the manual path.
 
@@ -129,6 +149,9 @@ def manual_zero_step(
       whole: reduce the gradient whole at every stage, as stage 1 does (the update's
         constraints then slice it): for every-step axis rules (`xshard.reduce.per_axis`), which
         share their reduction out by their own shares, not by the ZeRO slices.
+      updated_whole: per param, whether the optimizer updates it whole (`whole_at_rest`), or
+        None: such a gradient is reduce-scattered at stage 1 too, only the momentum built
+        from it being needed whole (the all-reduce would send it twice over).
 
     Returns:
       ``reduce(params, model_state, batch, rng, comm) -> ZeroReduced``, `comm` the
@@ -136,7 +159,10 @@ def manual_zero_step(
     """
 
     def reduce(params, model_state, batch, rng, comm=None) -> ZeroReduced:
-        dims = layout.scatter_dims(params, layout.base_shardings(params))
+        base = layout.base_shardings(params)
+        dims = layout.scatter_dims(params, base)
+        if updated_whole is not None:
+            dims = jax.tree.map(_pick, updated_whole, layout.data_dims(params, base), dims)
         if whole:
             dims = jax.tree.map(lambda _: None, dims, is_leaf=_is_none)
         specs = jax.tree.map(lambda d: data_spec(d, axes), dims, is_leaf=_is_none)

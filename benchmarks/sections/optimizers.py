@@ -1,0 +1,50 @@
+"""Section 8: Muon's step against AdamW's, at the CLI's defaults (issue 36).
+
+``optimizer=muon`` against ``optimizer=adamw`` (the CLI's default) on tiny_gpt, each composed
+as ``python -m trainers.train optimizer=<name>`` composes it (its schedule, reduction and clip;
+statistics every ``trainer.stats_every`` steps), the two interleaved block by block in one
+process, with paired ratios (`benchmarks.timing`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from omegaconf import OmegaConf
+
+from benchmarks.context import Bench
+from benchmarks.goals import MUON_STEP
+from benchmarks.timing import interleave, ratio
+from benchmarks.variants import make_trainer, trainer_loop
+from benchmarks.workloads import cli_workload
+from trainers.config import TrainerOptions
+from trainers.core.step import PLAIN, STATS
+
+#: The baseline (the CLI's default optimizer) first, then those compared with it.
+OPTIMIZERS = ("adamw", "muon")
+TASK = "tiny_gpt"
+
+
+def run(bench: Bench) -> dict[str, Any]:
+    """Times each optimizer's step on `TASK`; returns step times and ratios to adamw."""
+    loops = []
+    for name in OPTIMIZERS:
+        wl = cli_workload(TASK, (f"optimizer={name}",), smoke=bench.settings.smoke)
+        opts = TrainerOptions(**OmegaConf.to_container(wl.cfg.trainer, resolve=True))
+        trainer = make_trainer(wl, bench.mesh(), opts.grad_impl)
+        every = opts.stats_every  # null in config: log_every, as the CLI reads it
+        params = jax.device_get(trainer.init_params(wl.host_batches[0]))
+        level = lambda i, every=every: STATS if i % every == 0 else PLAIN
+        loops.append(trainer_loop(name, wl, trainer, params, level))
+    timings = interleave(loops, bench.settings.plan(TASK))
+    base = timings[OPTIMIZERS[0]]
+    return {
+        TASK: {
+            "model": wl.model_config(),
+            "devices": bench.max_devices,
+            "variants": {n: timings[n].summary() for n in OPTIMIZERS},
+            "vs_adamw": {n: ratio(timings[n], base) for n in OPTIMIZERS[1:]},
+            "target": {"muon": MUON_STEP},
+        }
+    }

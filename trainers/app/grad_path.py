@@ -21,6 +21,7 @@ import logging
 from typing import Any
 
 from trainers.app.builders import RunOptions, RunParts
+from trainers.app.memory_preflight import StepMemoryCheck
 from trainers.app.stages import Placement, Started
 from trainers.config.run import GRAD_IMPL_AUTO
 from trainers.hooks.summary import RunSummary
@@ -40,7 +41,8 @@ def choose_path(
     the config its checkpoints save; `summary` records it. Only ``auto`` chooses.
 
     Raises:
-      ConfigError: if no path's program compiles (the first path's error).
+      ConfigError: if no path's program compiles (the first path's error), or a compiled
+        step needs more memory than there is (`StepMemoryCheck`, before any timed step).
     """
     from trainers.checkpoint.resume import saved_config
     from trainers.core.path_race import race
@@ -63,7 +65,16 @@ def choose_path(
         chosen, record = next(iter(parts.paths)), None
         log.info("trainer.grad_impl=auto: %s, the only path this run takes (not timed).", chosen)
     else:
-        found = race(parts.paths, started.state, started.first, agree=where.cluster.broadcast)
+        memory = StepMemoryCheck(
+            where.mesh.local_devices, options.trainer.batch_size, where.cluster.agreed
+        )  # before any timed step, as before the run's first step
+        found = race(
+            parts.paths,
+            started.state,
+            started.first,
+            agree=where.cluster.broadcast,
+            check=memory.on_compiled,
+        )
         chosen, record = found.chosen, found._asdict()
         _log_race(found)
     config = dict(started.config)

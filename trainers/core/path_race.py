@@ -60,6 +60,7 @@ def race(
     state: TrainState,
     batch: Any,
     agree: Callable[[str, Any], Any] = lambda name, value: value,
+    check: Callable[[Mapping[int, Any]], None] = lambda programs: None,
 ) -> RaceResult:
     """Compiles each trainer's plain program and, when more than one compiles, times them.
 
@@ -69,12 +70,15 @@ def race(
       batch: a batch of the run (host-local or global).
       agree: ``agree(name, value)`` -> the lead process's `value` on every process (the
         number of steps per block, the choice): every process must take the same steps.
+      check: called with each compiled path's programs (`Trainer.executables`) before any
+        step runs, as `trainers.core.hook.Hook.on_compiled` is before the run's first step
+        (the app's memory check: a step too large for the memory is refused, not run).
 
     Returns:
       The `RaceResult`.
 
     Raises:
-      ConfigError: the first path's error if no path's program compiles.
+      ConfigError: the first path's error if no path's program compiles, or `check`'s.
     """
     start = time.perf_counter()
     ready, refused = {}, {}
@@ -95,6 +99,8 @@ def race(
         raise ConfigError(next(iter(refused.values())))
     if len(ready) == 1:
         return RaceResult(next(iter(ready)), {}, refused, time.perf_counter() - start, 0)
+    for trainer in ready.values():
+        check(trainer.executables())
     ms, block = _time_paths(ready, state, batch, agree)
     chosen = agree("grad_impl_race", min(ms, key=ms.__getitem__))  # a tie: the first
     return RaceResult(chosen, ms, refused, time.perf_counter() - start, block)

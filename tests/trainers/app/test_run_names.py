@@ -115,7 +115,9 @@ def test_a_diloco_sweep_names_its_jobs_short_and_keeps_the_full_overrides(tmp_pa
 @pytest.mark.slow
 def test_the_overrides_as_typed_on_request(tmp_path):
     run = tmp_path / "run"
+    # The path named, as tests.cli would otherwise add it to what was typed.
     overrides = ("task=mlp", "checkpoint=none", "trainer.steps=2", "optimizer.learning_rate=3e-4")
+    overrides = (*overrides, "trainer.grad_impl=manual")
     run_train(*overrides, "logger.run_names=overrides", f"hydra.run.dir={run}", cwd=tmp_path)
     (folder,) = (run / "tb").iterdir()
     assert folder.name == ",".join(sorted([*overrides, "logger.run_names=overrides"]))

@@ -283,10 +283,15 @@ def test_first_signal_requests_a_stop_and_handlers_are_restored():
 
 
 def test_second_signal_acts_as_if_no_handler_was_installed():
-    with pytest.raises(KeyboardInterrupt), StopOnSignal() as stop:
-        signal.raise_signal(signal.SIGINT)
-        assert stop()
-        signal.raise_signal(signal.SIGINT)  # the default SIGINT handler raises
+    # SIGINT as in a foreground process (a shell's background job starts with it ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), StopOnSignal() as stop:
+            signal.raise_signal(signal.SIGINT)
+            assert stop()
+            signal.raise_signal(signal.SIGINT)  # the default SIGINT handler raises
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_ignored_signals_stay_ignored():

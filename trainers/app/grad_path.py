@@ -65,9 +65,10 @@ def choose_path(
         chosen, record = next(iter(parts.paths)), None
         log.info("trainer.grad_impl=auto: %s, the only path this run takes (not timed).", chosen)
     else:
-        memory = StepMemoryCheck(
-            where.mesh.local_devices, options.trainer.batch_size, where.cluster.agreed
-        )  # before any timed step, as before the run's first step
+        # Before any timed step, as before the run's first step; its own name for the
+        # processes' agreement (each name is one exchange of the run).
+        agreed = lambda what: where.cluster.agreed(f"{what} (trainer.grad_impl=auto)")
+        memory = StepMemoryCheck(where.mesh.local_devices, options.trainer.batch_size, agreed)
         found = race(
             parts.paths,
             started.state,

@@ -70,9 +70,10 @@ def race(
       batch: a batch of the run (host-local or global).
       agree: ``agree(name, value)`` -> the lead process's `value` on every process (the
         number of steps per block, the choice): every process must take the same steps.
-      check: called with each compiled path's programs (`Trainer.executables`) before any
-        step runs, as `trainers.core.hook.Hook.on_compiled` is before the run's first step
-        (the app's memory check: a step too large for the memory is refused, not run).
+      check: called once with every compiled path's programs (`Trainer.executables`, keyed
+        by their order) before any step runs, as `trainers.core.hook.Hook.on_compiled` is
+        before the run's first step (the app's memory check: a step too large for the memory
+        is refused, not run).
 
     Returns:
       The `RaceResult`.
@@ -99,8 +100,8 @@ def race(
         raise ConfigError(next(iter(refused.values())))
     if len(ready) == 1:
         return RaceResult(next(iter(ready)), {}, refused, time.perf_counter() - start, 0)
-    for trainer in ready.values():
-        check(trainer.executables())
+    compiled = [p for trainer in ready.values() for p in trainer.executables().values()]
+    check(dict(enumerate(compiled)))  # once: on several processes each call is a collective
     ms, block = _time_paths(ready, state, batch, agree)
     chosen = agree("grad_impl_race", min(ms, key=ms.__getitem__))  # a tie: the first
     return RaceResult(chosen, ms, refused, time.perf_counter() - start, block)

@@ -44,6 +44,9 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "diloco H=8": ("reduction=diloco",),
     "diloco H=32": ("reduction=diloco", "reduction.axes.slice.every_steps=32"),
     "diloco_int8 H=8": ("reduction=diloco_int8",),
+    "diloco_int4 H=8": ("reduction=diloco_int8", "reduction.axes.slice.comm_dtype=int4"),
+    # Streaming DiLoCo's fragments: a quarter of the params synced every 2 steps, each every 8.
+    "diloco H=8 fragments=4": ("reduction=diloco", "reduction.axes.slice.fragments=4"),
     # Streaming DiLoCo's delay, as separate programs and as the one window program (overlap).
     "diloco H=8 tau=2": ("reduction=diloco", "reduction.axes.slice.sync_delay=2"),
     "diloco H=8 tau=2 overlap": (

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-#: What the CLI runs without overrides (`xshard_trainer_stats10`) against the fastest
-#: hand-written step: 1.05x, and 1.02x on the largest workload.
-DEFAULT_STEP: dict[str, float] = {"mlp": 1.05, "tiny_gpt": 1.05, "gpt_8x256": 1.02}
+#: What the CLI runs without overrides (``trainer.grad_impl=auto``: the path its start-up race
+#: keeps, at the CLI's statistics cadence) against the fastest hand-written step (issue 38).
+DEFAULT_STEP: dict[str, float] = {
+    "mlp": 1.02,
+    "tiny_gpt": 1.02,
+    "gpt_4x128": 1.02,
+    "gpt_8x256": 1.02,
+}
 #: Every statistic on every step (`xshard_trainer`) against the fastest hand-written step.
 ALL_STATS = 1.10
 #: Steps that also return per-layer norms and gradient histograms, against the same.
@@ -43,11 +48,8 @@ def summary(sections: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(t, dict) or "ratio_to_fastest_handwritten" not in t:
             continue
         ratios = t["ratio_to_fastest_handwritten"]
-        rows.append(
-            _row(
-                "default step (CLI)", task, DEFAULT_STEP[task], ratios.get("xshard_trainer_stats10")
-            )
-        )
+        default = t.get("default", {}).get("ratio", ratios.get("xshard_trainer_stats10"))
+        rows.append(_row("default step (CLI)", task, DEFAULT_STEP[task], default))
         rows.append(
             _row("every statistic, every step", task, ALL_STATS, ratios.get("xshard_trainer"))
         )

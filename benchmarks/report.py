@@ -85,9 +85,7 @@ def _paths(sec: dict[str, Any]) -> str:
     for task in tasks:
         t = sec[task]
         hand = t["variants"][t["fastest_handwritten"]]
-        default = t["default_grad_impl"]
-        if default not in t["paths"]:  # auto: the run keeps the faster (trainers.core.path_race)
-            default = min(t["paths"], key=lambda i: t["paths"][i]["paired_median"])
+        default = t["default"]["grad_impl"]  # with auto: the path the start-up race kept
         cells = [
             f"**{_ratio(r)}**" if impl == default else _ratio(r) for impl, r in t["paths"].items()
         ]
@@ -95,8 +93,8 @@ def _paths(sec: dict[str, Any]) -> str:
     header = ["task", "fastest hand-written, ms/step", *(f"`grad_impl={i}`" for i in impls)]
     note = (
         "Both gradient paths at the CLI's cadence (statistics every 10th step), x the fastest "
-        "hand-written step; the CLI's default in bold (with `trainer.grad_impl=auto`, the faster "
-        "of the two, which the run's start-up race keeps where it measures the same):"
+        "hand-written step; the CLI's default in bold (with `trainer.grad_impl=auto`, the path "
+        "the trainer's own start-up race kept on that workload in this run):"
     )
     return f"{note}\n\n{_table(header, rows)}"
 

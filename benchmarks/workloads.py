@@ -28,10 +28,13 @@ from xshard.optim.factory import build_optimizer
 #: 8 layers x 256 wide (6.3M params), where the state, not the per-kernel overhead, dominates;
 #: its global batch is 16 (2 sequences per shard) so that a step takes about a second on the
 #: 8 simulated CPU devices of a 2-core machine.
+#: `gpt_4x128` is tiny_gpt at 4 layers x 128 wide, between the two (issue 38's third workload).
 GPT_8X256 = ("task.n_layers=8", "task.d_model=256", "task.d_ff=1024", "task.n_heads=8")
+GPT_4X128 = ("task.n_layers=4", "task.d_model=128", "task.d_ff=512")
 WORKLOADS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mlp": ("mlp", ()),
     "tiny_gpt": ("tiny_gpt", ()),
+    "gpt_4x128": ("tiny_gpt", GPT_4X128),
     "gpt_8x256": ("tiny_gpt", (*GPT_8X256, "trainer.batch_size=16")),
 }
 TASKS = tuple(WORKLOADS)
@@ -54,7 +57,7 @@ SMOKE_OVERRIDES: dict[str, tuple[str, ...]] = {
         "task.seq_len=16",
     ),
 }
-SMOKE_OVERRIDES["gpt_8x256"] = SMOKE_OVERRIDES["tiny_gpt"]
+SMOKE_OVERRIDES["gpt_8x256"] = SMOKE_OVERRIDES["gpt_4x128"] = SMOKE_OVERRIDES["tiny_gpt"]
 
 DATA_AXIS = "data"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from tests.cli import load_events, run_train
 from trainers.app.sweep import RESULT_FILE
@@ -63,3 +64,33 @@ def test_population_sweep(tmp_path):
     (path,) = tmp_path.glob(f"outputs/*/*/{RESULT_FILE}")
     record = json.loads(path.read_text())
     assert record["final_loss"] == pytest.approx(results[1]["final_loss"], rel=1e-5)
+
+
+def test_optuna_batches_train_as_populations(tmp_path):
+    # Optuna's batches of n_jobs=2 trials reach the launcher one at a time: two populations.
+    sweep = tmp_path / "study"
+    proc = run_train(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra/launcher=population",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.sampler.seed=1",
+        "optimizer=sgd",
+        "optimizer.learning_rate=tag(log,interval(0.01,0.1))",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert "Population: jobs [0, 1] train as one population" in out
+    assert "Population: jobs [2, 3] train as one population" in out
+    records = [json.loads(p.read_text()) for p in sweep.glob(f"*/{RESULT_FILE}")]
+    assert sorted(r["num"] for r in records) == [0, 1, 2, 3]
+    assert all(r["status"] == "completed" for r in records)
+    assert "Failed experiment" not in out  # Optuna took every trial's objective
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    ours = min(records, key=lambda r: r["objective"])
+    assert best["best_value"] == pytest.approx(ours["objective"])
+    lr = float(next(o for o in ours["overrides"] if "learning_rate" in o).split("=")[1])
+    assert best["best_params"]["optimizer.learning_rate"] == pytest.approx(lr)

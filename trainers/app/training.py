@@ -299,6 +299,7 @@ def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: R
     import jax
 
     from trainers.app.memory_preflight import check_state_memory, example_shapes
+    from trainers.app.population_run import trial_seat
     from trainers.app.preflight import check_batch_fits
     from xshard.errors import ConfigError
     from xshard.mesh.build import data_parallel_size
@@ -306,10 +307,19 @@ def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: R
     task, opts, seed = parts.task, options.trainer, options.seed
     shards = data_parallel_size(where.mesh, where.data_axes)
 
+    seat = trial_seat()  # a population's trials hold their states together
+    trials = 1 if seat is None else seat.population.size
+
     def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
         with where.cluster.agreed("checking the memory for the training state"):
             check_state_memory(
-                parts.trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
+                parts.trainer,
+                batch,
+                opts.batch_size,
+                shards,
+                cfg.task,
+                where.mesh.local_devices,
+                trials,
             )
 
     declared = example_shapes(task)  # then checked before any data is made

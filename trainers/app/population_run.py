@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -204,6 +205,8 @@ def run_population(
     for result in results:
         if isinstance(result, BaseException):
             raise result
+    if stop.received is not None:  # after the trials' last round: the sweep's next job's
+        _hand_on(stop.received)
     log.info(
         "Population of %d trials: %.1f s compiling its programs.",
         len(configs),
@@ -221,3 +224,12 @@ def _watched_signals(config: DictConfig) -> tuple[Any, ...]:
         return stop_signals(list(config.trainer.stop_signals))
     except (KeyError, TypeError, AttributeError):
         return DEFAULT_SIGNALS
+
+
+def _hand_on(sig: signal.Signals) -> None:
+    """Delivers `sig` again to the handler now installed (`trainers.cluster.signal_latch`'s
+    latch, installed by the entry point): a signal that came after the trials' last round
+    stops the sweep's next job before its first step, as with the basic launcher. Where no
+    handler of Python's is installed (the default action would end the process), nothing."""
+    if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler:
+        signal.raise_signal(sig)

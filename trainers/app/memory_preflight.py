@@ -251,13 +251,14 @@ def check_population_memory(
         return
     fit = max(t for t in range(1, trials) if estimate.population(t) * n <= have.free)
     show = human_bytes
+    where = f", {show(estimate.population(trials) * n)} on {n} CPU devices" if n > 1 else ""
     raise ConfigError(
         f"hydra/launcher=population: {trials} trials need {show(estimate.population(trials))} "
         f"per device ({show(estimate.params + estimate.opt_state)} of params and optimizer "
-        f"state a trial, held twice: stacked for the population's step and each trial's own), "
-        f"{show(estimate.population(trials) * n)} on {n} devices; {have.what}. At most {fit} "
-        "trials fit: sweep fewer values at once (Optuna: hydra.sweeper.n_jobs), or use "
-        "Hydra's basic launcher (hydra/launcher=basic)."
+        f"state a trial, held twice: stacked for the population's step and each trial's own)"
+        f"{where}; {have.what}. At most {fit} {'trial fits' if fit == 1 else 'trials fit'}: "
+        "sweep fewer values at once (Optuna: hydra.sweeper.n_jobs), or use Hydra's basic "
+        "launcher (hydra/launcher=basic)."
     )
 
 

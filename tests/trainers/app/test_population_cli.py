@@ -10,7 +10,8 @@ import json
 import pytest
 import yaml
 
-from tests.cli import load_events, run_train
+from tests.cli import ONE_PATH, load_events, run_train
+from tests.trainers.app.test_sizes_cli import train_capped
 from trainers.app.sweep import RESULT_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -94,3 +95,32 @@ def test_optuna_batches_train_as_populations(tmp_path):
     assert best["best_value"] == pytest.approx(ours["objective"])
     lr = float(next(o for o in ours["overrides"] if "learning_rate" in o).split("=")[1])
     assert best["best_params"]["optimizer.learning_rate"] == pytest.approx(lr)
+
+
+def test_trials_that_do_not_fit_together_are_refused_before_compiling(tmp_path):
+    # One trial of task.hidden=[7000000] with AdamW (~1.6 GiB of state) fits under the 8 GiB
+    # address-space limit; two, each state held twice, do not: each job fails in one line.
+    sweep = tmp_path / "sweep"
+    proc = train_capped(
+        tmp_path,
+        "-m",
+        "hydra/launcher=population",
+        "task=mlp",
+        "task.hidden=[7000000]",
+        "mesh.num_devices=1",
+        "optimizer=adamw",
+        "optimizer.learning_rate=1e-3,1e-2",
+        "checkpoint=none",
+        "trainer.steps=2",
+        ONE_PATH,
+        f"hydra.sweep.dir={sweep}",
+    )
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and "compiling its programs" in out, out[-3000:]
+    records = [json.loads(p.read_text()) for p in sweep.glob(f"*/{RESULT_FILE}")]
+    assert [r["status"] for r in records] == ["failed", "failed"]
+    for record in records:  # each job's log file: its one line
+        (log,) = sweep.glob(f"{record['num']}_*/train.log")
+        (line,) = [x for x in log.read_text().splitlines() if "2 trials need" in x]
+        assert "hydra/launcher=population" in line and "RLIMIT_AS" in line
+        assert "At most 1 trial fits" in line

@@ -58,6 +58,14 @@ class MemoryEstimate(NamedTuple):
         """Everything that must be held at once."""
         return self.params + self.opt_state + self.grads + self.batch
 
+    def population(self, trials: int) -> int:
+        """What `trials` trials of one population hold at once (``hydra/launcher=population``):
+        each trial's state twice (stacked for the population's step, and the trial's own
+        copy that its hooks read) and its gradients; one batch, shared. One trial: `total`."""
+        if trials == 1:
+            return self.total
+        return trials * (2 * (self.params + self.opt_state) + self.grads) + self.batch
+
 
 class MemoryAvailable(NamedTuple):
     """The memory the estimate must fit into: `free` bytes for `devices` devices together
@@ -142,6 +150,7 @@ def check_state_memory(
     shards: int,
     task_node: Any,
     devices: Sequence[Any],
+    trials: int = 1,
 ) -> MemoryEstimate:
     """Refuses a run whose state and step cannot fit in the memory of this process's devices.
 
@@ -152,6 +161,7 @@ def check_state_memory(
       shards: the data shards it is split over.
       task_node: the ``task`` config node, to name the size that makes the largest parameter.
       devices: this process's devices.
+      trials: the trials of the run's population (``hydra/launcher=population``; 1: none).
 
     Returns:
       The estimate (for a run that fits).
@@ -159,11 +169,14 @@ def check_state_memory(
     Raises:
       ConfigError: one line naming the biggest contributor's config key and value (the
         size of the largest parameter, or ``trainer.batch_size``), the bytes of params,
-        optimizer state and step, and the memory there is.
+        optimizer state and step, and the memory there is; for a population that fits
+        only with fewer trials, ``hydra/launcher=population`` and its number of trials
+        (`check_population_memory`).
     """
     estimate = estimate_memory(trainer, batch, batch_size // shards)
     have = available_memory(devices)
     if have is None or estimate.total * have.devices <= have.free:
+        check_population_memory(estimate, have, trials)
         return estimate
     name, shape, size = estimate.largest
     n, show = have.devices, human_bytes
@@ -221,6 +234,32 @@ def _meminfo_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def check_population_memory(
+    estimate: MemoryEstimate, have: MemoryAvailable | None, trials: int
+) -> None:
+    """Refuses a population of `trials` trials whose states do not fit in `have` together
+    (`MemoryEstimate.population`), one trial's having fitted: before anything is compiled.
+
+    Raises:
+      ConfigError: naming ``hydra/launcher=population``, the number of trials, the bytes
+        they need and the memory there is, and how many trials would fit.
+    """
+    n = 1 if have is None else have.devices
+    if have is None or estimate.population(trials) * n <= have.free:
+        return
+    fit = max(t for t in range(1, trials) if estimate.population(t) * n <= have.free)
+    show = human_bytes
+    where = f", {show(estimate.population(trials) * n)} on {n} CPU devices" if n > 1 else ""
+    raise ConfigError(
+        f"hydra/launcher=population: {trials} trials need {show(estimate.population(trials))} "
+        f"per device ({show(estimate.params + estimate.opt_state)} of params and optimizer "
+        f"state a trial, held twice: stacked for the population's step and each trial's own)"
+        f"{where}; {have.what}. At most {fit} {'trial fits' if fit == 1 else 'trials fit'}: "
+        "sweep fewer values at once (Optuna: hydra.sweeper.n_jobs), or use Hydra's basic "
+        "launcher (hydra/launcher=basic)."
+    )
 
 
 def _cgroup_free() -> int | None:

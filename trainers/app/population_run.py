@@ -16,15 +16,18 @@ Two things travel per thread:
   the others add a log file of their own in their run dir (`own_log_file`), each file taking
   its own thread's records only.
 
-Stop signals reach the main thread only: a population is not stopped cleanly by SIGTERM (each
-job logs so; the first signal is latched, a second exits at once); kill it and rerun to resume
-its trials from their checkpoints.
+Stop signals reach the main thread only: there `run_population` watches them (a
+`StopOnSignal` of the first job's ``trainer.stop_signals``), its population reads the watch
+once a round, and every trial's run stops on it (`trial_stop`) after the same step, each with
+its checkpoint, then ends as a plain run stopped by a signal does (exit 75). A rerun resumes
+every trial from the latest step all of them saved (`agreed_source`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
@@ -36,6 +39,8 @@ from hydra.core.singleton import Singleton
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
+    from trainers.checkpoint.resume import RestoreSource
+    from trainers.cluster.preemption import FollowedStop
     from trainers.core.population import PopulationSeat
 
 log = logging.getLogger(__name__)
@@ -46,6 +51,37 @@ _TRIAL_SEAT: ContextVar[PopulationSeat | None] = ContextVar("xshard_trial_seat",
 def trial_seat() -> PopulationSeat | None:
     """This thread's seat in the population it trains in, or None (a plain job)."""
     return _TRIAL_SEAT.get()
+
+
+def trial_stop() -> FollowedStop | None:
+    """A trial's stop (the population's, read once a round), or None outside a population."""
+    from trainers.cluster.preemption import FollowedStop
+
+    seat = trial_seat()
+    return None if seat is None else FollowedStop(lambda: seat.stop_signal)
+
+
+def agreed_source(source: RestoreSource | None) -> RestoreSource | None:
+    """What a job resumes from (`source`, `trainers.checkpoint.resume.find_resume_source`),
+    in a population the step every trial saved (`PopulationSeat.agree_resume`): a killed
+    population may have saved a step in some trials only. This trial's later steps are moved
+    to ``<checkpoints>.ahead/`` (its checkpoint hook saves them again; nothing is deleted).
+    Outside a population: `source`."""
+    from trainers.checkpoint.io import complete_steps
+    from trainers.checkpoint.resume import RestoreSource, move_aside
+
+    seat = trial_seat()
+    if seat is None:
+        return source
+    own = source is not None and source.own
+    saved = complete_steps(source.directory) if own and source is not None else []
+    agreed = seat.agree_resume(saved)
+    if not own or source is None or agreed == max(saved):
+        return source
+    for step in (s for s in saved if agreed is None or s > agreed):
+        move_aside(source.directory / str(step), "ahead", "not saved by every trial")
+    log.warning("Resuming from step %s, the latest every trial of the population saved.", agreed)
+    return None if agreed is None else RestoreSource(source.directory, agreed, own=True)
 
 
 class _ThreadHydraConfig(HydraConfig):
@@ -121,54 +157,79 @@ def run_population(
 ) -> list[Any]:
     """Runs ``run_job(config, configure_logging, before_task)`` for each of `configs` in its
     own thread, the jobs' steps as one population; returns what each returned, in order. The
-    first job starts alone, the others once it hands in its first step (`Population.stepping`:
-    their start-up programs, the same as its, are then read from the compilation cache, not
-    compiled N times at once). The first job configures the logging; `before_task` (called by
-    the job's task, first) gives each job its own log file (`own_log_file`).
+    jobs start together and agree on the step they resume from (`agreed_source`); then the
+    first trains alone to its first step, the others wait for it (`Population.stepping`: their
+    start-up programs, the same as its, are then read from the compilation cache, not compiled
+    N times at once). The first job configures the logging; `before_task` (called by the job's
+    task, first) gives each job its own log file (`own_log_file`). Stop signals are watched
+    here, in the main thread (module doc).
 
     Raises:
       BaseException: what a job's `run_job` raised (Hydra's `run_job` itself returns a job's
-        failure in its `JobReturn`), after every thread ended.
+        failure in its `JobReturn`; a job stopped by a signal raises `SystemExit`), after
+        every thread ended.
     """
+    from trainers.cluster.preemption import StopOnSignal
     from trainers.core.population import Population
 
-    population = Population(len(configs))
-    results: list[Any] = [None] * len(configs)
-    configured = threading.Event()
+    with StopOnSignal(_watched_signals(configs[0])) as stop:
+        population = Population(len(configs), should_stop=lambda: stop.signal_name)
+        results: list[Any] = [None] * len(configs)
+        configured = threading.Event()
 
-    def trial(i: int) -> None:
-        _TRIAL_SEAT.set(population.seat(i))
-        handlers: list[logging.Handler | None] = []
-        before_task = lambda: handlers.append(own_log_file(i == 0, configured))
-        try:
-            results[i] = run_job(configs[i], i == 0, before_task)
-        except BaseException as error:  # raised in the launcher's thread below
-            results[i] = error
-        finally:
-            population.leave(i)
-            if i == 0:  # also when the first job failed before its task
-                configured.set()
-            for handler in filter(None, handlers):
-                logging.getLogger().removeHandler(handler)
-                handler.close()
+        def trial(i: int) -> None:
+            _TRIAL_SEAT.set(population.seat(i))
+            handlers: list[logging.Handler | None] = []
+            before_task = lambda: handlers.append(own_log_file(i == 0, configured))
+            try:
+                results[i] = run_job(configs[i], i == 0, before_task)
+            except BaseException as error:  # raised in the launcher's thread below
+                results[i] = error
+            finally:
+                population.leave(i)
+                if i == 0:  # also when the first job failed before its task
+                    configured.set()
+                for handler in filter(None, handlers):
+                    logging.getLogger().removeHandler(handler)
+                    handler.close()
 
-    with thread_hydra_configs():
-        threads = [
-            threading.Thread(target=trial, args=(i,), name=f"xshard-trial-{i}")
-            for i in range(len(configs))
-        ]
-        threads[0].start()  # the others start once it steps: its start-up programs are cached
-        population.stepping.wait()
-        for thread in threads[1:]:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        with thread_hydra_configs():
+            threads = [
+                threading.Thread(target=trial, args=(i,), name=f"xshard-trial-{i}")
+                for i in range(len(configs))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:  # a signal's handler runs while the main thread waits here
+                thread.join()
     for result in results:
         if isinstance(result, BaseException):
             raise result
+    if stop.received is not None:  # after the trials' last round: the sweep's next job's
+        _hand_on(stop.received)
     log.info(
         "Population of %d trials: %.1f s compiling its programs.",
         len(configs),
         population.compile_seconds or 0.0,
     )
     return results
+
+
+def _watched_signals(config: DictConfig) -> tuple[Any, ...]:
+    """The stop signals of `config`'s ``trainer.stop_signals`` (the default ones if it names
+    one that does not exist: the job says so itself, in one line)."""
+    from trainers.cluster.preemption import DEFAULT_SIGNALS, stop_signals
+
+    try:
+        return stop_signals(list(config.trainer.stop_signals))
+    except (KeyError, TypeError, AttributeError):
+        return DEFAULT_SIGNALS
+
+
+def _hand_on(sig: signal.Signals) -> None:
+    """Delivers `sig` again to the handler now installed (`trainers.cluster.signal_latch`'s
+    latch, installed by the entry point): a signal that came after the trials' last round
+    stops the sweep's next job before its first step, as with the basic launcher. Where no
+    handler of Python's is installed (the default action would end the process), nothing."""
+    if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler:
+        signal.raise_signal(sig)

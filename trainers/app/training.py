@@ -58,8 +58,10 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
       Preempted: if a signal stopped the run (after saving a checkpoint, or before any step).
       PeerError: if another process failed at a step every process must pass.
     """
+    from trainers.app.population_run import trial_stop
+
     options = read_options(cfg)  # as trainers.doctor checks them
-    with StopOnSignal(stop_signals(options.trainer.stop_signals)) as stop:
+    with trial_stop() or StopOnSignal(stop_signals(options.trainer.stop_signals)) as stop:
         loss = _train(cfg, options, stop, summary or RunSummary())
     current().announce_exit(0)  # the other processes stop watching this one
     return loss
@@ -171,6 +173,7 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
     """
     from trainers.app.hydra_run import hydra_dirs
     from trainers.app.loggers import logger_outputs
+    from trainers.app.population_run import agreed_source
     from trainers.checkpoint.owner import claim_checkpoint_dir
     from trainers.checkpoint.resume import find_resume_source
     from trainers.cluster.run_dirs import check_same_checkpoints, check_shared_dir
@@ -205,7 +208,7 @@ def prepare_dirs(where: Placement, options: RunOptions) -> Any:
         check_shared_dir(cluster, dirs.checkpoint_dir, "paths.checkpoint_dir", dirs.output_dir)
     # The run's own checkpoints first (a rerun resumes), else trainer.resume_from.
     with cluster.agreed("finding the checkpoint to resume from"):
-        source = find_resume_source(dirs.checkpoint_dir, options.trainer.resume_from)
+        source = agreed_source(find_resume_source(dirs.checkpoint_dir, options.trainer.resume_from))
     check_same_checkpoints(cluster, source)
     return source
 
@@ -296,6 +299,7 @@ def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: R
     import jax
 
     from trainers.app.memory_preflight import check_state_memory, example_shapes
+    from trainers.app.population_run import trial_seat
     from trainers.app.preflight import check_batch_fits
     from xshard.errors import ConfigError
     from xshard.mesh.build import data_parallel_size
@@ -303,10 +307,19 @@ def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: R
     task, opts, seed = parts.task, options.trainer, options.seed
     shards = data_parallel_size(where.mesh, where.data_axes)
 
+    seat = trial_seat()  # a population's trials hold their states together
+    trials = 1 if seat is None else seat.population.size
+
     def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
         with where.cluster.agreed("checking the memory for the training state"):
             check_state_memory(
-                parts.trainer, batch, opts.batch_size, shards, cfg.task, where.mesh.local_devices
+                parts.trainer,
+                batch,
+                opts.batch_size,
+                shards,
+                cfg.task,
+                where.mesh.local_devices,
+                trials,
             )
 
     declared = example_shapes(task)  # then checked before any data is made

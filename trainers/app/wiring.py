@@ -100,10 +100,15 @@ def evaluation_hook(
 def checkpoint_hook(options: RunOptions, where: Placement, started: Started) -> Any:
     """The checkpoint hook, created after the restore (its manager prunes old steps when
     saving), with the data iterator's state when it has one."""
+    from trainers.app.population_run import trial_seat
     from trainers.checkpoint.data_state import is_checkpointable
     from trainers.checkpoint.save import CheckpointHook
 
     data = started.data if is_checkpointable(started.data) else None
-    hook = CheckpointHook(where.dirs.checkpoint_dir, options.checkpoint, started.config, data)
+    seat = trial_seat()  # a population's trials save in turns (`CheckpointHook`'s `serial`)
+    serial = None if seat is None else seat.population.saving
+    hook = CheckpointHook(
+        where.dirs.checkpoint_dir, options.checkpoint, started.config, data, serial
+    )
     hook.prepare(started.state)  # compiles its check now, not during the first save
     return hook

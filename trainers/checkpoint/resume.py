@@ -153,7 +153,7 @@ def restore_checkpoint(
                         "%s Falling back to step %d (checkpoint.fallback_to_previous).", e, previous
                     )
                     if source.own and jax.process_index() == 0:
-                        moved.append(_move_aside(path))
+                        moved.append(move_aside(path))
                     continue
                 if previous is not None:
                     hint = (
@@ -268,12 +268,13 @@ def _check_step(path: Path, step: Any, where: str) -> None:
     )
 
 
-def _move_aside(path: Path) -> Path:
-    """Moves a corrupted step folder to ``<checkpoints>.corrupt/<step>``; returns where."""
-    dest_dir = path.parent.with_name(path.parent.name + ".corrupt")
+def move_aside(path: Path, folder: str = "corrupt", why: str = "corrupted") -> Path:
+    """Moves a step folder to ``<checkpoints>.<folder>/<step>`` (nothing is deleted); returns
+    where. `why`: what the step is, in the log line and the error."""
+    dest_dir = path.parent.with_name(f"{path.parent.name}.{folder}")
     if dest_dir.is_symlink():  # the start-up check refuses links out of the run dir already
         raise CheckpointError(
-            f"Checkpoint {path} is corrupted, and {dest_dir} is a symbolic link (to "
+            f"Checkpoint {path} is {why}, and {dest_dir} is a symbolic link (to "
             f"{dest_dir.readlink()}): the step is not moved through it. Remove the link."
         )
     dest = dest_dir / path.name
@@ -282,7 +283,7 @@ def _move_aside(path: Path) -> Path:
         dest, n = dest_dir / f"{path.name}-{n}", n + 1
     dest_dir.mkdir(parents=True, exist_ok=True)
     shutil.move(path, dest)
-    logger.warning("Moved the corrupted checkpoint %s to %s.", path, dest)
+    logger.warning("Moved checkpoint %s (%s) to %s.", path, why, dest)
     return dest
 
 

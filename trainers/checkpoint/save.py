@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,9 @@ class CheckpointHook(Hook):
       data: the run's data iterator if it is checkpointable (``get_state``/``set_state``):
         its state is saved with each step (`trainers.checkpoint.data_state`); None: the
         data's position is the step.
+      serial: held around each save's start: Orbax's saves share process-wide state (the
+        ids its background writes are signalled by), so the runs of one process that save
+        concurrently (a population's trials) take turns; None: no lock.
     """
 
     def __init__(
@@ -185,8 +189,10 @@ class CheckpointHook(Hook):
         options: CheckpointOptions,
         config: dict[str, Any],
         data: Any = None,
+        serial: AbstractContextManager[Any] | None = None,
     ):
         self.directory = Path(directory)
+        self._serial = serial or contextlib.nullcontext()
         self.options = options
         self.config = config
         self.data = data
@@ -285,7 +291,7 @@ class CheckpointHook(Hook):
         }
         if self.data is not None:  # its position now: after this step's batch, before the next
             items[DATA_ITEM] = save_args(self.data)
-        with self._write_errors(step):
+        with self._write_errors(step), self._serial:
             self.manager.save(
                 step,
                 args=ocp.args.Composite(**items),

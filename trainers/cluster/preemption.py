@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType, TracebackType
 from typing import Any, Self
 
@@ -156,3 +156,28 @@ class StopOnSignal:
         tb: TracebackType | None,
     ) -> None:
         self._restore()
+
+
+class FollowedStop(StopOnSignal):
+    """The stop of a run in a thread that another `StopOnSignal` watches for it (a trial of a
+    ``hydra/launcher=population``: the launcher's, read by its population once a round).
+
+    Args:
+      source: the name of the signal received ("SIGTERM"), or None.
+    """
+
+    def __init__(self, source: Callable[[], str | None]):
+        super().__init__(())
+        self._source = source
+
+    def __call__(self) -> bool:
+        """True once `source` names a signal."""
+        return self._source() is not None
+
+    @property
+    def signal_name(self) -> str | None:
+        """`source`'s signal name, or None."""
+        return self._source()
+
+    def __enter__(self) -> Self:
+        return self  # no handler of its own: the watching thread has them

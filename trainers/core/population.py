@@ -17,6 +17,12 @@ A trial that ends (its last step, early stopping, a non-finite loss, an error) l
 population (`Population.leave`): its slot still trains (the step is vmapped, so it cannot
 touch the others), its results are dropped, and the others' program never changes shape or
 compiles again.
+
+Faults: the trials agree on the step they resume from (`Population.agree_resume`: the latest
+step every trial saved, so a population killed between two trials' saves of one step resumes
+every trial from the step before), and on when to stop: a stop request (`should_stop`, the
+launcher's stop signal) is read once a round, after it ran, so every trial sees it after the
+same step (`PopulationSeat.stop_signal`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -64,6 +70,16 @@ class PopulationSeat(NamedTuple):
         """The seconds the population spent compiling so far (None before the first)."""
         return self.population.compile_seconds
 
+    @property
+    def stop_signal(self) -> str | None:
+        """The stop request the population read after its last round (a signal's name), or
+        None: the same for every trial between two rounds."""
+        return self.population.stop_signal
+
+    def agree_resume(self, steps: Iterable[int]) -> int | None:
+        """`Population.agree_resume` of this trial's saved `steps`."""
+        return self.population.agree_resume(self.trial, steps)
+
     def expect(self, keys: Iterable[ProgramKey]) -> None:
         """The kinds of step this trial's run will meet: compiled together, at the first round
         that needs one of them."""
@@ -76,18 +92,27 @@ class Population:
 
     Attributes:
       size: the number of trials.
+      should_stop: a stop request (a signal's name, or None), read after every round.
       compile_seconds: the seconds spent compiling the population's programs (None: none).
+      stop_signal: what `should_stop` returned after a round, once it was not None.
       stepping: set once a trial handed in its first step or left: what it compiled to start
         (its initial state, its evaluation) is then in the compilation cache, for the others.
+      saving: held by a trial while its checkpoint save starts (they take turns: Orbax's
+        saves share process-wide state).
     """
 
     size: int
+    should_stop: Callable[[], str | None] = lambda: None
     compile_seconds: float | None = None
+    stop_signal: str | None = None
     stepping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    saving: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     _cond: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     _active: set[int] = dataclasses.field(default_factory=set)
     _handed: dict[int, Handed] = dataclasses.field(default_factory=dict)
     _results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    _saved: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
+    _resume: list[int | None] = dataclasses.field(default_factory=list)  # once agreed: [step]
     _compiled: CompiledSteps = dataclasses.field(default_factory=CompiledSteps)
     _expected: set[ProgramKey] = dataclasses.field(default_factory=set)
     _stacked: Any = None  # the trials' states on a leading axis, once the first round ran
@@ -125,6 +150,24 @@ class Population:
             raise result
         return result
 
+    def agree_resume(self, index: int, steps: Iterable[int]) -> int | None:
+        """Trial `index`'s saved `steps` (its own complete checkpoints); waits until every
+        trial still in the population gave its own, then returns the latest step all of them
+        saved (None: one saved none), the same for every trial. Then trials other than the
+        first wait until it steps (`stepping`: their start-up programs are cached by then)."""
+        with self._cond:
+            self._saved[index] = frozenset(steps)
+            self._cond.notify_all()
+            while not self._resume and not self._active <= set(self._saved):
+                self._cond.wait()
+            if not self._resume:  # the first to see every trial's agrees for all
+                common = frozenset.intersection(*self._saved.values())
+                self._resume.append(max(common, default=None))
+            agreed = self._resume[0]
+        if index != 0:
+            self.stepping.wait()
+        return agreed
+
     def expect(self, keys: Iterable[ProgramKey]) -> None:
         """Kinds of step a trial will meet (`PopulationSeat.expect`)."""
         with self._cond:
@@ -137,6 +180,7 @@ class Population:
             self._active.discard(index)
             self._handed.pop(index, None)
             self.stepping.set()
+            self._cond.notify_all()  # a resume agreement waiting for it
             self._maybe_run_round()
 
     def _maybe_run_round(self) -> None:
@@ -148,6 +192,8 @@ class Population:
             results: dict[int, Any] = self._round(handed)
         except Exception as error:  # every waiting trial raises it
             results = dict.fromkeys(handed, error)
+        if self.stop_signal is None:  # read here: every trial sees it after this step
+            self.stop_signal = self.should_stop()
         self._results.update(results)
         self._cond.notify_all()
 

@@ -176,3 +176,25 @@ def test_the_compiled_step_measures_its_activations_and_refuses_what_cannot_fit(
     with pytest.raises(Exception, match=rf"^trainer\.batch_size={BATCH}: a compiled step needs"):
         check_step_memory(trainer.executables(), tight, BATCH)
     assert check_step_memory(trainer.executables(), None, BATCH) == long  # unknown: not refused
+
+
+def test_a_population_whose_trials_cannot_fit_together_is_refused_with_how_many_fit():
+    """`hydra/launcher=population` holds each trial's state twice (stacked, and the trial's
+    own copy): a budget for 2 trials takes 2 and refuses 3 in one line, before compiling."""
+    from trainers.app.memory_preflight import MemoryAvailable, check_population_memory
+
+    task = MLPTask(hidden=(64, 64))
+    trainer = trainer_for(task, "adamw", 0, mesh_of((8,), ("data",)))
+    shapes = {
+        k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in example_shapes(task).items()
+    }
+    estimate = estimate_memory(trainer, shapes, rows=2)
+    assert estimate.population(1) == estimate.total
+    state = estimate.params + estimate.opt_state
+    assert estimate.population(3) == 3 * (2 * state + estimate.grads) + estimate.batch
+    budget = MemoryAvailable(estimate.population(2) * 8, 8, "this host has just enough")
+    check_population_memory(estimate, budget, 2)
+    check_population_memory(estimate, None, 1000)  # unknown memory: not refused
+    with pytest.raises(Exception, match=r"^hydra/launcher=population: 3 trials need") as e:
+        check_population_memory(estimate, budget, 3)
+    assert "At most 2 trials fit" in str(e.value) and "\n" not in str(e.value)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
-from tests.cli import load_events, run_train
+from tests.cli import ONE_PATH, load_events, run_train
+from tests.trainers.app.test_sizes_cli import train_capped
 from trainers.app.sweep import RESULT_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
@@ -63,3 +65,62 @@ def test_population_sweep(tmp_path):
     (path,) = tmp_path.glob(f"outputs/*/*/{RESULT_FILE}")
     record = json.loads(path.read_text())
     assert record["final_loss"] == pytest.approx(results[1]["final_loss"], rel=1e-5)
+
+
+def test_optuna_batches_train_as_populations(tmp_path):
+    # Optuna's batches of n_jobs=2 trials reach the launcher one at a time: two populations.
+    sweep = tmp_path / "study"
+    proc = run_train(
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra/launcher=population",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=2",
+        "hydra.sweeper.sampler.seed=1",
+        "optimizer=sgd",
+        "optimizer.learning_rate=tag(log,interval(0.01,0.1))",
+        *TINY,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert "Population: jobs [0, 1] train as one population" in out
+    assert "Population: jobs [2, 3] train as one population" in out
+    records = [json.loads(p.read_text()) for p in sweep.glob(f"*/{RESULT_FILE}")]
+    assert sorted(r["num"] for r in records) == [0, 1, 2, 3]
+    assert all(r["status"] == "completed" for r in records)
+    assert "Failed experiment" not in out  # Optuna took every trial's objective
+    best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    ours = min(records, key=lambda r: r["objective"])
+    assert best["best_value"] == pytest.approx(ours["objective"])
+    lr = float(next(o for o in ours["overrides"] if "learning_rate" in o).split("=")[1])
+    assert best["best_params"]["optimizer.learning_rate"] == pytest.approx(lr)
+
+
+def test_trials_that_do_not_fit_together_are_refused_before_compiling(tmp_path):
+    # One trial of task.hidden=[7000000] with AdamW (~1.6 GiB of state) fits under the 8 GiB
+    # address-space limit; two, each state held twice, do not: each job fails in one line.
+    sweep = tmp_path / "sweep"
+    proc = train_capped(
+        tmp_path,
+        "-m",
+        "hydra/launcher=population",
+        "task=mlp",
+        "task.hidden=[7000000]",
+        "mesh.num_devices=1",
+        "optimizer=adamw",
+        "optimizer.learning_rate=1e-3,1e-2",
+        "checkpoint=none",
+        "trainer.steps=2",
+        ONE_PATH,
+        f"hydra.sweep.dir={sweep}",
+    )
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out and "compiling its programs" in out, out[-3000:]
+    records = [json.loads(p.read_text()) for p in sweep.glob(f"*/{RESULT_FILE}")]
+    assert [r["status"] for r in records] == ["failed", "failed"]
+    for record in records:  # each job's log file: its one line
+        (log,) = sweep.glob(f"{record['num']}_*/train.log")
+        (line,) = [x for x in log.read_text().splitlines() if "2 trials need" in x]
+        assert "hydra/launcher=population" in line and "RLIMIT_AS" in line
+        assert "At most 1 trial fits" in line

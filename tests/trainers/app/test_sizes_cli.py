@@ -33,16 +33,19 @@ _CAPPED_MAIN = (
 
 
 def train_capped(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    """``python -m trainers.train OVERRIDES`` under an 8 GiB address-space limit."""
+    """``python -m trainers.train OVERRIDES`` under an 8 GiB address-space limit (Hydra's
+    flags among `overrides`, such as ``-m``, go first)."""
+    flags = [o for o in overrides if o.startswith("-")]
     return subprocess.run(
         [
             sys.executable,
             "-c",
             _CAPPED_MAIN,
             str(CAP),
+            *flags,
             "trainer.progress=false",
             f"hydra.run.dir={tmp_path / 'run'}",
-            *overrides,
+            *(o for o in overrides if not o.startswith("-")),
         ],
         cwd=tmp_path,
         env={**os.environ, "HYDRA_FULL_ERROR": "0"},

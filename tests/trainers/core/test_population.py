@@ -89,3 +89,24 @@ def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):
     for a, b in zip(alone, left, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
     assert not np.allclose(left[1], stayed[STEPS])  # the trials differ
+
+
+def test_trials_agree_on_the_latest_step_every_one_saved():
+    # A kill between two trials' saves of step 10: job 0 saved it, job 1 did not; job 2 failed
+    # before it said what it saved (it left): the others do not wait for it.
+    population = Population(3)
+    population.leave(2)
+    agreed: dict[int, int | None] = {}
+    saved = {0: [5, 10], 1: [5]}
+    threads = [
+        threading.Thread(
+            target=lambda i=i: agreed.update({i: population.agree_resume(i, saved[i])})
+        )
+        for i in saved
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert agreed == {0: 5, 1: 5}
+    assert Population(1).agree_resume(0, []) is None  # nothing saved: start afresh

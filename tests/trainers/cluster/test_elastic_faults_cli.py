@@ -1,0 +1,116 @@
+"""Faults of elastic replica groups (slow, multiprocess): real torchft, real JAX, each group its
+own ``python -m trainers.train`` on 127.0.0.1 around one lighthouse (``python -m
+trainers.elastic lighthouse``, a fixture of this module). A group that joins with another
+config, or with an id another group has, is refused with one line (exit 2); the group that
+was there logs the same line and trains to its end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+from tests.multihost_cli import free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]
+
+EVERY, HOLD_AT = 8, 16
+KEY = "reduction.axes.slice.elastic"
+ENV = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+
+
+@pytest.fixture(scope="module")
+def lighthouse() -> Iterator[str]:
+    """A lighthouse on 127.0.0.1 that drops a silent group after 1 s; its ``host:port``."""
+    bind = f"127.0.0.1:{free_port()}"
+    command = [
+        sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
+        "--min-groups", "1", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+    ]  # fmt: skip
+    with subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True) as proc:
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        yield bind
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def group(lighthouse: str, gid: int, run_dir: Path, *extra: str) -> list[str]:
+    """The command of group `gid`: task=mlp, a sync every `EVERY` steps, 5 s timeouts."""
+    return [
+        sys.executable, "-m", "trainers.train", "task=mlp", "mesh=cpu4_group",
+        "reduction=diloco_elastic", f"reduction.axes.slice.every_steps={EVERY}",
+        f"{KEY}.group={gid}", f"{KEY}.lighthouse={lighthouse}", f"{KEY}.timeout_s=5",
+        f"{KEY}.heartbeat_s=0.1", "trainer.batch_size=16", "trainer.steps=32",
+        "trainer.progress=false", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}",
+        "+allowed_targets=[tests.]", *extra,
+    ]  # fmt: skip
+
+
+def held_until_joined(log: Path) -> str:
+    """Group 0's hooks: paced, and held at `HOLD_AT` until the late group (its output in
+    `log`) waits in its first quorum, so that the late group joins group 0's next sync."""
+    return (
+        "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.05},"
+        f"{{_target_:tests.multihost_hooks.WaitForText,path:'{log}',text:'joining its peers',"
+        f"count:1,step:{HOLD_AT},timeout:90}}]"
+    )
+
+
+def run_late_joiner(lighthouse: str, tmp_path: Path, late_id: int, *late: str) -> tuple:
+    """Group 0, and a group `late_id` started once group 0 trains, with the `late` overrides;
+    both run to their end. Returns (group 0's exit status, its output, the late group's exit
+    status, its output)."""
+    logs = {name: tmp_path / f"{name}.log" for name in ("first", "late")}
+    first_cmd = group(lighthouse, 0, tmp_path / "g0", held_until_joined(logs["late"]))
+    with open(logs["first"], "w") as out:
+        first = subprocess.Popen(first_cmd, cwd=REPO, env=ENV, stdout=out, stderr=out)
+    deadline = time.monotonic() + 180  # group 0 past its join (two starting together: both refused)
+    while "] - Training " not in logs["first"].read_text():
+        assert first.poll() is None and time.monotonic() < deadline, logs["first"].read_text()
+        time.sleep(0.1)
+    with open(logs["late"], "w") as out:
+        late_cmd = group(lighthouse, late_id, tmp_path / "late", *late)
+        second = subprocess.run(late_cmd, cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
+    code = first.wait(timeout=240)
+    return code, logs["first"].read_text(), second.returncode, logs["late"].read_text()
+
+
+def last_line(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
+def test_a_group_with_another_config_is_refused_at_join_naming_the_keys(lighthouse, tmp_path):
+    code, first, late_code, late = run_late_joiner(
+        lighthouse, tmp_path, 1, "optimizer.learning_rate=0.5", "seed=3"
+    )
+    assert late_code == 2, late[-3000:]
+    line = last_line(late)
+    assert line.startswith(f"xshard: error: {KEY}: the groups run different configs:"), line
+    assert "optimizer.learning_rate (" in line and "0.5 on group 1" in line, line
+    assert "seed (" in line and "3 on group 1" in line, line
+    assert "trainer.hooks" not in line.split("configs:")[1].split(". Every")[0]  # may differ
+    warned = [x for x in first.splitlines() if "the groups run different configs" in x]
+    assert len(warned) == 1 and "optimizer.learning_rate (" in warned[0], first[-3000:]
+    assert "The group joining is refused; group 0 goes on." in warned[0]
+    assert code == 0, first[-3000:]  # group 0 trained to its end
+    assert "Traceback" not in first + late
+
+
+def test_a_second_group_claiming_an_id_is_refused_naming_the_key_and_id(lighthouse, tmp_path):
+    code, first, late_code, late = run_late_joiner(lighthouse, tmp_path, 0)
+    assert late_code == 2, late[-3000:]
+    assert last_line(late) == (
+        f"xshard: error: {KEY}.group=0: 2 groups in the quorum claim this id; give each group "
+        "its own id (0, 1, ...)."
+    )
+    assert sum("2 groups in the quorum claim this id" in x for x in first.splitlines()) == 1
+    assert code == 0, first[-3000:]
+    assert "Traceback" not in first + late

@@ -114,3 +114,43 @@ def test_a_second_group_claiming_an_id_is_refused_naming_the_key_and_id(lighthou
     assert sum("2 groups in the quorum claim this id" in x for x in first.splitlines()) == 1
     assert code == 0, first[-3000:]
     assert "Traceback" not in first + late
+
+
+def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    """Waits until `path` exists, while `proc` (its output in `log`) runs."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+
+
+def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthouse, tmp_path):
+    """SIGSTOP of group 1 among its inner steps: group 0's next sync waits for the lighthouse's
+    heartbeat timeout, then commits alone, and group 0 trains on; SIGCONT'd, group 1 reaches
+    its sync behind its peer (it missed a committed sync) and exits 4 with one line (its loop
+    cannot jump to the peer's step; restarted, it rejoins from a live peer)."""
+    dumps, procs, logs = tmp_path / "dumps", {}, {}
+    for gid in (0, 1):
+        hooks = (
+            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+        )
+        logs[gid] = tmp_path / f"g{gid}.log"
+        command = group(lighthouse, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=64")
+        with open(logs[gid], "w") as out:
+            procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)
+    wait_for(dumps / "g1" / "step16.process0.npz", procs[1], logs[1])
+    os.kill(procs[1].pid, signal.SIGSTOP)  # among its inner steps 17..24
+    try:
+        wait_for(dumps / "g0" / "step32.process0.npz", procs[0], logs[0])  # 2 syncs without it
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    code, late_code = procs[0].wait(timeout=240), procs[1].wait(timeout=240)
+    first, late = logs[0].read_text(), logs[1].read_text()
+    assert code == 0, first[-3000:]
+    assert late_code == 4, late[-3000:]
+    assert last_line(late).startswith(
+        "xshard: error: this group is at step 24 and its peers at "
+    ), late[-3000:]
+    assert "Traceback" not in first + late
+    assert not (dumps / "g1" / "step24.process0.npz").exists()  # its sync at 24 never applied

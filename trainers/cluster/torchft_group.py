@@ -61,6 +61,7 @@ class GroupOptions(NamedTuple):
     quorum_timeout_s: float
     connect_timeout_s: float
     max_retries: int
+    quorum_retries: int
 
 
 class _Transport(HTTPTransport):
@@ -141,6 +142,7 @@ class TorchftExchange:
             hostname=options.host,
             heartbeat_interval=seconds(options.heartbeat_s),
             checkpoint_transport=_Transport(options.host, seconds(options.timeout_s)),
+            quorum_retries=options.quorum_retries,  # a lighthouse restarted: the groups go on
             init_sync=False,  # every group starts from the same seed's params
         )
         self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0

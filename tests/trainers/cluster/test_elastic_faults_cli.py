@@ -154,3 +154,41 @@ def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthous
     ), late[-3000:]
     assert "Traceback" not in first + late
     assert not (dumps / "g1" / "step24.process0.npz").exists()  # its sync at 24 never applied
+
+
+def start_lighthouse(bind: str) -> subprocess.Popen:
+    """A lighthouse of its own on `bind` (this test kills it)."""
+    command = [
+        sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
+        "--min-groups", "1", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+    ]  # fmt: skip
+    return subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.DEVNULL)
+
+
+def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
+    bind, dumps, procs, logs = f"127.0.0.1:{free_port()}", tmp_path / "dumps", {}, {}
+    house = start_lighthouse(bind)
+    try:
+        for gid in (0, 1):
+            hooks = (
+                "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+                f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+            )
+            logs[gid] = tmp_path / f"g{gid}.log"
+            command = group(bind, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=48")
+            with open(logs[gid], "w") as out:
+                procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)
+        wait_for(dumps / "g0" / "step16.process0.npz", procs[0], logs[0])
+        house.kill()
+        house.wait()
+        time.sleep(1.0)  # the groups' next sync meets no lighthouse
+        house = start_lighthouse(bind)
+        codes = [procs[g].wait(timeout=120) for g in (0, 1)]
+    finally:
+        for proc in (house, *procs.values()):
+            proc.kill()
+            proc.wait()
+    out = {g: logs[g].read_text() for g in (0, 1)}
+    assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
+    assert all("lighthouse quorum failed" in out[g] for g in (0, 1))  # a sync met no lighthouse
+    assert "Traceback" not in out[0] + out[1]

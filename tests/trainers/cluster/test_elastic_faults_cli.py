@@ -1,8 +1,11 @@
 """Faults of elastic replica groups (slow, multiprocess): real torchft, real JAX, each group its
 own ``python -m trainers.train`` on 127.0.0.1 around one lighthouse (``python -m
-trainers.elastic lighthouse``, a fixture of this module). A group that joins with another
-config, or with an id another group has, is refused with one line (exit 2); the group that
-was there logs the same line and trains to its end."""
+trainers.elastic lighthouse``, a fixture of this module, or one of the test's own). A group
+that joins with another config, or with an id another group has, is refused with one line
+(exit 2) and the group that was there logs the same line and trains to its end; a SIGSTOP'd
+group is dropped, and SIGCONT'd is refused (exit 4, one line); the groups go on after the
+lighthouse is killed and restarted; a group restarted after the others finished resumes from
+its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in all."""
 
 from __future__ import annotations
 
@@ -192,3 +195,39 @@ def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
     assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
     assert all("lighthouse quorum failed" in out[g] for g in (0, 1))  # a sync met no lighthouse
     assert "Traceback" not in out[0] + out[1]
+
+
+def test_a_group_restarted_after_the_others_finished_resumes_alone(lighthouse, tmp_path):
+    """Group 1 killed (SIGKILL) after its checkpoint at step 16; group 0 trains to its end
+    without it; group 1 restarted then (no peer left) resumes from its own checkpoint and
+    trains alone to its end."""
+    dumps, procs, logs, commands = tmp_path / "dumps", {}, {}, {}
+    for gid in (0, 1):
+        hooks = (
+            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+        )
+        logs[gid] = tmp_path / f"g{gid}.log"
+        commands[gid] = [
+            *group(lighthouse, gid, tmp_path / f"g{gid}", hooks),
+            "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
+            "checkpoint.async_save=false",
+        ]  # fmt: skip
+        with open(logs[gid], "w") as out:
+            procs[gid] = subprocess.Popen(commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out)
+    try:
+        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=240) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    with open(tmp_path / "g1.restart.log", "w") as out:
+        again = subprocess.run(commands[1], cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
+    restart = (tmp_path / "g1.restart.log").read_text()
+    assert again.returncode == 0, restart[-3000:]
+    assert "Restored step 16 from" in restart, restart[-3000:]  # its own checkpoint
+    assert "(16 trained in this run)" in restart and "Group 1 rejoined" not in restart
+    assert (dumps / "g1" / "step32.process0.npz").exists()
+    assert "Traceback" not in logs[0].read_text() + restart

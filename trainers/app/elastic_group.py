@@ -26,6 +26,24 @@ log = logging.getLogger(__name__)
 
 #: What the optional extra adds (``--help`` and the missing-extra message say it).
 EXTRA = "pip install 'xshard[elastic]' (CPU torch and torchft: elastic replica groups)"
+#: Keys that may differ between the groups of a job, besides the elastic node itself (its
+#: ``group``, ``host`` and timeouts) and `trainers.config.plain.PER_PROCESS`: ``trainer.hooks``
+#: observe a run (a hook may write to a folder named after the group) and do not change what
+#: it trains. Every other key must be equal, or a joining group is refused.
+PER_GROUP = ("trainer.hooks",)
+
+
+def group_config(cfg: DictConfig, key: str) -> dict[str, Any]:
+    """The run's flattened config that every group must share: less `PER_GROUP` and the
+    elastic node `key` (`trainers.config.plain.flat_config` leaves out ``PER_PROCESS``)."""
+    from trainers.config.plain import flat_config
+
+    left_out = (key, *PER_GROUP)
+    return {
+        k: v
+        for k, v in flat_config(cfg).items()
+        if not any(k == o or k.startswith(f"{o}.") for o in left_out)
+    }
 
 
 def elastic_axis(cfg: DictConfig) -> tuple[str, Any] | None:
@@ -96,7 +114,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
     if programs is None:  # check_elastic refuses an elastic axis that is not periodic
         raise ConfigError(f"{key}: the axis is not periodic.")
     options = GroupOptions(**{f: node[f] for f in GroupOptions._fields})
-    exchange = TorchftExchange(options, key)
+    exchange = TorchftExchange(options, key, group_config(cfg, key))
     try:
         programs.use_exchange(exchange)
         log.info("Replica group %d of %s, lighthouse %s.", options.group, key, options.lighthouse)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainers.cluster.multihost import Cluster
@@ -59,16 +59,24 @@ def check_same_config(cluster: Cluster, flat: Mapping[str, Any]) -> None:
     """
     if cluster.count == 1:
         return
-    encoded = {key: _encode(value) for key, value in flat.items()}
-    mine = digest(_encode(encoded))
-    digests = cluster.all_gather("config/digest", mine)
+    digests = cluster.all_gather("config/digest", config_digest(flat))
     if len(set(digests)) == 1:
         return
-    entries = {
-        key: [digest(text), shown(flat[key], MAX_VALUE_SHOWN)] for key, text in encoded.items()
-    }
-    everyone = cluster.all_gather("config/entries", entries)
+    everyone = cluster.all_gather("config/entries", config_entries(flat))
     raise ConfigError(differences_message(everyone))
+
+
+def config_digest(flat: Mapping[str, Any]) -> str:
+    """The digest of a flattened config (equal digests: equal configs)."""
+    return digest(_encode({key: _encode(value) for key, value in flat.items()}))
+
+
+def config_entries(flat: Mapping[str, Any]) -> dict[str, list[str]]:
+    """A flattened config as ``{key: [digest of its value, its value as shown]}``, what
+    `listed_differences` compares (JSON-able, short)."""
+    return {
+        key: [digest(_encode(value)), shown(value, MAX_VALUE_SHOWN)] for key, value in flat.items()
+    }
 
 
 def differences_message(everyone: list[dict[str, list[str]]]) -> str:
@@ -76,6 +84,26 @@ def differences_message(everyone: list[dict[str, list[str]]]) -> str:
 
     Args:
       everyone: per process (in process order), its ``{key: [digest, shown value]}``.
+    """
+    listed = listed_differences(everyone, range(len(everyone)), "process")
+    left_out = ", ".join(f"{k}.*" if k == "paths" else k for k in PER_PROCESS)
+    return (
+        f"The processes of this run were given different configs: {listed}. Every process "
+        f"must run the same config (all but {left_out}): start them all with the same "
+        "overrides."
+    )
+
+
+def listed_differences(
+    everyone: Sequence[Mapping[str, list[str]]], ids: Sequence[int], noun: str
+) -> str:
+    """The keys whose ``[digest, shown value]`` differ between `everyone`'s configs, each with
+    its values and who has them (``optimizer.learning_rate (0.1 on group 0, 0.2 on group 1)``).
+
+    Args:
+      everyone: per member, its `config_entries`.
+      ids: the members' ids, in the same order.
+      noun: what a member is called (``process``, ``group``).
     """
     keys = sorted(set().union(*everyone))
     differing = []
@@ -86,27 +114,22 @@ def differences_message(everyone: list[dict[str, list[str]]]) -> str:
     parts = []
     for key, seen in differing[:MAX_KEYS_SHOWN]:
         groups: dict[str, list[int]] = {}
-        for i, entry in enumerate(seen):
+        for i, entry in zip(ids, seen, strict=True):
             groups.setdefault("(not set)" if entry is None else entry[1], []).append(i)
-        values = ", ".join(f"{value} on {_processes(who)}" for value, who in groups.items())
+        values = ", ".join(f"{value} on {_members(who, noun)}" for value, who in groups.items())
         parts.append(f"{key} ({values})")
     more = len(differing) - MAX_KEYS_SHOWN
-    listed = "; ".join(parts) + (f"; and {more} more keys" if more > 0 else "")
-    left_out = ", ".join(f"{k}.*" if k == "paths" else k for k in PER_PROCESS)
-    return (
-        f"The processes of this run were given different configs: {listed}. Every process "
-        f"must run the same config (all but {left_out}): start them all with the same "
-        "overrides."
-    )
+    return "; ".join(parts) + (f"; and {more} more keys" if more > 0 else "")
 
 
-def _processes(indices: list[int]) -> str:
-    """``process 0``, ``processes 1, 3``, ``processes 0-5, 7``."""
+def _members(indices: list[int], noun: str) -> str:
+    """``process 0``, ``processes 1, 3``, ``processes 0-5, 7`` (or ``group ...``)."""
     runs: list[list[int]] = []
-    for i in indices:
+    for i in sorted(indices):
         if runs and runs[-1][1] == i - 1:
             runs[-1][1] = i
         else:
             runs.append([i, i])
     text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-    return f"process {text}" if len(indices) == 1 else f"processes {text}"
+    plural = f"{noun}es" if noun.endswith("s") else f"{noun}s"
+    return f"{noun} {text}" if len(indices) == 1 else f"{plural} {text}"

@@ -20,23 +20,32 @@ must trust each other (docs/reliability.md).
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Callable
+import re
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torchft.checkpointing.http_transport import HTTPTransport
-from torchft.manager import Manager
+from torchft.manager import REPLICA_ID_KEY, Manager
 from torchft.process_group import ProcessGroupGloo
 
+from trainers.cluster.same_config import config_digest, config_entries, listed_differences
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
 from xshard.config.elastic_groups import lighthouse_url
+from xshard.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+#: A group's replica id at the lighthouse: its config's digest and its id (torchft appends
+#: ``:<uuid>`` and takes the trailing digits before it as the group's rank).
+_REPLICA_ID = re.compile(r"^cfg-([0-9a-f]+)-group_([0-9]+):")
 
 
 class GroupOptions(NamedTuple):
@@ -52,6 +61,7 @@ class GroupOptions(NamedTuple):
     quorum_timeout_s: float
     connect_timeout_s: float
     max_retries: int
+    quorum_retries: int
 
 
 class _Transport(HTTPTransport):
@@ -68,19 +78,51 @@ class _Transport(HTTPTransport):
         return f"http://{self._host}:{port}/checkpoint/"
 
 
+class _FirstLine(logging.Filter):
+    """Keeps the first line of each record of torchft's manager: it logs a collective that
+    failed (a peer died in it) with the traceback, twice; the round is not committed and is
+    retried, which this module says in one warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = record.getMessage().split("\n", 1)[0], None
+        record.exc_info = record.exc_text = None
+        return True
+
+
+class _QuorumSeen:
+    """torchft's ``ManagerClient``, keeping the last quorum it returned (its members' replica
+    ids and store address), which torchft 0.2.0's ``Manager`` does not expose."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(**kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
 class TorchftExchange:
     """This group's torchft manager, as an `Exchange` (module docstring).
 
     Args:
       options: the group's options.
       axis_key: ``reduction.axes.<axis>.elastic``, for messages.
+      config: the group's flattened config, less what may differ between groups (compared
+        with its peers' at each new quorum: `_check_peers`).
     """
 
-    def __init__(self, options: GroupOptions, axis_key: str):
+    def __init__(self, options: GroupOptions, axis_key: str, config: Mapping[str, Any]):
         torch.set_num_threads(1)  # the devices are JAX's; torch only sums a vector
-        self.options, self.key = options, axis_key
+        self.options, self.key, self.config = options, axis_key, config
         self._snapshot: Callable[[], GroupState] | None = None
         self._healed: GroupState | None = None
+        self._checked: Any = None  # the last quorum whose members were checked
+        self._quiet = _FirstLine()
+        logging.getLogger("torchft.manager").addFilter(self._quiet)
         seconds = lambda s: timedelta(seconds=s)
         self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False)
         self.manager = Manager(
@@ -96,12 +138,15 @@ class TorchftExchange:
             store_addr=options.host,
             store_port=self._store.port,
             lighthouse_addr=lighthouse_url(options.lighthouse),
-            replica_id=f"group_{options.group}",
+            replica_id=f"cfg-{config_digest(config)[:16]}-group_{options.group}",
             hostname=options.host,
             heartbeat_interval=seconds(options.heartbeat_s),
             checkpoint_transport=_Transport(options.host, seconds(options.timeout_s)),
+            quorum_retries=options.quorum_retries,  # a lighthouse restarted: the groups go on
             init_sync=False,  # every group starts from the same seed's params
         )
+        self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0
+        self.replica_id = self._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid
 
     def _state(self) -> GroupState:
         """torchft's state_dict: this group's state at the round's start (for a healing peer)."""
@@ -128,6 +173,8 @@ class TorchftExchange:
         for attempt in range(self.options.max_retries + 1):
             self._snapshot, self._healed = snapshot, None
             manager.start_quorum()
+            manager.wait_quorum()
+            self._check_peers(joining=not weight)
             tensor = torch.from_numpy(message.copy())
             manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
             committed = manager.should_commit()
@@ -153,9 +200,63 @@ class TorchftExchange:
             "syncs in a row did not commit (peers lost or unreachable); the group stops."
         )
 
+    def _check_peers(self, joining: bool) -> None:
+        """Checks a new quorum's members: no other group with this group's id, and every
+        group's config digest equal to this one's (else the groups swap their configs through
+        the quorum's store, and each names the keys that differ). A joining group is refused;
+        one that was there logs the same line and goes on (its round with the refused group
+        fails and is retried without it).
+
+        Raises:
+          ConfigError: while joining, one line naming the key and the id, or the keys that
+            differ and each group's value.
+        """
+        quorum = self._seen.last
+        if quorum is None or quorum.quorum_id == self._checked:
+            return
+        self._checked = quorum.quorum_id
+        members = {r: _REPLICA_ID.match(r) for r in quorum.replica_ids}
+        ids = {r: int(m.group(2)) if m else -1 for r, m in members.items()}
+        twins = [r for r, g in ids.items() if g == self.options.group and r != self.replica_id]
+        problem = None
+        if twins:
+            problem = (
+                f"{self.key}.group={self.options.group}: {len(twins) + 1} groups in the quorum "
+                "claim this id; give each group its own id (0, 1, ...)."
+            )
+        elif len({m.group(1) if m else r for r, m in members.items()}) > 1:
+            problem = self._config_differences(quorum, ids)
+        if problem is None:
+            return
+        if joining:
+            raise ConfigError(problem)
+        log.warning(
+            "%s The group joining is refused; group %d goes on.", problem, self.options.group
+        )
+
+    def _config_differences(self, quorum: Any, ids: dict[str, int]) -> str:
+        """The groups' configs swapped through the quorum's store (every member of the quorum
+        does it: they all saw the digests differ); the line naming the keys that differ."""
+        host, port = quorum.store_address.rsplit(":", 1)
+        timeout = timedelta(seconds=self.options.timeout_s)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        prefix = f"xshard/config/{quorum.quorum_id}/"
+        store.set(prefix + self.replica_id, json.dumps(config_entries(self.config)))
+        everyone = [json.loads(store.get(prefix + r)) for r in ids]
+        store.add(prefix + "read", 1)  # the store's host must outlive every member's reads
+        deadline = time.monotonic() + self.options.timeout_s
+        while store.add(prefix + "read", 0) < len(ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        listed = listed_differences(everyone, list(ids.values()), "group")
+        return (
+            f"{self.key}: the groups run different configs: {listed}. Every group must run "
+            "the same config but the keys left out of this check (docs/reductions.md)."
+        )
+
     def close(self) -> None:
         """Stops the manager's servers (this group leaves the quorum)."""
         self.manager.shutdown(wait=False)
+        logging.getLogger("torchft.manager").removeFilter(self._quiet)
 
 
 def group_seed(seed: int, group: int) -> int:

@@ -55,6 +55,9 @@ class ElasticConf:
       connect_timeout_s: seconds to connect to the lighthouse and the peers.
       max_retries: syncs in a row that may fail to commit (each retried with the new quorum)
         before the group stops (exit 4).
+      quorum_retries: times a quorum request is retried when the lighthouse cannot be reached
+        (torchft's ``quorum_retries``; a lighthouse killed and restarted): with 0 a group waits
+        for its quorum until ``quorum_timeout_s``.
     """
 
     group: Any = None
@@ -66,6 +69,7 @@ class ElasticConf:
     quorum_timeout_s: Any = 600.0
     connect_timeout_s: Any = 60.0
     max_retries: Any = 3
+    quorum_retries: Any = 30
 
 
 #: The numeric keys and their ranges (the one place they are written).
@@ -77,6 +81,7 @@ ELASTIC_RANGES: dict[str, Range] = {
     "quorum_timeout_s": Range("seconds a sync waits for its quorum", 0, low_open=True),
     "connect_timeout_s": Range("seconds to connect", 0, low_open=True),
     "max_retries": Range("syncs in a row that may fail to commit", 0, integer=True),
+    "quorum_retries": Range("retries of a quorum the lighthouse did not answer", 0, integer=True),
 }
 
 

@@ -1,0 +1,233 @@
+"""Faults of elastic replica groups (slow, multiprocess): real torchft, real JAX, each group its
+own ``python -m trainers.train`` on 127.0.0.1 around one lighthouse (``python -m
+trainers.elastic lighthouse``, a fixture of this module, or one of the test's own). A group
+that joins with another config, or with an id another group has, is refused with one line
+(exit 2) and the group that was there logs the same line and trains to its end; a SIGSTOP'd
+group is dropped, and SIGCONT'd is refused (exit 4, one line); the groups go on after the
+lighthouse is killed and restarted; a group restarted after the others finished resumes from
+its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import REPO
+from tests.multihost_cli import free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]
+
+EVERY, HOLD_AT = 8, 16
+KEY = "reduction.axes.slice.elastic"
+ENV = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+
+
+@pytest.fixture(scope="module")
+def lighthouse() -> Iterator[str]:
+    """A lighthouse on 127.0.0.1 that drops a silent group after 1 s; its ``host:port``."""
+    bind = f"127.0.0.1:{free_port()}"
+    command = [
+        sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
+        "--min-groups", "1", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+    ]  # fmt: skip
+    with subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.PIPE, text=True) as proc:
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        yield bind
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def group(lighthouse: str, gid: int, run_dir: Path, *extra: str) -> list[str]:
+    """The command of group `gid`: task=mlp, a sync every `EVERY` steps, 5 s timeouts."""
+    return [
+        sys.executable, "-m", "trainers.train", "task=mlp", "mesh=cpu4_group",
+        "reduction=diloco_elastic", f"reduction.axes.slice.every_steps={EVERY}",
+        f"{KEY}.group={gid}", f"{KEY}.lighthouse={lighthouse}", f"{KEY}.timeout_s=5",
+        f"{KEY}.heartbeat_s=0.1", "trainer.batch_size=16", "trainer.steps=32",
+        "trainer.progress=false", "checkpoint.enabled=false", f"hydra.run.dir={run_dir}",
+        "+allowed_targets=[tests.]", *extra,
+    ]  # fmt: skip
+
+
+def held_until_joined(log: Path) -> str:
+    """Group 0's hooks: paced, and held at `HOLD_AT` until the late group (its output in
+    `log`) waits in its first quorum, so that the late group joins group 0's next sync."""
+    return (
+        "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.05},"
+        f"{{_target_:tests.multihost_hooks.WaitForText,path:'{log}',text:'joining its peers',"
+        f"count:1,step:{HOLD_AT},timeout:90}}]"
+    )
+
+
+def run_late_joiner(lighthouse: str, tmp_path: Path, late_id: int, *late: str) -> tuple:
+    """Group 0, and a group `late_id` started once group 0 trains, with the `late` overrides;
+    both run to their end. Returns (group 0's exit status, its output, the late group's exit
+    status, its output)."""
+    logs = {name: tmp_path / f"{name}.log" for name in ("first", "late")}
+    first_cmd = group(lighthouse, 0, tmp_path / "g0", held_until_joined(logs["late"]))
+    with open(logs["first"], "w") as out:
+        first = subprocess.Popen(first_cmd, cwd=REPO, env=ENV, stdout=out, stderr=out)
+    deadline = time.monotonic() + 180  # group 0 past its join (two starting together: both refused)
+    while "] - Training " not in logs["first"].read_text():
+        assert first.poll() is None and time.monotonic() < deadline, logs["first"].read_text()
+        time.sleep(0.1)
+    with open(logs["late"], "w") as out:
+        late_cmd = group(lighthouse, late_id, tmp_path / "late", *late)
+        second = subprocess.run(late_cmd, cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
+    code = first.wait(timeout=240)
+    return code, logs["first"].read_text(), second.returncode, logs["late"].read_text()
+
+
+def last_line(output: str) -> str:
+    return output.strip().splitlines()[-1]
+
+
+def test_a_group_with_another_config_is_refused_at_join_naming_the_keys(lighthouse, tmp_path):
+    code, first, late_code, late = run_late_joiner(
+        lighthouse, tmp_path, 1, "optimizer.learning_rate=0.5", "seed=3"
+    )
+    assert late_code == 2, late[-3000:]
+    line = last_line(late)
+    assert line.startswith(f"xshard: error: {KEY}: the groups run different configs:"), line
+    assert "optimizer.learning_rate (" in line and "0.5 on group 1" in line, line
+    assert "seed (" in line and "3 on group 1" in line, line
+    assert "trainer.hooks" not in line.split("configs:")[1].split(". Every")[0]  # may differ
+    warned = [x for x in first.splitlines() if "the groups run different configs" in x]
+    assert len(warned) == 1 and "optimizer.learning_rate (" in warned[0], first[-3000:]
+    assert "The group joining is refused; group 0 goes on." in warned[0]
+    assert code == 0, first[-3000:]  # group 0 trained to its end
+    assert "Traceback" not in first + late
+
+
+def test_a_second_group_claiming_an_id_is_refused_naming_the_key_and_id(lighthouse, tmp_path):
+    code, first, late_code, late = run_late_joiner(lighthouse, tmp_path, 0)
+    assert late_code == 2, late[-3000:]
+    assert last_line(late) == (
+        f"xshard: error: {KEY}.group=0: 2 groups in the quorum claim this id; give each group "
+        "its own id (0, 1, ...)."
+    )
+    assert sum("2 groups in the quorum claim this id" in x for x in first.splitlines()) == 1
+    assert code == 0, first[-3000:]
+    assert "Traceback" not in first + late
+
+
+def wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    """Waits until `path` exists, while `proc` (its output in `log`) runs."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.02)
+
+
+def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthouse, tmp_path):
+    """SIGSTOP of group 1 among its inner steps: group 0's next sync waits for the lighthouse's
+    heartbeat timeout, then commits alone, and group 0 trains on; SIGCONT'd, group 1 reaches
+    its sync behind its peer (it missed a committed sync) and exits 4 with one line (its loop
+    cannot jump to the peer's step; restarted, it rejoins from a live peer)."""
+    dumps, procs, logs = tmp_path / "dumps", {}, {}
+    for gid in (0, 1):
+        hooks = (
+            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+        )
+        logs[gid] = tmp_path / f"g{gid}.log"
+        command = group(lighthouse, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=64")
+        with open(logs[gid], "w") as out:
+            procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)
+    wait_for(dumps / "g1" / "step16.process0.npz", procs[1], logs[1])
+    os.kill(procs[1].pid, signal.SIGSTOP)  # among its inner steps 17..24
+    try:
+        wait_for(dumps / "g0" / "step32.process0.npz", procs[0], logs[0])  # 2 syncs without it
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+    code, late_code = procs[0].wait(timeout=240), procs[1].wait(timeout=240)
+    first, late = logs[0].read_text(), logs[1].read_text()
+    assert code == 0, first[-3000:]
+    assert late_code == 4, late[-3000:]
+    assert last_line(late).startswith(
+        "xshard: error: this group is at step 24 and its peers at "
+    ), late[-3000:]
+    assert "Traceback" not in first + late
+    assert not (dumps / "g1" / "step24.process0.npz").exists()  # its sync at 24 never applied
+
+
+def start_lighthouse(bind: str) -> subprocess.Popen:
+    """A lighthouse of its own on `bind` (this test kills it)."""
+    command = [
+        sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
+        "--min-groups", "1", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+    ]  # fmt: skip
+    return subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.DEVNULL)
+
+
+def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
+    bind, dumps, procs, logs = f"127.0.0.1:{free_port()}", tmp_path / "dumps", {}, {}
+    house = start_lighthouse(bind)
+    try:
+        for gid in (0, 1):
+            hooks = (
+                "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+                f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+            )
+            logs[gid] = tmp_path / f"g{gid}.log"
+            command = group(bind, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=48")
+            with open(logs[gid], "w") as out:
+                procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)
+        wait_for(dumps / "g0" / "step16.process0.npz", procs[0], logs[0])
+        house.kill()
+        house.wait()
+        time.sleep(1.0)  # the groups' next sync meets no lighthouse
+        house = start_lighthouse(bind)
+        codes = [procs[g].wait(timeout=120) for g in (0, 1)]
+    finally:
+        for proc in (house, *procs.values()):
+            proc.kill()
+            proc.wait()
+    out = {g: logs[g].read_text() for g in (0, 1)}
+    assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
+    assert all("lighthouse quorum failed" in out[g] for g in (0, 1))  # a sync met no lighthouse
+    assert "Traceback" not in out[0] + out[1]
+
+
+def test_a_group_restarted_after_the_others_finished_resumes_alone(lighthouse, tmp_path):
+    """Group 1 killed (SIGKILL) after its checkpoint at step 16; group 0 trains to its end
+    without it; group 1 restarted then (no peer left) resumes from its own checkpoint and
+    trains alone to its end."""
+    dumps, procs, logs, commands = tmp_path / "dumps", {}, {}, {}
+    for gid in (0, 1):
+        hooks = (
+            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
+            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
+        )
+        logs[gid] = tmp_path / f"g{gid}.log"
+        commands[gid] = [
+            *group(lighthouse, gid, tmp_path / f"g{gid}", hooks),
+            "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
+            "checkpoint.async_save=false",
+        ]  # fmt: skip
+        with open(logs[gid], "w") as out:
+            procs[gid] = subprocess.Popen(commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out)
+    try:
+        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
+        os.kill(procs[1].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=240) == 0, logs[0].read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+    with open(tmp_path / "g1.restart.log", "w") as out:
+        again = subprocess.run(commands[1], cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
+    restart = (tmp_path / "g1.restart.log").read_text()
+    assert again.returncode == 0, restart[-3000:]
+    assert "Restored step 16 from" in restart, restart[-3000:]  # its own checkpoint
+    assert "(16 trained in this run)" in restart and "Group 1 rejoined" not in restart
+    assert (dumps / "g1" / "step32.process0.npz").exists()
+    assert "Traceback" not in logs[0].read_text() + restart

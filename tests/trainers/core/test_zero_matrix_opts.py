@@ -9,16 +9,19 @@ import functools
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from tests.hlo_helpers import dot_dtypes
 from tests.reliability_helpers import assert_bitwise_equal
 from tests.trainers.checkpoint.test_checkpoints import host
 from tests.trainers.core.test_precision import BF16
-from tests.trainers.core.test_zero import BATCH, MESH8, TASK, config
+from tests.trainers.core.test_zero import BATCH, MESH8, TASK, collectives, config, train
 from trainers.checkpoint.resume import RestoreSource, restore_checkpoint
 from trainers.checkpoint.save import CheckpointHook
 from trainers.config import CheckpointOptions
 from trainers.core.trainer import Trainer
+from trainers.core.zero import zero_dim
+from trainers.tasks.mlp import MLPTask
 from xshard.optim.factory import build_optimizer
 
 pytestmark = pytest.mark.long
@@ -109,3 +112,39 @@ def test_muon_with_bf16_compute_trains_as_stage_0(stage, impl):
     for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)):
         assert b.dtype == np.float32
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+
+
+# Nine hidden layers: eight (128, 128) matrices, one per device of the mesh (`owned`).
+DEEP = MLPTask(hidden=(128,) * 9)
+
+
+@functools.cache
+def deep_muon(stage: int, impl: str):
+    state, _, trainer = train(("optimizer=muon",), stage=stage, impl=impl, steps=3, task=DEEP)
+    host_state = jax.device_get((state.params, state.opt_state))
+    return host_state, (collectives(trainer) if stage else None)
+
+
+@pytest.mark.parametrize("impl", ["manual", "gspmd"])
+def test_muon_at_stage_3_orthogonalises_each_matrix_on_one_owner_and_trains_as_stage_0(impl):
+    # At stage 3 the params are sliced at rest: each (128, 128) matrix's momentum goes whole
+    # to one device (one all-to-all for the eight), which orthogonalises it, and its update
+    # comes back to the row slices (one more): no gather of a matrix beyond the forward pass's
+    # one of all the params, no collective inside the iterations (xshard.optim.muon.owned).
+    want, _ = deep_muon(0, impl)
+    got, ops = deep_muon(3, impl)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    exchanged = [shapes for op, shapes in ops if op == "all-to-all"]
+    assert len(exchanged) == 2
+    for shapes in exchanged:  # the eight matrices, 1/8 of each to each device
+        assert sum(int(np.prod(s)) for s in shapes) == 8 * 128 * 128 // 8
+    # The params for the forward pass (packed), and the one matrix of its shape, the input
+    # layer's (16, 128): orthogonalised whole on every device, its momentum gathered once.
+    gathered = [shapes for op, shapes in ops if op == "all-gather"]
+    sliced = sum(x.size for x in jax.tree.leaves(got[0]) if zero_dim(x.shape, P(), 8) is not None)
+    assert sorted(gathered) == [[(8, sliced // 8)], [(16, 128)]]
+    if impl == "manual":
+        assert len([op for op, _ in ops if op == "reduce-scatter"]) == 1
+        reduced = sum(int(np.prod(s)) for op, shapes in ops if op == "all-reduce" for s in shapes)
+        assert reduced < 64  # scalar statistics only

@@ -114,7 +114,7 @@ def owned(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> An
     (`whole_each`); without a mesh (or inside a manual ``shard_map``) all are."""
     mesh = jax.sharding.get_abstract_mesh()
     leaves, treedef = jax.tree.flatten(mu_hat)
-    dims_leaves = treedef.flatten_up_to(dims)
+    dims_leaves = treedef.flatten_up_to(dims)  # type: ignore[attr-defined]  # jaxlib: no stubs
     out = list(leaves)
     groups: dict[Any, list[int]] = {}
     for i, (x, d) in enumerate(zip(leaves, dims_leaves)):
@@ -134,7 +134,7 @@ def owned(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> An
                 out[i] = done[k]
         for i in members[full:]:
             out[i] = whole(orthogonalize(whole(leaves[i]), dimension_numbers=d))
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)
 
 
 def scale_by_muon(

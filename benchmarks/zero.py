@@ -8,8 +8,8 @@ process on every device present (8 simulated CPU devices), on both gradient path
   temporaries) and the live arrays of params and optimizer state (from their shardings);
 * collectives from the compiled HLO: counts by kind, and the bytes each device sends per step
   under a ring algorithm (all-reduce 2(N-1)/N of its operand, reduce-scatter and all-gather
-  (N-1)/N of the full array) over the arrays above `SMALL` elements, against the ring limit
-  of data parallelism, 2(N-1)/N x the gradient's bytes;
+  (N-1)/N of the full array, all-to-all (N-1)/N of its operand) over the arrays above `SMALL`
+  elements, against the ring limit of data parallelism, 2(N-1)/N x the gradient's bytes;
 * step time, the stages interleaved block by block (`benchmarks.timing.interleave`), with the
   ratio to the replicated step of the same path.
 
@@ -45,7 +45,9 @@ MODELS: dict[str, tuple[str, ...]] = {
 SMOKE: tuple[str, ...] = ("task.n_layers=1", "task.d_model=32", "task.d_ff=64", "task.seq_len=16")
 STAGES = (0, 1, 2, 3)
 IMPLS = ("manual", "gspmd")
-_OP = re.compile(r"=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+_OP = re.compile(
+    r"=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\("
+)
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[subf]\d+|bf16)\[(?P<dims>[\d,]*)\]")
 
 
@@ -83,7 +85,7 @@ def ring_bytes(hlo: str, n: int) -> dict[str, Any]:
             sent = 2 * (n - 1) / n * size
         elif op == "reduce-scatter":  # the result is the 1/n slice
             sent = (n - 1) * size
-        else:  # all-gather: the result is the whole array
+        else:  # all-gather (the result is the whole array), all-to-all (keeps 1/n of it)
             sent = (n - 1) / n * size
         by_op[op] = by_op.get(op, 0.0) + sent
     return {"counts": counts, "sent_bytes": int(sum(by_op.values())), "by_op": by_op}

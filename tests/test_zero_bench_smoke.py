@@ -50,3 +50,26 @@ def test_zero_benchmark_smoke_writes_memory_and_collectives(tmp_path):
             )
         assert "reduce-scatter" in v["manual/zero2"]["collectives"]
         assert "reduce-scatter" not in v["manual/zero0"]["collectives"]
+
+
+def test_ring_bytes_counts_an_all_to_all_as_n_minus_1_over_n_of_its_operand():
+    # The owners of Muon's matrices at stage 3 exchange them by all-to-all (xshard.optim.muon).
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks.zero import ring_bytes
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    exchange = jax.jit(
+        jax.shard_map(
+            lambda x: jax.lax.all_to_all(x, "data", 0, 0, tiled=True),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+        )
+    )
+    hlo = exchange.lower(jnp.zeros((64, 32), jnp.float32)).compile().as_text()
+    found = ring_bytes(hlo, 8)
+    assert found["counts"] == {"all-to-all": 1}
+    assert found["sent_bytes"] == int(7 / 8 * 8 * 32 * 4)  # each device's (8, 32) operand

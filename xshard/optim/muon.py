@@ -9,13 +9,17 @@ limit). optax has no per-matrix hook, so `muon` here is optax's, built from the 
 momentum each matrix orthogonalises is laid out whole (`whole`) first, so it is gathered once
 and the iterations run without communication; the update leaves whole. `whole_updates` names
 the parameters so updated: a ZeRO step whose params are whole at rest adds the whole update to
-the whole parameter and leaves it out of the params' gather.
+the whole parameter and leaves it out of the params' gather. Where the params are sliced at rest
+(``zero_stage=3``) the step passes ``muon_owners=True`` (an optax extra argument): each matrix is
+orthogonalised by one owner device instead (`owned`), an all-to-all of 1/N of the momentum in and
+one of the update out in place of a gather of all of it.
 
 Adapted from optax.contrib._muon (optax 0.2.8, Apache 2.0, DeepMind).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +94,49 @@ def _momentum(updates: Any, state: MuonState, beta: float, nesterov: bool) -> tu
     return mu, mu_hat
 
 
+def whole_each(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> Any:
+    """Each matrix of `mu_hat` orthogonalised whole on every device (`whole` before and after
+    the iterations): one gather of each matrix, no communication inside the iterations."""
+    return jax.tree.map(
+        lambda x, d: whole(orthogonalize(whole(x), dimension_numbers=d)),
+        mu_hat,
+        dims,
+        is_leaf=_is_dims,
+    )
+
+
+def owned(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> Any:
+    """Each matrix of `mu_hat` orthogonalised whole by one device, its owner: the matrices of
+    one shape are stacked in groups of as many as the mesh has devices, each group laid out
+    one matrix per device (an all-to-all from the row slices of ZeRO), orthogonalised there
+    and left in that layout, so the consumer's layout (the row slices at ``zero_stage=3``)
+    costs one more all-to-all. Matrices outside a full group are orthogonalised whole
+    (`whole_each`); without a mesh (or inside a manual ``shard_map``) all are."""
+    mesh = jax.sharding.get_abstract_mesh()
+    leaves, treedef = jax.tree.flatten(mu_hat)
+    dims_leaves = treedef.flatten_up_to(dims)  # type: ignore[attr-defined]  # jaxlib: no stubs
+    out = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, (x, d) in enumerate(zip(leaves, dims_leaves)):
+        if _is_dims(d):
+            groups.setdefault((x.shape, x.dtype, d), []).append(i)
+    n = 0 if mesh.empty or mesh.manual_axes else mesh.size
+    owners = P(tuple(mesh.axis_names)) if n else P()
+    for (_, _, d), members in groups.items():
+        full = len(members) - len(members) % n if n else 0
+        for start in range(0, full, n):
+            chunk = members[start : start + n]
+            stack = jax.lax.with_sharding_constraint(jnp.stack([leaves[i] for i in chunk]), owners)
+            done = jax.lax.with_sharding_constraint(
+                jax.vmap(lambda x, d=d: orthogonalize(x, dimension_numbers=d))(stack), owners
+            )
+            for k, i in enumerate(chunk):
+                out[i] = done[k]
+        for i in members[full:]:
+            out[i] = whole(orthogonalize(whole(leaves[i]), dimension_numbers=d))
+    return jax.tree.unflatten(treedef, out)
+
+
 def scale_by_muon(
     ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
@@ -109,7 +156,8 @@ def scale_by_muon(
         weight_dimension_numbers: as `optax.contrib.scale_by_muon`'s.
 
     Returns:
-      The transformation; its state is `optax.contrib.MuonState`, as optax's.
+      The transformation; its state is `optax.contrib.MuonState`, as optax's. Its update
+      takes the extra argument ``muon_owners`` (default False: `whole_each`; True: `owned`).
     """
     optax_tx = optax.contrib.scale_by_muon(
         ns_coeffs,
@@ -124,22 +172,27 @@ def scale_by_muon(
     )
     mu_dtype = optax_muon.utils.canonicalize_dtype(mu_dtype)
 
-    def update_fn(updates: Any, state: MuonState, params: Any = None) -> tuple[Any, MuonState]:
-        del params
+    def update_fn(
+        updates: Any,
+        state: MuonState,
+        params: Any = None,
+        *,
+        muon_owners: bool = False,
+        **extra_args: Any,
+    ) -> tuple[Any, MuonState]:
+        del params, extra_args
         dims = weight_dimension_numbers
         if callable(dims):
             dims = dims(updates)
         mu, mu_hat = _momentum(updates, state, beta, nesterov)
-        out = jax.tree.map(
-            lambda x, d: whole(
-                optax_muon.orthogonalize_via_newton_schulz(
-                    whole(x), state.ns_coeffs, ns_steps, preconditioning, eps, d
-                )
-            ),
-            mu_hat,
-            dims,
-            is_leaf=_is_dims,
+        orthogonalize = functools.partial(
+            optax_muon.orthogonalize_via_newton_schulz,
+            ns_coeffs=state.ns_coeffs,
+            ns_steps=ns_steps,
+            preconditioning=preconditioning,
+            eps=eps,
         )
+        out = (owned if muon_owners else whole_each)(orthogonalize, mu_hat, dims)
         if adaptive:  # scaled by the dual norm of the momentum (arXiv 2409.20325)
             out = jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
         new_state = MuonState(
@@ -149,7 +202,7 @@ def scale_by_muon(
         )
         return out, new_state
 
-    return optax.GradientTransformation(optax_tx.init, update_fn)
+    return optax.GradientTransformationExtraArgs(optax_tx.init, update_fn)
 
 
 def _labels_and_dims(dims_or_fn: WeightDims) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:

@@ -288,7 +288,7 @@ def collectives(trainer):
     """(op, result shapes) of every collective in the compiled step."""
     found = []
     pattern = re.compile(
-        r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather)(?:-start)?\(", re.ASCII
+        r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\(", re.ASCII
     )
     for line in compiled_step(trainer).as_text().splitlines():
         m = pattern.search(line)

@@ -54,6 +54,7 @@ from trainers.core.step.zero_update import (
     constrain_for_update,
     gathered,
     manual_zero_step,
+    owner_args,
     updated,
     whole_at_rest,
 )
@@ -189,23 +190,28 @@ class _StepProgram:
         assert self.layout is not None
         return self.layout
 
-    def update(self, params: Any, opt_state: Any, grads: Any) -> Applied:
+    def update(self, params: Any, opt_state: Any, grads: Any, **extra_args: Any) -> Applied:
         """The optimizer's phases on `grads` (per shard, or already reduced: a
         `LocalReduction` from the ZeRO shard_map); the update applied in the guard's branch,
-        with `_measure` there on statistics steps (NaN elsewhere)."""
+        with `_measure` there on statistics steps (NaN elsewhere); `extra_args` to the inner
+        optimizer (`owner_args`)."""
         phases, flags = self.tx.phases, self.flags
         local = grads
         if not isinstance(grads, LocalReduction):
             local = phases.reduce(grads, params, with_stats=flags.with_stats, comm=opt_state.comm)
-        return phases.apply(local, opt_state, params, measure=_measure, **flags._asdict())
+        return phases.apply(
+            local, opt_state, params, measure=_measure, **flags._asdict(), **extra_args
+        )
 
     def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
         """The update, and the metrics and per-layer statistics of the step's level."""
         flags = self.flags
-        whole = whole_at_rest(self.zero_layout, whole_updates(opt_state)) if self.zero else None
+        held = whole_updates(opt_state) if self.zero else None
+        whole = whole_at_rest(self.zero_layout, held) if self.zero else None
+        extra = owner_args(self.zero_layout, held) if self.zero else {}
         if self.zero:  # the update on each device's slice (or whole, where `whole` says)
             params, grads = constrain_for_update(self.zero_layout, params, grads, whole)
-        done = self.update(params, opt_state, grads)
+        done = self.update(params, opt_state, grads, **extra)
         new_params = updated(self.zero_layout, done.params, whole) if self.zero else done.params
         metrics, stats_only = state_metrics(
             done.state,

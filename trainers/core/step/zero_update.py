@@ -15,7 +15,8 @@ stages 1 and 2, already so at stage 3), so the update is computed on 1/N of ever
 new params are then all-gathered (stages 1 and 2), or kept sliced and gathered for the next
 forward pass (stage 3), one all-gather per dtype (`gather`). A param the optimizer updates
 whole (Muon's matrices: `xshard.optim.muon.whole_updates`) stays whole for the update at stages
-1 and 2 and is left out of that gather: its new value is already whole on every device. A norm
+1 and 2 and is left out of that gather: its new value is already whole on every device; at
+stage 3 one owner per matrix orthogonalises it (`owner_args`). A norm
 over a sharded array is a global norm under GSPMD, which keeps lamb, lars, adafactor and
 global-norm clipping exact.
 """
@@ -47,6 +48,14 @@ def whole_at_rest(layout: ZeroLayout, whole: Any) -> Any:
     """`whole` (`xshard.optim.muon.whole_updates`: the params the optimizer updates whole),
     or None where the params are sliced at rest (stage 3), so every param is updated sliced."""
     return whole if layout.stage < 3 else None
+
+
+def owner_args(layout: ZeroLayout, whole: Any) -> dict[str, bool]:
+    """The optimizer's extra arguments for the update: where the params are sliced at rest
+    (stage 3) and the optimizer updates some whole (`whole`: Muon's matrices), each matrix is
+    orthogonalised by one owner (``muon_owners``, `xshard.optim.muon.owned`) rather than on
+    every device, whose update an all-to-all returns to the row slices; none otherwise."""
+    return {"muon_owners": True} if layout.stage >= 3 and whole is not None else {}
 
 
 def constrain_for_update(

@@ -24,7 +24,7 @@ from trainers.core.zero import zero_dim
 from trainers.tasks.mlp import MLPTask
 from xshard.optim.factory import build_optimizer
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # 14 trainers compiled: ~100 s of CPU
 
 SAVED_AT, STEPS = 2, 4
 RUN_CONFIG = {"optimizer": "under test"}  # what the checkpoint records and the restore compares

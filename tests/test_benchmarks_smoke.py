@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests import REPO
+from tests import REPO, smoke_env
 
 pytestmark = pytest.mark.long
 
@@ -72,6 +72,7 @@ def results(tmp_path_factory) -> dict[str, Any]:
             str(out),
         ],
         cwd=ROOT,
+        env=smoke_env(),
         check=False,
         capture_output=True,
         text=True,

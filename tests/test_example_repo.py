@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from tests import REPO
-from tests.cli import load_events, scalars
+from tests.cli import ONE_PATH, load_events, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
 from tests.wheel_fixtures import run_app
 from trainers.checkpoint.resume import complete_steps
@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.wheel]
 
 EXAMPLE = REPO / "examples" / "experiment_repo"
 STEPS = 120  # long enough (compile + ~4 s of steps) for a SIGTERM to land mid-run
-RUN = ["experiment=small", f"trainer.steps={STEPS}"]
+# One gradient path (tests/cli.py's): no start-up race per run, and runs compared bitwise.
+RUN = ["experiment=small", f"trainer.steps={STEPS}", ONE_PATH]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,9 @@ def test_example_trains_with_eval_and_its_hook(venv_python, example, baseline):
 
 
 def test_example_sweep_2x2(venv_python, example):
-    proc = train(venv_python, example, "-m", "--config-name", "sweep", "hydra.sweep.dir=sweep")
+    proc = train(
+        venv_python, example, "-m", "--config-name", "sweep", "hydra.sweep.dir=sweep", ONE_PATH
+    )
     sweep = example / "sweep"
     results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
     assert len(results) == 4 and all(r["status"] == "completed" for r in results), results

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import ONE_PATH
+
 pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.wheel]
 
 
@@ -56,6 +58,12 @@ def make(python: Path, repo: Path, target: str, args: str = "") -> subprocess.Co
     return run(["make", target, f"PYTHON={python}", f"ARGS={args}"], cwd=repo)
 
 
+def make_runs(python: Path, repo: Path, target: str, args: str) -> subprocess.CompletedProcess:
+    """`make` of a target that trains: on one gradient path (tests/cli.py's `ONE_PATH`), so
+    that no run pays the default's start-up race of both paths."""
+    return make(python, repo, target, f"{ONE_PATH} {args}")
+
+
 def test_the_repo_has_what_the_scaffold_promises(repo):
     files = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
     for rel in ("pyproject.toml", "Makefile", "train.py", "conf/train.yaml", "conf/sweep.yaml",
@@ -67,7 +75,7 @@ def test_the_repo_has_what_the_scaffold_promises(repo):
 
 def test_make_train_a_few_steps_in_bf16_with_remat(venv_python, repo):
     args = "trainer.steps=6 trainer.eval_every=3 precision=bf16 trainer.remat=full"
-    make(venv_python, repo, "train", f"{args} hydra.run.dir=runs/smoke")
+    make_runs(venv_python, repo, "train", f"{args} hydra.run.dir=runs/smoke")
     run_dir = repo / "runs" / "smoke"
     result = json.loads((run_dir / "result.json").read_text())
     assert result["status"] == "completed" and result["last_step"] == 6, result
@@ -82,7 +90,7 @@ def test_make_train_a_few_steps_in_bf16_with_remat(venv_python, repo):
 
 
 def test_make_sweep_runs_the_grid(venv_python, repo):
-    proc = make(venv_python, repo, "sweep", "trainer.steps=2 hydra.sweep.dir=sweep")
+    proc = make_runs(venv_python, repo, "sweep", "trainer.steps=2 hydra.sweep.dir=sweep")
     results = [json.loads(p.read_text()) for p in sorted((repo / "sweep").glob("*/result.json"))]
     assert len(results) == 4 and all(r["status"] == "completed" for r in results), proc.stdout
     assert "4 jobs: 4 completed" in (repo / "sweep" / "sweep_summary.md").read_text()

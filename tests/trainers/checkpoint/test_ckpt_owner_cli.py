@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+from tests.cli import ONE_PATH
 from tests.reliability_helpers import snapshot, steps_snapshot, wait_until
 from trainers.checkpoint.owner import LOCK_FILE, read_owner
 from trainers.checkpoint.resume import complete_steps
@@ -30,6 +31,7 @@ COMMON = [
     "trainer.progress=false",
     "trainer.layer_stats_every=0",
     "trainer.histogram_every=0",
+    ONE_PATH,  # no start-up race per run
 ]
 #: Runs long enough to be signalled or killed mid-training (they are, in every test).
 ENDLESS = [*COMMON, "trainer.steps=1000000", "checkpoint.every_steps=20"]

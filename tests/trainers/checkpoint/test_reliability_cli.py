@@ -17,7 +17,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests import REPO
-from tests.cli import events_dir
+from tests.cli import ONE_PATH, events_dir
 from tests.reliability_helpers import (
     assert_bitwise_equal,
     load_state,
@@ -42,6 +42,7 @@ COMMON = [
     "trainer.log_every=1",
     "trainer.layer_stats_every=0",
     "trainer.histogram_every=0",
+    ONE_PATH,  # no start-up race: the runs compared bitwise take one path
 ]
 RUN = [*COMMON, "trainer.steps=100", "checkpoint.every_steps=10", "checkpoint.keep=3"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tests.cli import scalars
+from tests.cli import ONE_PATH, scalars
 from tests.reliability_helpers import assert_bitwise_equal, load_state, wait_until
 from trainers.checkpoint.io import complete_steps
 
@@ -30,6 +30,7 @@ COMMON = [
     "trainer.log_every=1",
     "schedule=constant",
     "checkpoint.every_steps=5",
+    ONE_PATH,  # no start-up race: the runs compared bitwise take one path
 ]
 
 pytestmark = pytest.mark.slow

@@ -213,9 +213,19 @@ def host_mean(values: jax.Array) -> np.ndarray:
 
 
 def stack_metrics(metrics: dict[str, jax.Array]) -> tuple[tuple[str, ...], jax.Array]:
-    """(sorted keys, float32 vector of their values), for use inside the compiled step."""
+    """(sorted keys, float32 vector of their values), for use inside the compiled step.
+
+    The vector is built by selects on its positions, not stacked: XLA fuses the selects, the
+    values' conversions to float32 and the constants (a plain step's NaN statistics) into one
+    kernel, where a stack is a concatenation kernel after a conversion kernel per non-float
+    value (on mlp 5 of a plain step's ~33 kernels: ~0.1 ms of a ~1.5 ms step on XLA:CPU).
+    """
     keys = tuple(sorted(metrics))
-    return keys, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in keys])
+    position = jnp.arange(len(keys))
+    vector = jnp.zeros(len(keys), jnp.float32)
+    for i, key in enumerate(keys):
+        vector = jnp.where(position == i, jnp.asarray(metrics[key], jnp.float32), vector)
+    return keys, vector
 
 
 def state_metrics(

@@ -28,6 +28,8 @@ from xshard.config.axes import AxisRule, check_rule
 from xshard.errors import ConfigError
 from xshard.reduce.periodic import due_fragment
 
+pytestmark = pytest.mark.slow  # ~30 s of in-process compiles (make test runs them)
+
 
 @pytest.fixture(scope="module")
 def task():

@@ -15,6 +15,8 @@ from xshard.config.axes import AxisRule
 from xshard.errors import ConfigError
 from xshard.reduce.periodic import due_fragment
 
+pytestmark = pytest.mark.slow  # ~20 s of in-process compiles (make test runs them)
+
 WARMUP, EVERY = 3, 4
 DILOCO = optax.sgd(0.7, momentum=0.9, nesterov=True)
 

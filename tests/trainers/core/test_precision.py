@@ -27,6 +27,8 @@ from trainers.tasks.synthetic import TeacherRegression
 from trainers.tasks.tiny_gpt import TinyGPTTask
 from xshard.errors import ConfigError
 
+pytestmark = pytest.mark.slow  # ~100 s of in-process compiles (make test runs them)
+
 BATCH = 16
 SMALL_GPT = dict(d_model=32, n_heads=2, n_layers=2, d_ff=64, seq_len=16, corpus_max_chars=20000)
 BF16 = Precision.of("float32", "bfloat16")

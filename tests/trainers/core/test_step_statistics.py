@@ -18,6 +18,8 @@ from trainers.tasks.mlp import MLPTask
 from xshard.reduce.clipping import clip_by_global_norm
 from xshard.stats.tree import path_str
 
+pytestmark = pytest.mark.slow  # ~120 s of in-process compiles (make test runs them)
+
 BATCH = 32
 N = 8
 

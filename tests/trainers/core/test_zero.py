@@ -26,7 +26,7 @@ from xshard.optim.factory import build_optimizer
 from xshard.optim.muon_masks import hidden_matrices
 from xshard.optim.slots import get_slot
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # ~200 s of in-process compiles
 
 BATCH = 32
 STEPS = 20

@@ -1,13 +1,18 @@
 """xshard.optim.muon: optax.contrib.muon's arithmetic and state, bit for bit, with each matrix
-orthogonalised whole under a sharded state (the collectives: tests/trainers/core/test_zero.py)."""
+orthogonalised whole under a sharded state (the collectives: tests/trainers/core/test_zero.py),
+or by one device under a replicated one (``muon_spread``)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as P
 
 from xshard.optim.muon import muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
@@ -59,3 +64,26 @@ def test_whole_updates_names_the_parameters_muon_orthogonalises():
 
 def _is_dims(x):
     return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+@pytest.mark.parametrize("manual", [False, True])
+def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does(manual):
+    # Stage 0's Muon (trainers.core.step.zero_update.owner_args): the replicated momentum's
+    # matrices split over the 8 devices, by shape ((16, 8) transposed to (8, 16); the two
+    # (8, 24)-shaped), each padded to 8; each device runs the iterations of its own (15 dots
+    # per group, not per matrix) and one all-gather per group brings the updates back.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
+    ours, theirs = muon(1e-2), optax.contrib.muon(1e-2)
+    grads = jax.tree.map(lambda p: jnp.sin(p) + 0.1, PARAMS)
+    update = lambda g, s, p: ours.update(g, s, p, muon_spread=("data",))
+    if manual:  # as grad_impl=manual runs it, inside the step's shard_map
+        update = jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P())
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(update).lower(grads, ours.init(PARAMS), PARAMS).compile()
+        got = compiled(grads, ours.init(PARAMS), PARAMS)
+    want = theirs.update(grads, theirs.init(PARAMS), PARAMS)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+    ops = re.findall(r"\s(dot|all-gather)(?:-start)?\(", compiled.as_text())
+    assert ops.count("dot") == 2 * 3 * 5  # 2 groups, 5 iterations of 3 products
+    assert ops.count("all-gather") == 2

@@ -12,7 +12,6 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType, Mesh
-from jax.sharding import PartitionSpec as P
 
 from xshard.optim.muon import muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
@@ -66,18 +65,17 @@ def _is_dims(x):
     return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
 
 
-@pytest.mark.parametrize("manual", [False, True])
-def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does(manual):
+def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does():
     # Stage 0's Muon (trainers.core.step.zero_update.owner_args): the replicated momentum's
     # matrices split over the 8 devices, by shape ((16, 8) transposed to (8, 16); the two
     # (8, 24)-shaped), each padded to 8; each device runs the iterations of its own (15 dots
-    # per group, not per matrix) and one all-gather per group brings the updates back.
+    # per group, not per matrix) and one all-gather per group brings the updates back. Under
+    # GSPMD (here) in a shard_map of its own; grad_impl=manual runs the same inside its step's
+    # (tests/trainers/core/test_zero_matrix_opts.py trains both paths against stage 3).
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
     ours, theirs = muon(1e-2), optax.contrib.muon(1e-2)
     grads = jax.tree.map(lambda p: jnp.sin(p) + 0.1, PARAMS)
     update = lambda g, s, p: ours.update(g, s, p, muon_spread=("data",))
-    if manual:  # as grad_impl=manual runs it, inside the step's shard_map
-        update = jax.shard_map(update, mesh=mesh, in_specs=P(), out_specs=P())
     with jax.set_mesh(mesh):
         compiled = jax.jit(update).lower(grads, ours.init(PARAMS), PARAMS).compile()
         got = compiled(grads, ours.init(PARAMS), PARAMS)

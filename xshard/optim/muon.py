@@ -155,9 +155,11 @@ def spread(
     each device runs the iterations on 1/N of the matrices, not on all of them (the
     distributed Muon of Jordan et al. 2024 under data parallelism). The matrices are grouped
     by shape (2-D ones transposed to `_canonical`), each group padded with zero matrices to a
-    multiple of N (their iterations give zeros) and split in N blocks. `axes` manual (inside a
-    ``shard_map``): the block at ``axis_index`` and ``all_gather``; not manual: sharding
-    constraints. Without a mesh, with no axes, or with other axes manual: `whole_each`."""
+    multiple of N (their iterations give zeros) and split in N blocks: device k takes block k
+    (``axis_index``) and an ``all_gather`` returns them all, in the step's ``shard_map`` where
+    `axes` are manual, in one of its own where not (GSPMD, left to place the blocks by sharding
+    constraints, turned the stacking into all-to-alls). Without a mesh, with no axes, or with
+    other axes manual: `whole_each`."""
     mesh = jax.sharding.get_abstract_mesh()
     manual = set(mesh.manual_axes) if not mesh.empty else set()
     in_manual = bool(axes) and set(axes) <= manual
@@ -175,12 +177,15 @@ def spread(
         pad = [jnp.zeros(shape, dtype)] * (-len(members) % n)
         stack = jnp.stack([_canonical(leaves[i]) for i in members] + pad)
         ortho = jax.vmap(lambda x, d=d: orthogonalize(x, dimension_numbers=d))
-        if in_manual:  # block k (of N) on device k, gathered back whole and replicated
-            mine = stack.reshape(n, -1, *shape)[jax.lax.axis_index(axes)]
-            done = jax.lax.all_gather(ortho(mine), axes, to="invarying").reshape(stack.shape)
-        else:
-            done = ortho(jax.lax.with_sharding_constraint(stack, P(axes)))
-            done = jax.lax.with_sharding_constraint(done, P())
+
+        def mine(stack: jax.Array, ortho: Callable[..., jax.Array] = ortho) -> jax.Array:
+            """Block k (of N) on device k, gathered back whole and replicated."""
+            block = stack.reshape(n, -1, *stack.shape[1:])[jax.lax.axis_index(axes)]
+            return jax.lax.all_gather(ortho(block), axes, to="invarying").reshape(stack.shape)
+
+        if not in_manual:  # the same program, in a shard_map of its own
+            mine = jax.shard_map(mine, in_specs=P(), out_specs=P(), axis_names=set(axes))
+        done = mine(stack)
         for k, i in enumerate(members):
             out[i] = done[k].T if done[k].shape != leaves[i].shape else done[k]
     return jax.tree.unflatten(treedef, out)

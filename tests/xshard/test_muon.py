@@ -13,7 +13,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, Mesh
 
-from xshard.optim.muon import muon, whole_updates
+from xshard.optim.muon import muon, scale_by_muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
 
 PARAMS = {
@@ -73,15 +73,18 @@ def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does():
     # GSPMD (here) in a shard_map of its own; grad_impl=manual runs the same inside its step's
     # (tests/trainers/core/test_zero_matrix_opts.py trains both paths against stage 3).
     mesh = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
-    ours, theirs = muon(1e-2), optax.contrib.muon(1e-2)
-    grads = jax.tree.map(lambda p: jnp.sin(p) + 0.1, PARAMS)
-    update = lambda g, s, p: ours.update(g, s, p, muon_spread=("data",))
+    matrices = [x for x in jax.tree.leaves(PARAMS) if x.ndim == 2]
+    dims = [optax.contrib.MuonDimensionNumbers()] * len(matrices)
+    ours = scale_by_muon(weight_dimension_numbers=dims)
+    theirs = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
+    grads = [jnp.sin(x) + 0.1 for x in matrices]
+    update = lambda g, s: ours.update(g, s, muon_spread=("data",))
     with jax.set_mesh(mesh):
-        compiled = jax.jit(update).lower(grads, ours.init(PARAMS), PARAMS).compile()
-        got = compiled(grads, ours.init(PARAMS), PARAMS)
-    want = theirs.update(grads, theirs.init(PARAMS), PARAMS)
+        compiled = jax.jit(update).lower(grads, ours.init(matrices)).compile()
+        got = compiled(grads, ours.init(matrices))
+    want = theirs.update(grads, theirs.init(matrices))
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(b, a, atol=1e-5)  # batched products: float32 rounding
     ops = re.findall(r"\s(dot|all-gather)(?:-start)?\(", compiled.as_text())
     assert ops.count("dot") == 2 * 3 * 5  # 2 groups, 5 iterations of 3 products
     assert ops.count("all-gather") == 2

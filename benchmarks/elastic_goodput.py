@@ -127,7 +127,8 @@ def killer(settings: Settings, out: Path, proc: subprocess.Popen) -> list[dict[s
     """Kills a group (in turn) every `kill_every_s` once every group has committed its first
     sync, until a group passed `kill_until` of the steps; a group killed before is killed
     again only once it has rejoined. Returns the kills: group, process id, epoch seconds."""
-    s, kills, turn = settings, [], 0
+    s, turn = settings, 0
+    kills: list[dict[str, Any]] = []
     while proc.poll() is None and min(last_sync(log_of(out, g)) for g in range(s.groups)) == 0:
         time.sleep(0.2)
     next_kill, killed_at = time.time() + s.kill_every_s, dict.fromkeys(range(s.groups), 0.0)

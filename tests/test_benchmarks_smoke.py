@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks.workloads import WORKLOADS, make_workload
-from tests import REPO, smoke_env
+from tests import REPO
 
 pytestmark = pytest.mark.long
 
@@ -75,7 +75,6 @@ def results(tmp_path_factory) -> dict[str, Any]:
             str(out),
         ],
         cwd=ROOT,
-        env=smoke_env(),
         check=False,
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests import REPO, smoke_env
+from tests import REPO
 
 pytestmark = pytest.mark.long
 
@@ -23,7 +23,6 @@ def test_zero_benchmark_smoke_writes_memory_and_collectives(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.zero", "--smoke", "--out", str(out)],
         cwd=REPO,
-        env=smoke_env(),
         capture_output=True,
         text=True,
         timeout=1800,

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tests import REPO, smoke_env
+from tests import REPO
 
 
 @pytest.mark.slow
 def test_dry_run_probes_the_devices_and_writes_one_results_file(tmp_path):
     out = tmp_path / "device_results.json"
-    env = {**smoke_env(), "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", "benchmarks/device_check.sh", "--dry-run", "--out", str(out)],
         cwd=REPO,

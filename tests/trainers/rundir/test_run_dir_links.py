@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+from tests.cli import ONE_PATH
 from tests.reliability_helpers import (
     SECRET,
     load_state,
@@ -52,6 +53,7 @@ def cli(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.Co
             "trainers.train",
             *(["-m"] if multirun else []),
             "trainer.progress=false",
+            ONE_PATH,
             *overrides,
             where,
         ],

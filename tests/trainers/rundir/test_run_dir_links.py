@@ -33,6 +33,7 @@ from trainers.exits import EXIT_CONFIG_ERROR
 from xshard.config import one_line
 
 COMMON = [
+    ONE_PATH,
     "task=mlp",
     "trainer.batch_size=16",
     "trainer.layer_stats_every=0",
@@ -53,7 +54,6 @@ def cli(run_dir: Path, *overrides: str, multirun: bool = False) -> subprocess.Co
             "trainers.train",
             *(["-m"] if multirun else []),
             "trainer.progress=false",
-            ONE_PATH,
             *overrides,
             where,
         ],

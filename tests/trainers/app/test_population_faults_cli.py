@@ -33,6 +33,7 @@ SWEEP = [
     "trainer.steps=1000000",  # never ends on its own
     "trainer.progress=false",
     "checkpoint.every_steps=5",
+    "checkpoint.keep=null",  # step 10 is compared after the trials trained on past it
     ONE_PATH,
 ]
 

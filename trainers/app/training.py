@@ -75,9 +75,10 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
 
     # Before the first compilation: every job of a sweep, every rerun reads what was compiled.
     cache_dir = options.trainer.compilation_cache_dir  # where the user typed it, not the run dir
-    summary.use_compilation_cache(
-        enable_compilation_cache(None if cache_dir is None else user_path(cache_dir, launch_dir()))
+    cache = enable_compilation_cache(
+        None if cache_dir is None else user_path(cache_dir, launch_dir())
     )
+    summary.use_compilation_cache(cache)
     where = place(cfg, options)
     source = prepare_dirs(where, options)
     parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
@@ -86,7 +87,7 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
         if group is not None:  # its sync is wired to the first path's programs: no race
             parts = dataclasses.replace(parts, paths=dict([next(iter(parts.paths.items()))]))
         started = start(cfg, options, where, parts, source, stop, group)
-        parts, started = choose_path(options, where, parts, started, source, summary)
+        parts, started = choose_path(options, where, parts, started, source, summary, cache)
         return _fit(cfg, options, where, parts, started, stop, summary)
 
 

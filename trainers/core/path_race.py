@@ -10,11 +10,15 @@ the same whichever path wins. Blocks of steps of the two paths alternate A B / B
 changes hit both alike) and the first block of each is a warm-up; the median ms/step per
 path decides, a tie keeps the first path. What the race costs is bounded by `RACE_SECONDS`
 of timed steps (besides compiling the other path's plain program) and reported in
-`RaceResult.seconds`.
+`RaceResult.seconds`. `race_key` names what a race decides (the paths' plain programs and
+the machine that runs them), so that the app can remember the choice for the next run of the
+same programs (`trainers.app.race_memory`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -24,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from trainers.core.step.levels import PLAIN
 from trainers.core.trainer import Trainer, TrainState
 from xshard.errors import ConfigError
 
@@ -140,3 +145,32 @@ def _time_paths(
             times[name].append((time.perf_counter() - began) * 1e3 / block)
     del scratch
     return {name: statistics.median(t) for name, t in times.items()}, block
+
+
+def race_key(trainers: Mapping[str, Trainer], state: TrainState, batch: Any) -> str | None:
+    """A digest of what a race between `trainers` decides: each path's plain program (its
+    StableHLO, lowered for `state` and batches like `batch`, not compiled) and what runs it
+    (JAX's version, the platform, the kind and number of devices, the processes and the
+    host's CPUs). Runs that lower the same programs on the same kind of machine get the same
+    key: every rerun of a config, and the jobs of a sweep that differ only in
+    hyperparameters (inputs of the programs). None if a path's program is refused (the race
+    leaves it out, with its reason).
+    """
+    digest = hashlib.sha256()
+    try:
+        for name, trainer in trainers.items():
+            text = trainer.lower(PLAIN, state, trainer.placement.as_global(batch)).as_text()
+            digest.update(f"{name}\0{hashlib.sha256(text.encode()).hexdigest()}\0".encode())
+    except ConfigError:
+        return None
+    device = jax.devices()[0]
+    machine = (
+        jax.__version__,
+        device.platform,
+        device.device_kind,
+        jax.device_count(),
+        jax.process_count(),
+        os.cpu_count(),
+    )
+    digest.update(repr(machine).encode())
+    return digest.hexdigest()

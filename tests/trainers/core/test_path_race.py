@@ -8,7 +8,7 @@ import pytest
 
 import xshard
 from tests.trainers.core.test_trainer import BATCH, mesh_of
-from trainers.core.path_race import race
+from trainers.core.path_race import race, race_key
 from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
 
@@ -66,3 +66,15 @@ def test_per_shard_clipping_leaves_the_manual_path_alone_without_timing():
     found = race(trainers, state, first)
     assert found.chosen == "manual" and found.ms_per_step == {} and found.steps_per_block == 0
     assert "trainer.grad_impl='gspmd' computes no per-shard gradients" in found.refused["gspmd"]
+    assert race_key(trainers, state, first) is None  # nothing timed: nothing to remember
+
+
+def test_the_race_key_names_the_programs_and_not_the_trainers_that_lower_them(raced):
+    _, trainers, state, _, task = raced
+    first = next(iter(task.batches(BATCH, seed=0)))
+    key = race_key(trainers, state, first)
+    assert key is not None and key == race_key(_trainers(task), state, first)
+    wider = MLPTask(hidden=(64, 128))
+    others = _trainers(wider)
+    other_state = others["manual"].init(others["manual"].init_params(first))
+    assert race_key(others, other_state, first) not in (None, key)

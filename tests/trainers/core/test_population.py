@@ -72,6 +72,9 @@ def _population(builts, task, **trainer_kw) -> list[list[np.ndarray]]:
     [
         ("adam", {}),  # shard_map (trainer.grad_impl=manual) under vmap
         ("momentum", {"grad_impl": "gspmd", "zero_stage": 1, "microbatches": 2}),
+        ("adam", {"zero_stage": 2}),  # the gradients reduce-scattered, under vmap
+        ("adam", {"zero_stage": 3}),  # the params too, gathered in the step
+        ("momentum", {"grad_impl": "gspmd", "zero_stage": 3}),
     ],
 )
 def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):

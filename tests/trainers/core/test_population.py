@@ -19,16 +19,23 @@ from xshard.optim.factory import build_optimizer_with_rules
 
 BATCH, STEPS = 16, 3
 MESH = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
+#: mesh=cpu2x4_slices: a periodic axis ``slice`` of 2 replicas, each over ``data``.
+SLICES = Mesh(
+    np.array(jax.devices()[:8]).reshape(2, 4), ("slice", "data"), axis_types=(AxisType.Auto,) * 2
+)
 
 
-def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list:
-    """The losses and final params of a run, then its FLOPs per step (`run_step_flops`)."""
+def _train(built, task: MLPTask, seat=None, steps=STEPS, mesh=MESH, **trainer_kw) -> list:
+    """The losses (and a periodic axis's sync statistics) and the final params (and outer
+    state) of a run, then its FLOPs per step (`run_step_flops`)."""
     trainer = Trainer(
         task,
         built.tx,
-        MESH,
+        mesh,
+        data_axes=mesh.axis_names,
         global_batch_size=BATCH,
         hyperparams=built.hyperparams,
+        periodic=built.periodic,
         seat=seat,
         **trainer_kw,
     )
@@ -36,21 +43,24 @@ def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list:
     first = next(batches)
     state = trainer.init(trainer.init_params(first))
     losses = []
-    for batch in [first, *(next(batches) for _ in range(steps - 1))]:
+    for step, batch in enumerate([first, *(next(batches) for _ in range(steps - 1))], 1):
         state, metrics = trainer.step(state, batch, with_stats=False)  # one program
-        losses.append(metrics.host_values()["train/loss"])
-    params = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+        state, metrics = trainer.sync(state, step, metrics)  # a periodic axis's, if due
+        values = metrics.host_values()
+        losses += [v for k, v in sorted(values.items()) if k == "train/loss" or "sync/" in k]
+    params = [np.asarray(x) for x in jax.tree.leaves((state.params, state.outer))]
     return [*losses, *params, run_step_flops(trainer)]
 
 
-def _population(builts, task, **trainer_kw) -> list[list[np.ndarray]]:
+def _population(builts, task, steps=(1, STEPS), **trainer_kw) -> list[list[np.ndarray]]:
+    """Each trial's `_train` in a population, trial i training `steps[i]` steps (trial 0
+    leaves first)."""
     population = Population(len(builts))
     results: list = [None] * len(builts)
 
     def trial(i: int) -> None:
         try:
-            steps = 1 if i == 0 else STEPS  # trial 0 leaves after its first step
-            results[i] = _train(builts[i], task, population.seat(i), steps, **trainer_kw)
+            results[i] = _train(builts[i], task, population.seat(i), steps[i], **trainer_kw)
         except Exception as error:  # raised below, in the test's thread
             results[i] = error
         finally:
@@ -98,6 +108,34 @@ def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):
     # Each trial's FLOPs a step: its share of the population's program, which computes more
     # than one trial's own (vmap makes the non-finite guard's cond a select of both branches).
     assert left[-1] == stayed[-1] and flops < stayed[-1] < 2 * flops
+
+
+def test_trials_with_a_periodic_axis_train_as_alone(compose_config):
+    # DiLoCo, its outer learning rate varied: every 2 steps a sync round of the stacked
+    # trials (inner and outer params, the outer momentum); trial 0 leaves after the first.
+    steps = (3, 6)
+    builts = [
+        build_optimizer_with_rules(
+            compose_config(
+                "optimizer=adam",
+                "mesh=cpu2x4_slices",
+                "reduction=diloco",
+                "reduction.axes.slice.every_steps=2",
+                f"reduction.axes.slice.outer_optimizer.learning_rate={lr}",
+            ),
+            mesh=SLICES,
+        )
+        for lr in (0.3, 0.9)
+    ]
+    task = MLPTask()
+    population = _population(builts, task, steps, mesh=SLICES)
+    for built, trial, n in zip(builts, population, steps, strict=True):
+        *alone, _ = _train(built, task, steps=n, mesh=SLICES)
+        assert len(alone) == len(trial) - 1
+        for a, b in zip(alone, trial[:-1], strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
+    # The outer updates differ: the outer params after the first sync (step 2).
+    assert not np.allclose(population[0][-2], population[1][-2])
 
 
 def test_trials_agree_on_the_latest_step_every_one_saved():

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.periodic.axis import Periodic
+from trainers.core.periodic.sync import SyncSeat
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, LEVELS, PLAIN, levels_in_run
 from trainers.core.step.train_step import OptimizerInputs, make_train_step
@@ -224,9 +225,9 @@ class StepFunctionSets:
         return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
-class StepSeat(Protocol):
-    """A run's place among others whose steps run as one program
-    (`trainers.core.population.PopulationSeat`)."""
+class StepSeat(SyncSeat, Protocol):
+    """A run's place among others whose steps (and a periodic axis's syncs) run as one
+    program (`trainers.core.population.PopulationSeat`)."""
 
     @property
     def compile_seconds(self) -> float | None:
@@ -287,8 +288,8 @@ class StepPrograms:
         inputs: StepInputs | None = None,
         seat: StepSeat | None = None,
     ):
-        if seat is not None and (periodic is not None or agree_stop):
-            raise ValueError("a population runs one process's trials without a periodic axis")
+        if seat is not None and agree_stop:
+            raise ValueError("a population runs one process's trials (no stop votes)")
         self.seat = seat
         self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
         self.inputs = inputs
@@ -356,10 +357,9 @@ class StepPrograms:
 
         def train_step(state, batch, hyperparams, *votes):
             vote = jnp.max(votes[0]) if votes else None
-            step = lambda state, batch, vote: run(state, batch, hyperparams, vote)
             if self.periodic is not None:  # every replica alone: a row of metrics each
-                return self.periodic.inner(step, state, batch, vote)
-            return step(state, batch, vote)
+                return self.periodic.inner(run, state, batch, hyperparams, vote)
+            return run(state, batch, hyperparams, vote)
 
         return train_step
 

@@ -205,7 +205,10 @@ class Trainer:
     @property
     def compile_seconds(self) -> float | None:
         """The seconds spent compiling the step programs and a periodic axis's so far; None
-        before the first compilation."""
+        before the first compilation. In a population: the population's (its steps' and
+        syncs'), read when asked."""
+        if self.programs.seat is not None:
+            return self.programs.seat.compile_seconds
         periodic = self.periodic_programs
         times = [self.programs.compile_seconds]
         times += [] if periodic is None else [periodic.compile_seconds]

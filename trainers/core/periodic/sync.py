@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -26,6 +26,9 @@ from xshard.config.axes import POPULATION_UNSUPPORTED, AxisRule, window_fits
 from xshard.errors import ConfigError
 from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.periodic import due_fragment, due_update
+
+if TYPE_CHECKING:
+    from trainers.core.step.programs import StepSeat
 
 
 class AfterStep(NamedTuple):
@@ -49,17 +52,6 @@ class SyncInputs(NamedTuple):
 
     values: Mapping[str, float]
     rule: Callable[[Mapping[str, Any]], AxisRule]
-
-
-class SyncSeat(Protocol):
-    """A run's place among others whose programs run as one, vmapped over their stacked
-    states (`trainers.core.population.PopulationSeat`): its syncs are rounds too."""
-
-    def sync(
-        self, programs: PeriodicPrograms, fragment: int, state: TrainState
-    ) -> tuple[TrainState, jax.Array]:
-        """This run's sync of `fragment` (`PeriodicPrograms.sync_program`), run with the
-        others': its new state and its `SyncStats` vector."""
 
 
 def population_variant(rule: AxisRule) -> str | None:
@@ -87,8 +79,9 @@ class PeriodicPrograms:
       periodic: the axis.
       hyperparams: the run's float hyperparameters (`xshard.optim.hyperparams`): its programs
         take the outer optimizer's as inputs (`SyncInputs`); None: constants of its rule.
-      seat: the run's place in a population (`SyncSeat`): its syncs run as the population's
-        rounds, vmapped over the trials' stacked states; None: its own programs.
+      seat: the run's place in a population (`trainers.core.step.programs.StepSeat`): its
+        syncs run as the population's rounds, vmapped over the trials' stacked states; None:
+        its own programs.
 
     Raises:
       ValueError: with a `seat`, for a rule a population does not sync (`population_variant`).
@@ -105,7 +98,7 @@ class PeriodicPrograms:
         self,
         periodic: Periodic,
         hyperparams: Hyperparams | None = None,
-        seat: SyncSeat | None = None,
+        seat: StepSeat | None = None,
     ):
         variant = None if seat is None else population_variant(periodic.rule)
         if variant is not None:

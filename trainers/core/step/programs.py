@@ -29,7 +29,6 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
 from trainers.core.periodic.axis import Periodic
-from trainers.core.periodic.sync import SyncSeat
 from trainers.core.precision import Precision
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, LEVELS, PLAIN, levels_in_run
 from trainers.core.step.train_step import OptimizerInputs, make_train_step
@@ -225,7 +224,7 @@ class StepFunctionSets:
         return StepInputs(values, lambda v: self(tx_of(v), OptimizerInputs(v, tx_of)))
 
 
-class StepSeat(SyncSeat, Protocol):
+class StepSeat(Protocol):
     """A run's place among others whose steps (and a periodic axis's syncs) run as one
     program (`trainers.core.population.PopulationSeat`)."""
 
@@ -248,6 +247,11 @@ class StepSeat(SyncSeat, Protocol):
         self, programs: StepPrograms, key: ProgramKey, state: TrainState, batch: dict[str, Any]
     ) -> tuple[TrainState, StepMetrics]:
         """This run's step of `key`, run with the others'."""
+
+    def sync(self, programs: Any, fragment: int, state: TrainState) -> tuple[TrainState, Any]:
+        """This run's sync of `fragment` by its periodic axis's `programs`
+        (`trainers.core.periodic.sync.PeriodicPrograms.sync_program`), run with the others':
+        its new state and its `xshard.reduce.periodic.SyncStats` vector."""
 
 
 class StepPrograms:

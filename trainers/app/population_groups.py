@@ -6,8 +6,10 @@ agree on every key except inputs of the compiled programs
 ``schedule``, ``clip`` and the outer optimizers): then they lower to the same programs, which
 `trainers.core.population` runs vmapped over the trials. Anything else is structure: a group
 choice (``optimizer=adam,sgd`` changes ``optimizer._target_``), an integer, a null, ``seed``
-(one data order and one initialisation for the population). Configs whose steps cannot run
-in a population (a periodic axis, several processes) each run alone. Every split is said in
+(one data order and one initialisation for the population). Configs whose programs cannot run
+in a population (a periodic axis with fragments, a ``sync_delay``, warm-up steps, a codec or
+elastic groups: `xshard.config.axes.POPULATION_UNSUPPORTED`; several processes) each run
+alone. Every split is said in
 one line naming the key. JAX-free.
 """
 
@@ -19,10 +21,11 @@ from typing import Any, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from xshard.config.axes import POPULATION_UNSUPPORTED
 from xshard.config.program_inputs import is_input_key
 
-#: A periodic axis: its syncs run outside the step program (not in a population).
-_PERIODIC = re.compile(r"reduction\.axes\.[^.]+\.every_steps")
+#: A periodic axis's period (group 1: the axis's node).
+_PERIODIC = re.compile(r"(reduction\.axes\.[^.]+)\.every_steps")
 
 
 class JobGroup(NamedTuple):
@@ -54,9 +57,19 @@ def flat_config(cfg: DictConfig) -> dict[str, Any]:
 
 def cannot_join(flat: Mapping[str, Any]) -> str | None:
     """Why a job with config `flat` trains alone (one line naming the key), or None."""
-    for key, value in flat.items():
-        if _PERIODIC.fullmatch(key) and value not in (None, 1):
-            return f"{key}={value}: a periodic axis syncs outside the step program"
+    for key, every in flat.items():
+        periodic = _PERIODIC.fullmatch(key)
+        if periodic is None or every in (None, 1):
+            continue
+        for name, off in POPULATION_UNSUPPORTED:  # the base case syncs in the population
+            field = f"{periodic[1]}.{name}"
+            node = any(k.startswith(f"{field}.") for k in flat)  # a node (elastic) is set
+            value = flat.get(field, "{...}" if node else off)
+            if value != off:
+                return (
+                    f"{field}={value}: a periodic axis syncs in a population only with "
+                    f"{name}={'null' if off is None else str(off).lower()}"
+                )
     if flat.get("distributed.enabled"):
         return "distributed.enabled=true: a population runs in one process"
     return None

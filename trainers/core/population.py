@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -38,19 +38,27 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trainers.core.metrics import StepMetrics, pack_diagnostics, stack_metrics
+from trainers.core.metrics import StepMetrics
+from trainers.core.periodic.sync import PeriodicPrograms
 from trainers.core.step.programs import CompiledSteps, ProgramKey, StepPrograms, Traced
 from trainers.core.step.types import TrainState, state_shardings
 from xshard.stats.layers import leaf_names
 
 
-class Handed(NamedTuple):
-    """A trial's step, handed in for a round."""
+class SyncKey(NamedTuple):
+    """A round of a periodic axis's sync of `fragment` (`trainers.core.periodic.sync`)."""
 
-    programs: StepPrograms
-    key: ProgramKey
+    fragment: int
+
+
+class Handed(NamedTuple):
+    """A trial's step (or its periodic axis's sync: `SyncKey`, no batch), handed in for a
+    round."""
+
+    programs: StepPrograms | PeriodicPrograms
+    key: ProgramKey | SyncKey
     state: TrainState
-    batch: dict[str, jax.Array]
+    batch: dict[str, jax.Array] | None
 
 
 class PopulationSeat(NamedTuple):
@@ -64,6 +72,13 @@ class PopulationSeat(NamedTuple):
     ) -> tuple[TrainState, StepMetrics]:
         """`Population.run` of this trial's step."""
         return self.population.run(self.trial, Handed(programs, key, state, batch))
+
+    def sync(
+        self, programs: PeriodicPrograms, fragment: int, state: TrainState
+    ) -> tuple[TrainState, jax.Array]:
+        """`Population.run` of this trial's sync of `fragment` (a periodic axis): its new
+        state and its `xshard.reduce.periodic.SyncStats` vector."""
+        return self.population.run(self.trial, Handed(programs, SyncKey(fragment), state, None))
 
     @property
     def compile_seconds(self) -> float | None:
@@ -125,6 +140,7 @@ class Population:
     _saved: dict[int, frozenset[int]] = dataclasses.field(default_factory=dict)
     _resume: list[int | None] = dataclasses.field(default_factory=list)  # once agreed: [step]
     _compiled: CompiledSteps = dataclasses.field(default_factory=CompiledSteps)
+    _syncs: dict[int, Any] = dataclasses.field(default_factory=dict)  # by fragment, compiled
     _expected: set[ProgramKey] = dataclasses.field(default_factory=set)
     _stacked: Any = None  # the trials' states on a leading axis, once the first round ran
     _inputs: Any = None  # their hyperparameters, likewise
@@ -145,9 +161,10 @@ class Population:
             raise ValueError(f"no trial {index} in a population of {self.size}")
         return PopulationSeat(self, index)
 
-    def run(self, index: int, handed: Handed) -> tuple[TrainState, StepMetrics]:
-        """Hands trial `index`'s step in and waits for its round; returns its new state and
-        metrics. The last trial to arrive runs the round.
+    def run(self, index: int, handed: Handed) -> tuple[TrainState, Any]:
+        """Hands trial `index`'s step (or sync) in and waits for its round; returns its new
+        state and metrics (a sync: its statistics vector). The last trial to arrive runs the
+        round.
 
         Raises:
           RuntimeError: if the trials start from different steps, or ask for different kinds
@@ -220,12 +237,15 @@ class Population:
         if len(keys) > 1:
             raise RuntimeError(
                 f"the trials of a population ask for different kinds of step in one round "
-                f"({sorted(keys)}): they must train in lockstep from the same step"
+                f"({sorted(keys, key=repr)}): they must train in lockstep from the same step"
             )
         lead = next(iter(handed.values()))
         if self._stacked is None:  # the first round: the trials' states, stacked once
             self._stack_trials(handed)
+        if isinstance(lead.key, SyncKey):
+            return self._sync_round(lead, handed)
         key = lead.key
+        assert isinstance(key, ProgramKey)
         if self._compiled.get(key) is None:  # with the others expected, concurrently
             missing = {k for k in self._expected | {key} if self._compiled.get(k) is None}
             seconds = self._compiled.compile_concurrently(
@@ -258,7 +278,9 @@ class Population:
         self._shardings = jax.tree.map(_stacked_sharding, trial)
         stack = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
         self._stacked = jax.jit(stack, out_shardings=self._shardings)([s.state for s in slots])
-        self._inputs = jax.jit(stack)([s.programs.hyperparams for s in slots])
+        programs = [s.programs for s in slots if isinstance(s.programs, StepPrograms)]
+        assert len(programs) == self.size  # the first round is a step's
+        self._inputs = jax.jit(stack)([p.hyperparams for p in programs])
         size = self.size
         unstack = lambda tree: tuple(jax.tree.map(lambda x, i=i: x[i], tree) for i in range(size))
         self._unstack = jax.jit(unstack, out_shardings=(trial,) * size)
@@ -266,22 +288,13 @@ class Population:
         self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
 
     def _lower(self, key: ProgramKey, lead: Handed) -> Traced:
-        """Traces and lowers the population's program of `key`: the step vmapped over the
-        stacked state and hyperparameters, the batch shared; the stacked state donated."""
+        """Traces and lowers the population's program of `key`: the step (every replica alone
+        with a periodic axis: `StepPrograms.step_program`) vmapped over the stacked state and
+        hyperparameters, the batch shared; the stacked state donated."""
         programs = lead.programs
-        names: list[tuple[str, ...]] = []
-        layouts: list[dict[str, tuple[int, ...]]] = []
-        stats_keys: list[frozenset[str]] = []
-
-        def one(state: TrainState, batch: Any, hyperparams: Mapping[str, Any]) -> Any:
-            step_fn = programs.step_fn(key, hyperparams)
-            state, metrics, diag = step_fn.fn(state, batch)
-            stats_keys.append(frozenset(step_fn.stats_keys))
-            keys, values = stack_metrics(metrics)
-            names.append(keys)
-            shapes, tail = pack_diagnostics(diag)
-            layouts.append(shapes)
-            return state, jnp.concatenate([values, tail])
+        assert isinstance(programs, StepPrograms)
+        seen: list[tuple[Any, ...]] = []
+        one = programs.step_program(key, seen)
 
         def program(stacked: Any, batch: Any, inputs: Any) -> Any:
             new, values = jax.vmap(one, in_axes=(0, None, 0))(stacked, batch, inputs)
@@ -295,7 +308,36 @@ class Population:
         )
         with jax.set_mesh(programs.mesh):
             lowered = jitted.lower(self._stacked, lead.batch, self._inputs)
-        return Traced(lowered, names[0], layouts[0], stats_keys[0])
+        names, layouts, stats_keys = seen[0]
+        return Traced(lowered, names, layouts, frozenset(stats_keys))
+
+    def _sync_round(self, lead: Handed, handed: dict[int, Handed]) -> dict[int, Any]:
+        """A round of a periodic axis's sync (`SyncKey`): its program
+        (`PeriodicPrograms.sync_program`) vmapped over the stacked state (inner and outer) and
+        every trial's hyperparameters (its outer optimizer's among them), compiled at the
+        fragment's first sync; the stacked state donated. Each trial gets its new state and
+        its statistics vector."""
+        programs, key = lead.programs, lead.key
+        assert isinstance(programs, PeriodicPrograms) and isinstance(key, SyncKey)
+        executable = self._syncs.get(key.fragment)
+        if executable is None:
+            start = time.perf_counter()
+            sync = programs.sync_program(key.fragment)
+            program = lambda stacked, inputs: jax.vmap(sync)(stacked, inputs)
+            jitted = jax.jit(
+                program,
+                in_shardings=(self._shardings, None),
+                out_shardings=(self._shardings, None),
+                donate_argnums=(0,),
+            )
+            with jax.set_mesh(programs.periodic.mesh):
+                executable = jitted.lower(self._stacked, self._inputs).compile()
+            self._syncs[key.fragment] = executable
+            self.compile_seconds = (self.compile_seconds or 0.0) + time.perf_counter() - start
+        assert self._unstack is not None
+        self._stacked, values = executable(self._stacked, self._inputs)
+        states = self._unstack(self._stacked)
+        return {i: (states[i], values[i]) for i in handed}
 
 
 def _stacked_sharding(sharding: Any) -> Any:

@@ -75,7 +75,8 @@ class Trainer:
         (``xshard.build_optimizer_with_rules(cfg).hyperparams``): inputs of the programs, so
         runs that differ only in them share their programs; None: constants of `tx`.
       seat: the run's place in a population (`trainers.core.population.PopulationSeat`): its
-        steps run in one vmapped program with the other trials'; None (default): its own.
+        steps (and a periodic axis's syncs) run in one vmapped program with the other
+        trials'; None (default): its own.
 
     Each kind of step (plain, statistics, per-layer norms, histograms: the levels of
     `trainers.core.step.levels`) has its own compiled program (docs/benchmarks.md measured the
@@ -159,7 +160,7 @@ class Trainer:
         self.hyperparams = hyperparams
         self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, seat)
         self.periodic_programs = (
-            None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams)
+            None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams, seat)
         )
 
     def _step_programs(
@@ -204,7 +205,10 @@ class Trainer:
     @property
     def compile_seconds(self) -> float | None:
         """The seconds spent compiling the step programs and a periodic axis's so far; None
-        before the first compilation."""
+        before the first compilation. In a population: the population's (its steps' and
+        syncs'), read when asked."""
+        if self.programs.seat is not None:
+            return self.programs.seat.compile_seconds
         periodic = self.periodic_programs
         times = [self.programs.compile_seconds]
         times += [] if periodic is None else [periodic.compile_seconds]

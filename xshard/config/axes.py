@@ -116,6 +116,17 @@ _PERIODIC_ONLY = (
     ("mix", 0.0),
     ("overlap", False),
 )
+#: What a periodic axis inside a population (``hydra/launcher=population``) does not support
+#: yet (its key, the value that means "off"): their programs are not rounds over the trials'
+#: stacked states (docs/sweeps.md); a job with one trains alone.
+POPULATION_UNSUPPORTED: tuple[tuple[str, Any], ...] = (
+    ("fragments", 1),
+    ("sync_delay", 0),
+    ("warmup_steps", 0),
+    ("comm_dtype", None),
+    ("error_feedback", False),
+    ("elastic", None),
+)
 #: The numeric fields and their ranges (the counts bounded by the int32 step counter); the
 #: config's node leaves their type to these (a non-number is one line naming the range too).
 RANGES = {

@@ -1,23 +1,39 @@
 """``hydra/launcher=population`` as a user meets it: a real Hydra multirun whose jobs that
 differ only in the learning rate train as one population, jobs of another optimizer in
-another; every job with its run dir, ``result.json``, log file and TensorBoard run; a
-diverging trial stops alone; the others train as they would alone (docs/sweeps.md)."""
+another (DiLoCo on mesh=cpu2x4_slices: each population syncs its trials' periodic axis as one
+program); every job with its run dir, ``result.json``, log file, TensorBoard run and
+checkpoints; a diverging trial stops alone; the others train as they would alone
+(docs/sweeps.md)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.cli import ONE_PATH, load_events, run_train
 from tests.trainers.app.test_sizes_cli import train_capped
+from tests.trainers.core.test_periodic_cli import _checkpoint_arrays
 from trainers.app.sweep import RESULT_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 # lr=1e4 makes sgd's gradients overflow from step ~4: 3 skipped steps in a row stop that job.
 TINY = ["task=mlp", "trainer.steps=8", "checkpoint=none", "trainer.max_consecutive_nonfinite=2"]
+#: DiLoCo syncing every 2 steps, a checkpoint (with the outer state) every 4; the schedule's
+#: length pinned (the same steps whatever ``trainer.steps``).
+DILOCO = [
+    *TINY[:2],
+    *TINY[3:],
+    "mesh=cpu2x4_slices",
+    "reduction=diloco",
+    "reduction.axes.slice.every_steps=2",
+    "checkpoint.every_steps=4",
+    "checkpoint.async_save=false",
+    "schedule.decay_steps=10",
+]
 
 
 def test_population_sweep(tmp_path):
@@ -27,7 +43,7 @@ def test_population_sweep(tmp_path):
         "hydra/launcher=population",
         "optimizer=sgd,adam",
         "optimizer.learning_rate=1e4,0.05",
-        *TINY,
+        *DILOCO,
         "logger.peak_flops_per_device=1e9",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
@@ -64,12 +80,35 @@ def test_population_sweep(tmp_path):
         assert text.count("Run ") == 1 and end in text
     assert "4 jobs: 3 completed, 1 did not." in proc.stdout  # the sweep table sees 4 jobs
 
-    # Job 1 alone (the basic launcher, a single run) trains as in its population.
-    alone = run_train("optimizer=sgd", "optimizer.learning_rate=0.05", *TINY, cwd=tmp_path)
+    # The sweep rerun to step 10 resumes the SGD trials from step 4, the latest both saved
+    # (job 0 diverged at step 6): each restores its replicas and outer state.
+    ten = [o if o != "trainer.steps=8" else "trainer.steps=10" for o in DILOCO]
+    rerun = run_train(
+        "-m",
+        "hydra/launcher=population",
+        "optimizer=sgd,adam",
+        "optimizer.learning_rate=1e4,0.05",
+        *ten,
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert "Resuming from step 4, the latest every trial" in rerun.stdout + rerun.stderr
+    (resumed,) = sweep.glob(f"1_*/{RESULT_FILE}")
+    resumed_loss = json.loads(resumed.read_text())["final_loss"]
+
+    # Job 1 alone (the basic launcher, a single run) trains as in its population, resumed
+    # or not, and its checkpoint (the replicas, the outer params and outer momentum) is the
+    # trial's.
+    alone = run_train("optimizer=sgd", "optimizer.learning_rate=0.05", *ten, cwd=tmp_path)
     assert "Traceback" not in alone.stdout + alone.stderr
     (path,) = tmp_path.glob(f"outputs/*/*/{RESULT_FILE}")
     record = json.loads(path.read_text())
-    assert record["final_loss"] == pytest.approx(results[1]["final_loss"], rel=1e-5)
+    assert record["final_loss"] == pytest.approx(resumed_loss, rel=1e-5)
+    (trial,) = sweep.glob("1_*/checkpoints/4")
+    ours, theirs = _checkpoint_arrays(trial), _checkpoint_arrays(path.parent / "checkpoints/4")
+    assert sorted(ours) == sorted(theirs) and any("['outer']['opt_state']" in k for k in ours)
+    for key, value in theirs.items():
+        np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
 
 
 def test_optuna_batches_train_as_populations(tmp_path):

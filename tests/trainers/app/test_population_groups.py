@@ -23,14 +23,20 @@ def test_inputs_group_structure_splits(compose_config):
     assert "seed: 0 vs 1" in groups[4].notes[0]
 
 
-def test_periodic_axis_trains_alone(compose_config):
+def test_periodic_axis_joins_but_its_variants_train_alone(compose_config):
+    # DiLoCo's outer learning rate is an input; fragments (their own sync programs) are not
+    # built in a population: that job trains alone, one line naming the key.
     diloco = ("mesh=cpu2x4_slices", "reduction=diloco")
-    configs = [compose_config(*diloco), compose_config(*diloco, "optimizer.learning_rate=0.1")]
+    configs = [
+        compose_config(*diloco),
+        compose_config(*diloco, "reduction.axes.slice.outer_optimizer.learning_rate=0.7"),
+        compose_config(*diloco, "reduction.axes.slice.fragments=2"),
+    ]
     groups = group_jobs(configs)
-    assert [g.jobs for g in groups] == [[0], [1]]
-    assert groups[0].notes == [
-        "job 0 trains alone: reduction.axes.slice.every_steps=8: a periodic axis syncs "
-        "outside the step program"
+    assert [g.jobs for g in groups] == [[0, 1], [2]]
+    assert groups[1].notes == [
+        "job 2 trains alone: reduction.axes.slice.fragments=2: a periodic axis syncs in a "
+        "population only with fragments=1"
     ]
 
 

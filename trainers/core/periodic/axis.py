@@ -238,24 +238,32 @@ class Periodic:
 
     # ------------------------------------------------------------------ programs
 
-    def inner(self, run: Callable, state: TrainState, batch: Any, vote: Any) -> Any:
-        """The inner program: ``run(state, batch, vote) -> (state, values)`` (the synchronous
-        step of one replica, with its metrics vector) on every replica, inside a shard_map
-        manual over the axis. Returns the new state and the metrics, a row per replica."""
+    def inner(
+        self, run: Callable, state: TrainState, batch: Any, hyperparams: Any, vote: Any
+    ) -> Any:
+        """The inner program: ``run(state, batch, hyperparams, vote) -> (state, values)`` (the
+        synchronous step of one replica, with its metrics vector) on every replica, inside a
+        shard_map manual over the axis. Returns the new state and the metrics, a row per
+        replica.
+
+        The `hyperparams` (the same on every replica) enter the replica's step as varying over
+        the axis (``jax.lax.pcast``, no collective): in a population (`jax.vmap` over trials)
+        the non-finite guard's ``lax.cond`` becomes a select of both branches, whose operands
+        come out varying; a branch tracing its own cast of them would then fail."""
         axis, rep = self.axis, P(self.axis)
 
-        def one(params, opt_state, model_state, batch, step, vote):
+        def one(params, opt_state, model_state, batch, step, hyperparams, vote):
             sub = TrainState(step, _squeeze(params), _squeeze(opt_state), model_state)
-            new, values = run(sub, batch, vote)
+            new, values = run(sub, batch, jax.lax.pcast(hyperparams, axis, to="varying"), vote)
             return _expand(new.params), _expand(new.opt_state), new.step, values[None]
 
         params, opt_state, step, values = jax.shard_map(
             one,
             mesh=self.mesh,
-            in_specs=(rep, rep, P(), rep, P(), P()),
+            in_specs=(rep, rep, P(), rep, P(), P(), P()),
             out_specs=(rep, rep, P(), rep),
             axis_names={axis},
-        )(state.params, state.opt_state, state.model_state, batch, state.step, vote)
+        )(state.params, state.opt_state, state.model_state, batch, state.step, hyperparams, vote)
         return state._replace(step=step, params=params, opt_state=opt_state), values
 
     def send(self, state: TrainState, fragment: int, groups: tuple[tuple[int, ...], ...]) -> Any:

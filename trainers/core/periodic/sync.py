@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -22,10 +22,13 @@ from trainers.core.periodic.group_sync import ElasticSync, Exchange
 from trainers.core.periodic.window import WindowParts, window_program
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
-from xshard.config.axes import AxisRule, window_fits
+from xshard.config.axes import POPULATION_UNSUPPORTED, AxisRule, window_fits
 from xshard.errors import ConfigError
 from xshard.optim.hyperparams import Hyperparams
 from xshard.reduce.periodic import due_fragment, due_update
+
+if TYPE_CHECKING:
+    from trainers.core.step.programs import StepSeat
 
 
 class AfterStep(NamedTuple):
@@ -51,6 +54,17 @@ class SyncInputs(NamedTuple):
     rule: Callable[[Mapping[str, Any]], AxisRule]
 
 
+def population_variant(rule: AxisRule) -> str | None:
+    """What a periodic axis of `rule` has that a population does not sync
+    (`xshard.config.axes.POPULATION_UNSUPPORTED`: fragments, a ``sync_delay``, warm-up steps,
+    a codec), as ``field=value``; None: the base case."""
+    for name, off in POPULATION_UNSUPPORTED:
+        value = getattr(rule, name, off)  # the elastic node is the config's, not the rule's
+        if value != off:
+            return f"{name}={value!r}"
+    return None
+
+
 def sync_inputs(hyperparams: Hyperparams | None, axis: str) -> SyncInputs | None:
     """The `SyncInputs` of the periodic `axis` from the run's `hyperparams` (None: none)."""
     if hyperparams is None:
@@ -65,6 +79,12 @@ class PeriodicPrograms:
       periodic: the axis.
       hyperparams: the run's float hyperparameters (`xshard.optim.hyperparams`): its programs
         take the outer optimizer's as inputs (`SyncInputs`); None: constants of its rule.
+      seat: the run's place in a population (`trainers.core.step.programs.StepSeat`): its
+        syncs run as the population's rounds, vmapped over the trials' stacked states; None:
+        its own programs.
+
+    Raises:
+      ValueError: with a `seat`, for a rule a population does not sync (`population_variant`).
 
     Attributes:
       periodic: the axis.
@@ -74,8 +94,16 @@ class PeriodicPrograms:
       elastic: the sync over replica groups of an elastic axis (`use_exchange`), or None.
     """
 
-    def __init__(self, periodic: Periodic, hyperparams: Hyperparams | None = None):
-        self.periodic = periodic
+    def __init__(
+        self,
+        periodic: Periodic,
+        hyperparams: Hyperparams | None = None,
+        seat: StepSeat | None = None,
+    ):
+        variant = None if seat is None else population_variant(periodic.rule)
+        if variant is not None:
+            raise ValueError(f"a population syncs a periodic axis without {variant}")
+        self.periodic, self.seat = periodic, seat
         self.inputs = inputs = sync_inputs(hyperparams, periodic.axis)
         self._hyperparams = placed_inputs({} if inputs is None else inputs.values, periodic.mesh)
         self.groups: tuple[tuple[int, ...], ...] = ()
@@ -94,7 +122,10 @@ class PeriodicPrograms:
 
         Raises:
           ConfigError: if the axis has more than one replica in this group's mesh.
+          ValueError: in a population (its syncs are rounds of the trials' stacked states).
         """
+        if self.seat is not None:
+            raise ValueError("a population syncs a periodic axis without elastic replica groups")
         self.elastic = ElasticSync(self.periodic, exchange)
 
     def join(self, state: TrainState, shardings: Callable[[TrainState], Any]) -> TrainState:
@@ -186,11 +217,14 @@ class PeriodicPrograms:
             if values is not None:
                 metrics = metrics.with_device_values(periodic.sync_keys(0), values)
             return AfterStep(state, metrics, seconds + more)
-        if fragment not in self._syncs:
-            sync = lambda s, hp: self._periodic(hp).sync(s, fragment, self.groups)
-            self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
-            seconds += more
-        state, values = self._syncs[fragment](state, self._hyperparams)
+        if self.seat is not None:  # a round of the population's sync program
+            state, values = self.seat.sync(self, fragment, state)
+        else:
+            if fragment not in self._syncs:
+                sync = self.sync_program(fragment)
+                self._syncs[fragment], more = self._compile(sync, state, shardings(state), True)
+                seconds += more
+            state, values = self._syncs[fragment](state, self._hyperparams)
         metrics = metrics.with_device_values(periodic.sync_keys(fragment), values)
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
         return AfterStep(state, metrics.with_host_values(**sent), seconds)
@@ -235,8 +269,7 @@ class PeriodicPrograms:
             )
         seconds = 0.0
         if fragment not in self._windows:
-            sync = lambda s, hp: self._periodic(hp).sync(s, fragment, self.groups)
-            program = window_program(parts.step, sync, parts.batch_sharding)
+            program = window_program(parts.step, self.sync_program(fragment), parts.batch_sharding)
             replicated = NamedSharding(self.periodic.mesh, P())
             jitted = jax.jit(
                 program,
@@ -255,6 +288,13 @@ class PeriodicPrograms:
             self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         state, values, stats = self._windows[fragment](state, batches, *parts.extra)
         return state, values, stats, seconds
+
+    def sync_program(self, fragment: int) -> Callable[[TrainState, Any], tuple[TrainState, Any]]:
+        """The traceable sync of `fragment`: ``(state, hyperparameters) -> (state, its
+        `SyncStats` vector)``, the outer optimizer built on the (traced) hyperparameters."""
+        return lambda state, hyperparams: self._periodic(hyperparams).sync(
+            state, fragment, self.groups
+        )
 
     def _periodic(self, hyperparams: Mapping[str, Any]) -> Periodic:
         """The axis, its rule's outer optimizer built on the (traced) `hyperparams` when the

@@ -225,8 +225,8 @@ class StepFunctionSets:
 
 
 class StepSeat(Protocol):
-    """A run's place among others whose steps run as one program
-    (`trainers.core.population.PopulationSeat`)."""
+    """A run's place among others whose steps (and a periodic axis's syncs) run as one
+    program (`trainers.core.population.PopulationSeat`)."""
 
     @property
     def compile_seconds(self) -> float | None:
@@ -247,6 +247,11 @@ class StepSeat(Protocol):
         self, programs: StepPrograms, key: ProgramKey, state: TrainState, batch: dict[str, Any]
     ) -> tuple[TrainState, StepMetrics]:
         """This run's step of `key`, run with the others'."""
+
+    def sync(self, programs: Any, fragment: int, state: TrainState) -> tuple[TrainState, Any]:
+        """This run's sync of `fragment` by its periodic axis's `programs`
+        (`trainers.core.periodic.sync.PeriodicPrograms.sync_program`), run with the others':
+        its new state and its `xshard.reduce.periodic.SyncStats` vector."""
 
 
 class StepPrograms:
@@ -287,8 +292,8 @@ class StepPrograms:
         inputs: StepInputs | None = None,
         seat: StepSeat | None = None,
     ):
-        if seat is not None and (periodic is not None or agree_stop):
-            raise ValueError("a population runs one process's trials without a periodic axis")
+        if seat is not None and agree_stop:
+            raise ValueError("a population runs one process's trials (no stop votes)")
         self.seat = seat
         self._fns = {False: dict(step_fns), True: dict(warmup_fns)}
         self.inputs = inputs
@@ -356,10 +361,9 @@ class StepPrograms:
 
         def train_step(state, batch, hyperparams, *votes):
             vote = jnp.max(votes[0]) if votes else None
-            step = lambda state, batch, vote: run(state, batch, hyperparams, vote)
             if self.periodic is not None:  # every replica alone: a row of metrics each
-                return self.periodic.inner(step, state, batch, vote)
-            return step(state, batch, vote)
+                return self.periodic.inner(run, state, batch, hyperparams, vote)
+            return run(state, batch, hyperparams, vote)
 
         return train_step
 

@@ -5,7 +5,9 @@ every device, every step: dispatching it, and releasing the previous step's (~3.
 on 8 simulated CPU devices, docs/benchmarks.md, issue 38). A state's statistics and counters
 are a dozen scalars and short vectors; packed, they are one buffer per dtype. Inside a traced
 step, `PackedLeaves.unpack` slices them back out (XLA fuses the slices into their readers) and
-`PackedLeaves.pack` concatenates the new values (one kernel per dtype).
+`PackedLeaves.pack` concatenates the new values (one kernel per dtype). (A gradient packed for
+its all-reduce is `xshard.mesh.collectives.psum_tree`'s, inside a step; this is a state at rest,
+a pytree node that checkpoints and shardings see as its vectors.)
 """
 
 from __future__ import annotations

@@ -55,7 +55,9 @@ def unpacked_abstract(abstract: Any) -> Any:
             jax.eval_shape(lambda stats: stats.unpack(), state.stats),
         )
         guard = recorded.counters._replace(inner_state=state.inner_state)
-        return UnpackedCrossShardState(*recorded[:4], guard, state.comm)
+        return UnpackedCrossShardState(
+            recorded.clip, recorded.shards, recorded.reduced, recorded.histograms, guard, state.comm
+        )
 
     return _each_cross_shard_state(unpack, abstract)
 

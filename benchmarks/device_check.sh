@@ -17,15 +17,18 @@
 #                  logger.peak_flops_per_device for the device (its summary: compile time, MFU);
 #   4. memory      benchmarks.precision_memory ON THE ACCELERATOR: memory and step time of fp32,
 #                  bf16 and bf16 + remat policies (the device's own peak bytes in use);
-#   5. tests       cross-shard semantics, ZeRO exactness, bf16, checkpoints: tests/conftest.py
+#   5. population  benchmarks.population ON THE ACCELERATOR (mesh=auto): the 8-trial sweep of
+#                  task=mlp, 20 steps: one trial alone, hydra/launcher=population, Hydra's
+#                  basic launcher (wall time, compile time, final losses);
+#   6. tests       cross-shard semantics, ZeRO exactness, bf16, checkpoints: tests/conftest.py
 #                  puts them on 8 simulated CPU DEVICES of this host, so they check the
 #                  installed packages, not the accelerator.
 # A stage that fails or runs out of time is recorded (its exit status, 124 for the time limit,
 # and its log's last lines) and the next one runs; a stage the budget has no room for is
 # skipped. One JSON file gets every result (default benchmarks/device_results.json).
 #
-# --dry-run: no install; the probe and the throughput on a tiny GPT on this machine; the other
-# stages only listed. Checks the script works (tests/test_device_check.py runs it on CPU).
+# --dry-run: no install; the probe and the throughput on a tiny GPT, and a population of 2
+# trials of 3 steps, on this machine; the other stages only listed. Checks the script works (tests/test_device_check.py runs it on CPU).
 set -uo pipefail  # no -e: a failed stage is recorded, and the next one runs
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -113,10 +116,17 @@ PYTEST=("$PY" -m pytest "${TESTS[@]}" -q -m 'not slow' -p no:cacheprovider)
 if [ "$DRY" = 1 ]; then
   dry cli "${CLI[@]}"
   dry memory "${MEMORY[@]}"
-  dry tests "${PYTEST[@]}"
+  QUICK=(--smoke)
 else
   run_stage cli 90 "${CLI[@]}"
   run_stage memory 90 "${MEMORY[@]}"
+  QUICK=(--steps 20)
+fi
+run_stage population 120 "$PY" -m benchmarks.population --out "$WORK/population.json" \
+  --override mesh=auto "${QUICK[@]}"
+if [ "$DRY" = 1 ]; then
+  dry tests "${PYTEST[@]}"
+else
   run_stage tests 90 "${PYTEST[@]}"
 fi
 
@@ -149,6 +159,7 @@ result = {
     "probe": read_json("probe.json"),
     "throughput": read_json("throughput.json"),
     "memory": read_json("memory.json"),
+    "population": read_json("population.json"),
 }
 pathlib.Path(out).write_text(json.dumps(result, indent=2) + "\n")
 print(f"device_check: results in {out}")

@@ -1,7 +1,8 @@
 """Test setup: every test process sees 8 simulated CPU devices.
 
 The device count must be fixed before JAX initialises its backends, so it is set here, at
-import time, before any test module imports JAX. Subprocesses inherit it via XLA_FLAGS.
+import time, before any test module imports JAX, with the tests' own XLA flags
+(`tests.TEST_XLA_FLAGS`). Subprocesses inherit both via XLA_FLAGS.
 """
 
 import atexit
@@ -9,8 +10,10 @@ import os
 import shutil
 import tempfile
 
+from tests import TEST_XLA_FLAGS
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

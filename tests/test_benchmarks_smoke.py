@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests import REPO, smoke_env
+from benchmarks.workloads import WORKLOADS, make_workload
+from tests import REPO
 
 pytestmark = pytest.mark.long
 
@@ -30,7 +31,10 @@ SECTIONS = (
     "scaling",
     "optimizers",
 )
-TASKS = ("mlp", "tiny_gpt")
+#: The workload the smoke run times: the sections' code is the same for every workload, and
+#: tiny_gpt's programs cost the run ~3 minutes of compiling on 2 cores; every workload's config
+#: and batches are built below (`test_every_workload_composes_and_draws_its_batches`).
+TASKS = ("mlp",)
 
 
 def _numbers(tree: Any, path: str = "") -> Iterator[tuple[str, float]]:
@@ -60,7 +64,6 @@ def _positive_ratio(r: dict[str, float], where: str) -> None:
 def results(tmp_path_factory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench") / "results.json"
     proc = subprocess.run(
-        # gpt_8x256's smoke model is tiny_gpt's: the two small workloads cover every section.
         [
             sys.executable,
             "-m",
@@ -72,7 +75,6 @@ def results(tmp_path_factory) -> dict[str, Any]:
             str(out),
         ],
         cwd=ROOT,
-        env=smoke_env(),
         check=False,
         capture_output=True,
         text=True,
@@ -81,6 +83,14 @@ def results(tmp_path_factory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert out.with_suffix(".md").read_text().startswith("# xshard benchmarks")
     return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_every_workload_composes_and_draws_its_batches(name):
+    work = make_workload(name, smoke=True, num_batches=2)
+    assert work.global_batch_size == work.cfg.trainer.batch_size > 0
+    assert len(work.host_batches) == 2 and all(b for b in work.host_batches)
+    assert work.model_config()["task"]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks import netns
 from benchmarks.dcn import goal
-from tests import REPO, smoke_env
+from tests import REPO
 
 pytestmark = pytest.mark.long
 
@@ -71,7 +71,6 @@ def test_smoke_run_measures_both_variants_over_the_limited_link(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.dcn", "--smoke", "--out", str(out)],
         cwd=REPO,
-        env=smoke_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from tests import REPO, smoke_env
+from tests import REPO
 
 
 @pytest.mark.slow
 def test_dry_run_probes_the_devices_and_writes_one_results_file(tmp_path):
     out = tmp_path / "device_results.json"
-    env = {**smoke_env(), "PYTHON": sys.executable}
+    env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(
         ["bash", "benchmarks/device_check.sh", "--dry-run", "--out", str(out)],
         cwd=REPO,
@@ -29,7 +29,7 @@ def test_dry_run_probes_the_devices_and_writes_one_results_file(tmp_path):
     record = json.loads(out.read_text())
     assert record["dry_run"]
     stages = record["stages"]
-    assert [stages[n]["exit"] for n in ("probe", "throughput")] == ["0", "0"], stages
+    assert [stages[n]["exit"] for n in ("probe", "throughput", "population")] == ["0"] * 3
     assert {stages[n]["exit"] for n in ("install", "cli", "memory", "tests")} == {"dry-run"}
     probe = record["probe"]
     assert probe["backend"] == "cpu" and probe["devices"] == 8
@@ -46,6 +46,9 @@ def test_dry_run_probes_the_devices_and_writes_one_results_file(tmp_path):
     quick = record["throughput"]["models"]["quick"]
     for key in ("float32/xshard", "float32/jit", "bfloat16/xshard", "bfloat16/jit"):
         assert quick[key]["tokens_per_s"] > 0, key
+    population = record["population"]  # 2 trials of 3 steps in one population
+    assert population["overrides"] == ["mesh=auto"] and population["steps"] == 3
+    assert [job["status"] for job in population["population"]["jobs"].values()] == ["completed"] * 2
 
 
 def test_a_failing_stage_is_recorded_and_the_results_still_written(tmp_path):
@@ -70,7 +73,9 @@ def test_a_failing_stage_is_recorded_and_the_results_still_written(tmp_path):
     record = json.loads(out.read_text())
     assert record["stages"]["probe"]["exit"] == "3"
     assert record["stages"]["throughput"]["exit"] == "3"
+    assert record["stages"]["population"]["exit"] == "3"
     assert record["probe"] is None and record["throughput"] is None
+    assert record["population"] is None
     assert "probe exited 3" in result.stderr
 
 

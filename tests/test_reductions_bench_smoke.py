@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests import REPO, smoke_env
+from tests import REPO
 
 pytestmark = pytest.mark.long
 
@@ -24,7 +24,6 @@ def results(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.reductions", "--smoke", "--out", str(out)],
         cwd=REPO,
-        env=smoke_env(),
         capture_output=True,
         text=True,
         timeout=600,

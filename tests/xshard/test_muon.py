@@ -1,15 +1,19 @@
 """xshard.optim.muon: optax.contrib.muon's arithmetic and state, bit for bit, with each matrix
-orthogonalised whole under a sharded state (the collectives: tests/trainers/core/test_zero.py)."""
+orthogonalised whole under a sharded state (the collectives: tests/trainers/core/test_zero.py),
+or by one device under a replicated one (``muon_spread``)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, Mesh
 
-from xshard.optim.muon import muon, whole_updates
+from xshard.optim.muon import muon, scale_by_muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
 
 PARAMS = {
@@ -59,3 +63,28 @@ def test_whole_updates_names_the_parameters_muon_orthogonalises():
 
 def _is_dims(x):
     return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does():
+    # Stage 0's Muon (trainers.core.step.zero_update.owner_args): the replicated momentum's
+    # matrices split over the 8 devices, by shape ((16, 8) transposed to (8, 16); the two
+    # (8, 24)-shaped), each padded to 8; each device runs the iterations of its own (15 dots
+    # per group, not per matrix) and one all-gather per group brings the updates back. Under
+    # GSPMD (here) in a shard_map of its own; grad_impl=manual runs the same inside its step's
+    # (tests/trainers/core/test_zero_matrix_opts.py trains both paths against stage 3).
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
+    matrices = [x for x in jax.tree.leaves(PARAMS) if x.ndim == 2]
+    dims = [optax.contrib.MuonDimensionNumbers()] * len(matrices)
+    ours = scale_by_muon(weight_dimension_numbers=dims)
+    theirs = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
+    grads = [jnp.sin(x) + 0.1 for x in matrices]
+    update = lambda g, s: ours.update(g, s, muon_spread=("data",))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(update).lower(grads, ours.init(matrices)).compile()
+        got = compiled(grads, ours.init(matrices))
+    want = theirs.update(grads, theirs.init(matrices))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-5)  # batched products: float32 rounding
+    ops = re.findall(r"\s(dot|all-gather)(?:-start)?\(", compiled.as_text())
+    assert ops.count("dot") == 2 * 3 * 5  # 2 groups, 5 iterations of 3 products
+    assert ops.count("all-gather") == 2

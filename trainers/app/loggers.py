@@ -22,7 +22,7 @@ def _scalar_options(options: RunOptions, parts: RunParts, mesh: Any, params: Any
     import numpy as np
 
     from trainers.hooks.logged_scalars import ScalarOptions
-    from trainers.hooks.perf import step_flops
+    from trainers.hooks.perf import run_step_flops
     from trainers.tasks.base import tokens_per_example
     from xshard.reduce.compressed import tree_size
 
@@ -37,7 +37,7 @@ def _scalar_options(options: RunOptions, parts: RunParts, mesh: Any, params: Any
         tokens_per_example=tokens_per_example(parts.task),
         num_devices=mesh.size,
         peak_flops_per_device=logger_opts.peak_flops_per_device,
-        step_flops=lambda: step_flops(trainer.compiled),
+        step_flops=lambda: run_step_flops(trainer),
         compile_seconds=lambda: trainer.compile_seconds,
         periodic_axis=None if trainer.periodic is None else trainer.periodic.axis,
         traffic=traffic,

@@ -188,7 +188,7 @@ class TorchftExchange:
                         healed.step,
                     )
                 mean = None if total[-1] == 0 else total[:-1] / total[-1]
-                return Round(mean, healed)
+                return Round(mean, healed, float(total[-1]))
             log.warning(
                 "Group %d: sync not committed (attempt %d of %d); retrying with the new quorum.",
                 self.options.group,

@@ -71,6 +71,17 @@ class PopulationSeat(NamedTuple):
         return self.population.compile_seconds
 
     @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The population's compiled step of the lowest level compiled so far (None: none
+        yet): what its trials' ``perf/flops_per_sec`` is read from."""
+        return self.population.compiled
+
+    @property
+    def trials(self) -> int:
+        """The population's size: the trials its programs step at once."""
+        return self.population.size
+
+    @property
     def stop_signal(self) -> str | None:
         """The stop request the population read after its last round (a signal's name), or
         None: the same for every trial between two rounds."""
@@ -122,6 +133,11 @@ class Population:
 
     def __post_init__(self) -> None:
         self._active = set(range(self.size))
+
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The compiled step of the lowest level compiled so far (None: none yet)."""
+        return next(iter(self._compiled.by_level().values()), None)
 
     def seat(self, index: int) -> PopulationSeat:
         """The seat of trial `index` (0 .. size - 1)."""

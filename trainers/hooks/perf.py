@@ -7,6 +7,10 @@ backward, optimizer, statistics; both branches of a ``lax.cond`` as XLA counts t
 an estimate a little above the model's FLOPs. ``perf/mfu`` divides the per-device rate by
 ``logger.peak_flops_per_device`` (e.g. 1.97e14 for a TPU v5e chip in bf16); it is left out
 when that is null, as on CPU, where no peak is meaningful.
+
+A trial of a population (``hydra/launcher=population``, `trainers.core.population`) has no
+step program of its own: its FLOPs per step are its share of the population's step, XLA's
+count of the population's program divided by its trials (`run_step_flops`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from trainers.core.trainer import Hook, TrainState
+from trainers.core.trainer import Hook, Trainer, TrainState
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,17 @@ def step_flops(compiled: Any) -> float | None:
         costs = costs[0] if costs else None
     flops = (costs or {}).get("flops")
     return float(flops) if flops and flops > 0 else None
+
+
+def run_step_flops(trainer: Trainer) -> float | None:
+    """FLOPs of one of `trainer`'s steps on one device (None if unknown): `step_flops` of its
+    compiled step or, in a population, of the population's divided by its trials (each
+    trial's share of the program that steps them all)."""
+    seat = trainer.programs.seat
+    if seat is None:
+        return step_flops(trainer.compiled)
+    flops = step_flops(seat.compiled)
+    return None if flops is None else flops / seat.trials
 
 
 class ProfileHook(Hook):

@@ -12,7 +12,10 @@ the parameters so updated: a ZeRO step whose params are whole at rest adds the w
 the whole parameter and leaves it out of the params' gather. Where the params are sliced at rest
 (``zero_stage=3``) the step passes ``muon_owners=True`` (an optax extra argument): each matrix is
 orthogonalised by one owner device instead (`owned`), an all-to-all of 1/N of the momentum in and
-one of the update out in place of a gather of all of it.
+one of the update out in place of a gather of all of it. Where the momentum is replicated
+(``zero_stage=0``) the step passes ``muon_spread=<data axes>``: each device orthogonalises 1/N
+of the matrices and one all-gather per shape brings the updates to all (`spread`), instead of
+every device running the iterations on every matrix.
 
 Adapted from optax.contrib._muon (optax 0.2.8, Apache 2.0, DeepMind).
 """
@@ -25,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState
@@ -137,6 +141,56 @@ def owned(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> An
     return jax.tree.unflatten(treedef, out)
 
 
+def _canonical(x: jax.Array) -> jax.Array:
+    """A 2-D matrix with no more rows than columns (transposed if taller), the orientation
+    `optax.contrib`'s Newton-Schulz iterates in: ``orthogonalize(x) == orthogonalize(x.T).T``."""
+    return x.T if x.ndim == 2 and x.shape[0] > x.shape[1] else x
+
+
+def spread(
+    orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any, axes: tuple[str, ...]
+) -> Any:
+    """Each matrix of `mu_hat`, whole on every device of `axes` (a replicated momentum),
+    orthogonalised by one of them and its update gathered whole (one all-gather per group):
+    each device runs the iterations on 1/N of the matrices, not on all of them (the
+    distributed Muon of Jordan et al. 2024 under data parallelism). The matrices are grouped
+    by shape (2-D ones transposed to `_canonical`), each group padded with zero matrices to a
+    multiple of N (their iterations give zeros) and split in N blocks: device k takes block k
+    (``axis_index``) and an ``all_gather`` returns them all, in the step's ``shard_map`` where
+    `axes` are manual, in one of its own where not (GSPMD, left to place the blocks by sharding
+    constraints, turned the stacking into all-to-alls). Without a mesh, with no axes, or with
+    other axes manual: `whole_each`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = set(mesh.manual_axes) if not mesh.empty else set()
+    in_manual = bool(axes) and set(axes) <= manual
+    if mesh.empty or not axes or (manual and not in_manual):
+        return whole_each(orthogonalize, mu_hat, dims)
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    leaves, treedef = jax.tree.flatten(mu_hat)
+    dims_leaves = treedef.flatten_up_to(dims)  # type: ignore[attr-defined]  # jaxlib: no stubs
+    out = list(leaves)
+    groups: dict[Any, list[int]] = {}
+    for i, (x, d) in enumerate(zip(leaves, dims_leaves)):
+        if _is_dims(d):
+            groups.setdefault((_canonical(x).shape, x.dtype, d), []).append(i)
+    for (shape, dtype, d), members in groups.items():
+        pad = [jnp.zeros(shape, dtype)] * (-len(members) % n)
+        stack = jnp.stack([_canonical(leaves[i]) for i in members] + pad)
+        ortho = jax.vmap(lambda x, d=d: orthogonalize(x, dimension_numbers=d))
+
+        def mine(stack: jax.Array, ortho: Callable[..., jax.Array] = ortho) -> jax.Array:
+            """Block k (of N) on device k, gathered back whole and replicated."""
+            block = stack.reshape(n, -1, *stack.shape[1:])[jax.lax.axis_index(axes)]
+            return jax.lax.all_gather(ortho(block), axes, to="invarying").reshape(stack.shape)
+
+        if not in_manual:  # the same program, in a shard_map of its own
+            mine = jax.shard_map(mine, in_specs=P(), out_specs=P(), axis_names=set(axes))
+        done = mine(stack)
+        for k, i in enumerate(members):
+            out[i] = done[k].T if done[k].shape != leaves[i].shape else done[k]
+    return jax.tree.unflatten(treedef, out)
+
+
 def scale_by_muon(
     ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
@@ -157,7 +211,9 @@ def scale_by_muon(
 
     Returns:
       The transformation; its state is `optax.contrib.MuonState`, as optax's. Its update
-      takes the extra argument ``muon_owners`` (default False: `whole_each`; True: `owned`).
+      takes the extra arguments ``muon_owners`` (True: `owned`, for a momentum sliced by
+      rows) and ``muon_spread`` (mesh axes: `spread`, for a replicated momentum); neither:
+      `whole_each`.
     """
     optax_tx = optax.contrib.scale_by_muon(
         ns_coeffs,
@@ -178,6 +234,7 @@ def scale_by_muon(
         params: Any = None,
         *,
         muon_owners: bool = False,
+        muon_spread: tuple[str, ...] = (),
         **extra_args: Any,
     ) -> tuple[Any, MuonState]:
         del params, extra_args
@@ -192,7 +249,12 @@ def scale_by_muon(
             preconditioning=preconditioning,
             eps=eps,
         )
-        out = (owned if muon_owners else whole_each)(orthogonalize, mu_hat, dims)
+        if muon_owners:
+            out = owned(orthogonalize, mu_hat, dims)
+        elif muon_spread:
+            out = spread(orthogonalize, mu_hat, dims, muon_spread)
+        else:
+            out = whole_each(orthogonalize, mu_hat, dims)
         if adaptive:  # scaled by the dual norm of the momentum (arXiv 2409.20325)
             out = jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
         new_state = MuonState(

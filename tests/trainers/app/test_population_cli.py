@@ -28,6 +28,7 @@ def test_population_sweep(tmp_path):
         "optimizer=sgd,adam",
         "optimizer.learning_rate=1e4,0.05",
         *TINY,
+        "logger.peak_flops_per_device=1e9",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
@@ -49,8 +50,12 @@ def test_population_sweep(tmp_path):
     assert all(results[j]["last_step"] == 8 for j in (1, 2, 3))  # the others went on
     for job in (1, 3):  # TensorBoard's own reader: one run per job, its own last loss
         tb = sweep / "tb" / f"{job}_learning_rate=0.05,optimizer={'sgd' if job == 1 else 'adam'}"
-        last = load_events(tb).Scalars("train/loss")[-1]
+        events = load_events(tb)
+        last = events.Scalars("train/loss")[-1]
         assert last.step == 8 and last.value == pytest.approx(results[job]["final_loss"])
+        # Its FLOP/s and MFU as a plain job's: its share of the population's program.
+        flops, mfu = (events.Scalars(f"perf/{t}")[-1] for t in ("flops_per_sec", "mfu"))
+        assert flops.step == mfu.step == 8 and mfu.value == pytest.approx(flops.value / 8e9)
     for job, record in results.items():  # each job's own log file, its own lines only
         (log,) = sweep.glob(f"{job}_*/train.log")
         text = log.read_text()

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tests.cli import refused
+from tests.cli import ONE_PATH, refused
 from tests.reliability_helpers import load_state, snapshot, steps_snapshot
 from trainers.checkpoint.io import complete_steps
 
 pytestmark = pytest.mark.slow
 
 COMMON = [
+    ONE_PATH,
     "task=mlp",
     "trainer.batch_size=16",
     "trainer.progress=false",

@@ -27,6 +27,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]
 EVERY, HOLD_AT = 8, 16
 KEY = "reduction.axes.slice.elastic"
 ENV = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+#: torchft retries a quorum the lighthouse did not answer every quorum_timeout_s /
+#: (quorum_retries + 1) seconds: 60 / 31, not the default's 600 / 31 (19.4 s)
+RETRY_EVERY_2S = f"{KEY}.quorum_timeout_s=60"
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +181,9 @@ def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
                 f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
             )
             logs[gid] = tmp_path / f"g{gid}.log"
-            command = group(bind, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=48")
+            command = group(
+                bind, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=48", RETRY_EVERY_2S
+            )
             with open(logs[gid], "w") as out:
                 procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)
         wait_for(dumps / "g0" / "step16.process0.npz", procs[0], logs[0])

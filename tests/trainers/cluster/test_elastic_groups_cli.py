@@ -2,8 +2,10 @@
 processes on 127.0.0.1. One supervised run (``python -m trainers.elastic run``) of 2 groups of
 task=mlp, DiLoCo every 8 steps: group 1 is killed (SIGKILL) in the middle of its inner steps,
 group 0 goes on alone without a restart, the supervisor restarts group 1, which rejoins from
-group 0 (state and step); after every sync both groups dumped, their outer params are
-bitwise equal."""
+group 0 (state and step); then group 1 is killed inside a sync's allreduce (group 0 stopped in
+that round's quorum, so that group 1 waits in the collective for it): group 0's round fails,
+is committed nowhere and is retried with the new quorum, and group 1, restarted again,
+rejoins; after every sync both groups dumped, their outer params are bitwise equal."""
 
 from __future__ import annotations
 
@@ -22,19 +24,31 @@ from tests.multihost_cli import free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]  # ~1.5-2 min
 
-EVERY, STEPS, KILL_AFTER, HOLD_AT = 8, 64, 16, 32
+EVERY, STEPS, KILL_AFTER, HOLD_AT, MID_SYNC = 8, 80, 16, 24, 48
 
 
 def overrides(out: Path, dumps: Path) -> list[str]:
     """The groups' config: each dumps its outer params after every sync into its own folder,
-    steps paced so that the kill lands among inner steps, and group 0 held at `HOLD_AT` until
-    the restarted group 1 waits in its first quorum (so that it has a live peer to rejoin)."""
+    steps paced so that the kill lands among inner steps; group 0 held at `HOLD_AT` (and
+    `MID_SYNC` + `EVERY`) until the restarted group 1 waits in its first quorum (so that it
+    has a live peer to rejoin), and each group held before its sync at `MID_SYNC` (the hooks
+    of a step run once the next is dispatched) until the
+    test writes ``go`` to ``<dumps>/release_g<group>``."""
     group = "${reduction.axes.slice.elastic.group}"
+
+    def wait(path: str, text: str, count: int, step: int) -> str:
+        return (
+            f"{{_target_:tests.multihost_hooks.WaitForText,path:'{path}',text:'{text}',"
+            f"count:{count},step:{step}}}"
+        )
+
+    joining = (f"{out}/group_1.log", "Group 1 joining its peers")
     hooks = [
         "{_target_:tests.multihost_hooks.Pace,seconds:0.1}",
         f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{group}',every:{EVERY}}}",
-        f"{{_target_:tests.multihost_hooks.WaitForText,path:'{out}/group_1.log',"
-        f"text:'Group 1 joining its peers',count:2,step:{HOLD_AT}}}",
+        wait(*joining, 2, HOLD_AT),
+        wait(f"{dumps}/release_g{group}", "go", 1, MID_SYNC - 2),  # two steps in flight
+        wait(*joining, 3, MID_SYNC + EVERY),
     ]
     return [
         "task=mlp",
@@ -51,40 +65,70 @@ def overrides(out: Path, dumps: Path) -> list[str]:
     ]
 
 
-def wait_for(path: Path, timeout: float = 180.0) -> None:
+def wait_for(path: Path, text: str = "", timeout: float = 180.0) -> None:
+    """Waits until `path` exists (and holds `text`)."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    while not path.exists() or (text and text not in path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never appeared (with {text!r})"
+        time.sleep(0.02)
+
+
+def kill_inside_the_allreduce(out: Path, dumps: Path) -> None:
+    """Group 1 killed inside its sync at `MID_SYNC`: group 0 enters that sync first (group 1
+    held) and is stopped once its quorum request is out; group 1 is let go, gets the quorum
+    of both (group 0's heartbeats stopped for less than the lighthouse's timeout) and waits
+    in the allreduce for group 0's part; then group 1 is killed and group 0 continued."""
+    entered = f"Sync at step {MID_SYNC}: exchanging"
+    wait_for(out / "group_0.log", entered)
+    time.sleep(0.5)  # its quorum request reaches the lighthouse; group 1 is held
+    survivor = int((out / "group_0.pid").read_text())
+    os.kill(survivor, signal.SIGSTOP)
+    try:
+        (dumps / "release_g1").write_text("go")
+        wait_for(out / "group_1.log", entered)
+        time.sleep(0.5)  # the quorum of both formed: group 1 in the allreduce
+        os.kill(int((out / "group_1.pid").read_text()), signal.SIGKILL)
+    finally:
+        os.kill(survivor, signal.SIGCONT)
 
 
 def test_a_killed_group_rejoins_from_a_live_peer_and_the_outer_params_stay_equal(tmp_path):
     out, dumps = tmp_path / "groups", tmp_path / "dumps"
     command = [
         sys.executable, "-m", "trainers.elastic", "run", "--groups", "2", "--out", str(out),
-        "--bind", f"127.0.0.1:{free_port()}", "--min-groups", "1", "--heartbeat-timeout-s", "1",
-        "--join-timeout-s", "30", "--restarts", "1", "--", *overrides(out, dumps),
+        "--bind", f"127.0.0.1:{free_port()}", "--min-groups", "1", "--heartbeat-timeout-s", "3",
+        "--join-timeout-s", "30", "--restarts", "2", "--", *overrides(out, dumps),
     ]  # fmt: skip
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    dumps.mkdir()
+    (dumps / "release_g0").write_text("go")
     with subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) as sup:
         wait_for(dumps / "g1" / f"step{KILL_AFTER}.process0.npz")  # group 1 synced at 16
         first = int((out / "group_1.pid").read_text())
         os.kill(first, signal.SIGKILL)  # among its inner steps 17..24 (0.1 s each)
+        kill_inside_the_allreduce(out, dumps)
         _, err = sup.communicate(timeout=400)
     logs = {g: (out / f"group_{g}.log").read_text() for g in (0, 1)}
     assert sup.returncode == 0, err[-3000:] + logs[1][-3000:]
-    assert "Group 1 exited -9; restarting it (1)" in err
-    assert "restarting it" not in err.replace("Group 1 exited -9; restarting it (1)", "")
+    restarts = [f"Group 1 exited -9; restarting it ({n})" for n in (1, 2)]
+    assert all(r in err for r in restarts), err[-3000:]
+    assert "restarting it" not in err.replace(restarts[0], "").replace(restarts[1], "")
     assert logs[0].count("Replica group 0 of") == 1  # group 0 was never restarted
-    assert logs[1].count("Replica group 1 of") == 2
-    assert "Group 1 rejoined at step" in logs[1]  # from group 0's state
+    assert logs[1].count("Replica group 1 of") == 3
+    assert logs[1].count("Group 1 rejoined at step") == 2  # from group 0's state, twice
     assert "Traceback" not in logs[0] + logs[1]
+    # the round group 1 died in failed in group 0, was committed nowhere and was retried
+    mid = logs[0].split(f"Sync at step {MID_SYNC}: exchanging")[1]
+    mid = mid.split(f"Sync at step {MID_SYNC} committed")[0]
+    assert "Group 0: sync not committed (attempt 1 of 4)" in mid, mid
+    assert f"Sync at step {MID_SYNC} committed" not in logs[1]
     both = [
         step
         for step in range(EVERY, STEPS + 1, EVERY)
         if all((dumps / f"g{g}" / f"step{step}.process0.npz").exists() for g in (0, 1))
     ]
-    assert KILL_AFTER in both and STEPS in both and max(both) > HOLD_AT, both
+    # after the first rejoin (at HOLD_AT + EVERY) and the second (at MID_SYNC + 2 * EVERY)
+    assert {KILL_AFTER, HOLD_AT + 2 * EVERY, STEPS - EVERY, STEPS} <= set(both), both
     before = None
     for step in both:
         g0, g1 = (np.load(dumps / f"g{g}" / f"step{step}.process0.npz") for g in (0, 1))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests import REPO
-from tests.cli import run_train, scalars
+from tests.cli import ONE_PATH, run_train, scalars
 from tests.multihost_reference import flat_params, train_mlp
 from tests.multihost_worker import BATCH, PROCESSES, STEPS
 from trainers.checkpoint.io import complete_steps
@@ -57,7 +57,7 @@ def test_cli_on_two_processes_with_their_own_run_dirs_checkpoints_once_and_match
 ):
     # Each process its own hydra.run.dir (what Hydra's timestamped default gives hosts started
     # a second apart): they save into process 0's checkpoint dir, and only it writes events.
-    common = ["task=mlp", "mesh=auto", "trainer.steps=6", "trainer.log_every=1"]
+    common = [ONE_PATH, "task=mlp", "mesh=auto", "trainer.steps=6", "trainer.log_every=1"]
     port = _free_port()
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4"}  # mesh=auto: 4 devices per process
     procs = [

@@ -15,13 +15,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import ONE_PATH
 from tests.reliability_helpers import wait_until
 from trainers.checkpoint.io import complete_steps
 from trainers.exits import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["task=mlp", "trainer.batch_size=16", "trainer.steps=3", "trainer.progress=false"]
+COMMON = [
+    ONE_PATH,
+    "task=mlp",
+    "trainer.batch_size=16",
+    "trainer.steps=3",
+    "trainer.progress=false",
+]
 TIMEOUT = 240
 
 CALLBACKS = """\

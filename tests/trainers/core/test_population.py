@@ -13,6 +13,7 @@ from jax.sharding import AxisType, Mesh
 
 from trainers.core.population import Population
 from trainers.core.trainer import Trainer
+from trainers.hooks.perf import run_step_flops
 from trainers.tasks.mlp import MLPTask
 from xshard.optim.factory import build_optimizer_with_rules
 
@@ -20,7 +21,8 @@ BATCH, STEPS = 16, 3
 MESH = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
 
 
-def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list[np.ndarray]:
+def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list:
+    """The losses and final params of a run, then its FLOPs per step (`run_step_flops`)."""
     trainer = Trainer(
         task,
         built.tx,
@@ -37,7 +39,8 @@ def _train(built, task: MLPTask, seat=None, steps=STEPS, **trainer_kw) -> list[n
     for batch in [first, *(next(batches) for _ in range(steps - 1))]:
         state, metrics = trainer.step(state, batch, with_stats=False)  # one program
         losses.append(metrics.host_values()["train/loss"])
-    return losses + [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    params = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    return [*losses, *params, run_step_flops(trainer)]
 
 
 def _population(builts, task, **trainer_kw) -> list[list[np.ndarray]]:
@@ -82,13 +85,16 @@ def test_trials_train_as_alone(optimizer, trainer_kw, compose_config):
     task = MLPTask()
     left, stayed = _population(builts, task, **trainer_kw)
     # Trial 1 trains on as alone after trial 0 left (its slot trains on, its results dropped).
-    alone = _train(builts[1], task, **trainer_kw)
-    for a, b in zip(alone, stayed, strict=True):
+    *alone, flops = _train(builts[1], task, **trainer_kw)
+    for a, b in zip(alone, stayed[:-1], strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
-    alone = _train(builts[0], task, steps=1, **trainer_kw)
-    for a, b in zip(alone, left, strict=True):
+    *alone, _ = _train(builts[0], task, steps=1, **trainer_kw)
+    for a, b in zip(alone, left[:-1], strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
     assert not np.allclose(left[1], stayed[STEPS])  # the trials differ
+    # Each trial's FLOPs a step: its share of the population's program, which computes more
+    # than one trial's own (vmap makes the non-finite guard's cond a select of both branches).
+    assert left[-1] == stayed[-1] and flops < stayed[-1] < 2 * flops
 
 
 def test_trials_agree_on_the_latest_step_every_one_saved():

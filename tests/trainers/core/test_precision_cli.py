@@ -1,8 +1,8 @@
 """``precision=bf16``, ``trainer.remat`` and the compilation cache through the real CLI.
 
-One bf16 run of a small tiny_gpt to step 20 with a fresh compilation cache, the same run again
-with that cache (every program read back), and a run stopped at step 10 then resumed to 20,
-which must end bitwise where the uninterrupted one did.
+One bf16 run of a small tiny_gpt to step 20 with a fresh compilation cache, and a run stopped at
+step 10 with that cache (every program read back) then resumed to 20, which must end bitwise
+where the uninterrupted one did.
 """
 
 from __future__ import annotations
@@ -38,22 +38,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The uninterrupted run, its rerun with a warm cache, and the stopped-and-resumed run."""
+    """The uninterrupted run with a fresh cache; a run stopped at step 10 with that cache, now
+    warm (`warm`), then resumed to step 20 (`resumed`)."""
     root = tmp_path_factory.mktemp("bf16")
     cache = root / "cache"
-    out = {"cache": cache}
-    for name in ("first", "warm"):
-        run = root / name
+    out = {"cache": cache, "first": root / "first", "warm": root / "resumed"}
+    for name, steps in (("first", 20), ("warm", 10)):
         result = run_train(
-            *BF16, f"trainer.compilation_cache_dir={cache}", f"hydra.run.dir={run}", cwd=REPO
+            *BF16,
+            f"trainer.steps={steps}",
+            f"trainer.compilation_cache_dir={cache}",
+            f"hydra.run.dir={out[name]}",
+            cwd=REPO,
         )
-        (run / "stdout.txt").write_text(result.stdout + result.stderr)
-        out[name] = run
-    resumed = root / "resumed"
-    run_train(*BF16, "trainer.steps=10", f"hydra.run.dir={resumed}", cwd=REPO)
-    result = run_train(*BF16, f"hydra.run.dir={resumed}", cwd=REPO)
+        (out[name] / "stdout.txt").write_text(result.stdout + result.stderr)
+    result = run_train(
+        *BF16, f"trainer.compilation_cache_dir={cache}", f"hydra.run.dir={out['warm']}", cwd=REPO
+    )
     assert "Restored step 10 from" in result.stdout + result.stderr
-    out["resumed"] = resumed
+    out["resumed"] = out["warm"]
     return out
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests import REPO
+from tests.cli import ONE_PATH
 
 pytestmark = pytest.mark.slow
 
@@ -23,6 +24,7 @@ def test_off_a_terminal_progress_is_log_lines_not_a_bar(tmp_path):
             sys.executable,
             "-m",
             "trainers.train",
+            ONE_PATH,
             "task=mlp",
             "trainer.steps=20",
             "checkpoint=none",

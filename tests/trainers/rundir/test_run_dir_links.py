@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
+from tests.cli import ONE_PATH
 from tests.reliability_helpers import (
     SECRET,
     load_state,
@@ -32,6 +33,7 @@ from trainers.exits import EXIT_CONFIG_ERROR
 from xshard.config import one_line
 
 COMMON = [
+    ONE_PATH,
     "task=mlp",
     "trainer.batch_size=16",
     "trainer.layer_stats_every=0",

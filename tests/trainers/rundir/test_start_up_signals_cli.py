@@ -12,6 +12,7 @@ import pytest
 
 from tests import REPO
 from tests.bounded_cli import COMMON, TIMEOUT, assert_one_line_error, cli, sigint_handled
+from tests.cli import one_path
 from tests.reliability_helpers import wait_until
 from trainers.checkpoint.io import complete_steps
 from trainers.exits import EXIT_PREEMPTED
@@ -62,7 +63,12 @@ def test_sigint_during_start_up_stops_before_the_first_step_and_writes_nothing(t
 
 def test_sigint_while_compiling_stops_the_run_and_a_rerun_finishes_it(tmp_path):
     run, log = tmp_path / "run", tmp_path / "first.log"
-    args = [*COMMON, "trainer.progress=false", "trainer.steps=300", "checkpoint.every_steps=0"]
+    args = [
+        *one_path(COMMON),
+        "trainer.progress=false",
+        "trainer.steps=300",
+        "checkpoint.every_steps=0",
+    ]
     with open(log, "w") as out, sigint_handled():
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainers.train", *args, f"hydra.run.dir={run}"],

@@ -19,6 +19,8 @@ Nothing here imports torch: the exchange is a protocol.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -31,6 +33,8 @@ from trainers.core.step.types import TrainState
 from trainers.exits import GroupLost
 from xshard.errors import ConfigError
 from xshard.reduce.periodic import SyncStats
+
+log = logging.getLogger(__name__)
 
 
 class GroupState(NamedTuple):
@@ -46,11 +50,12 @@ class GroupState(NamedTuple):
 
 class Round(NamedTuple):
     """One committed exchange: the mean pseudo-gradient over the quorum (None: no group sent
-    any, as when every group is joining) and the peer state this group loaded in the round
-    (None: it needed none)."""
+    any, as when every group is joining), the peer state this group loaded in the round
+    (None: it needed none) and the weight the mean is over (the groups that sent a delta)."""
 
     mean: np.ndarray | None
     healed: GroupState | None
+    groups: float
 
 
 class Exchange(Protocol):
@@ -145,10 +150,20 @@ class ElasticSync:
         """
         step = int(jax.device_get(state.step))
         delta = np.asarray(jax.device_get(self.delta(state, shardings)), np.float32)
+        what = "Join" if join else "Sync"
+        log.info("%s at step %d: exchanging with the other groups.", what, step)
+        start = time.monotonic()
         done = self.exchange.round(
             np.zeros_like(delta) if join else delta,
             0.0 if join else 1.0,
             lambda: self.snapshot(state),
+        )
+        log.info(
+            "%s at step %d committed in %.2f s, the mean over %g groups.",
+            what,
+            step,
+            time.monotonic() - start,
+            done.groups,
         )
         if done.healed is not None:
             if not join and done.healed.step != step:

@@ -232,6 +232,14 @@ class StepSeat(Protocol):
     def compile_seconds(self) -> float | None:
         """The seconds spent compiling the shared programs so far (None before the first)."""
 
+    @property
+    def compiled(self) -> jax.stages.Compiled | None:
+        """The shared compiled step of the lowest level compiled so far (None: none yet)."""
+
+    @property
+    def trials(self) -> int:
+        """How many runs the shared programs step at once."""
+
     def expect(self, keys: Iterable[ProgramKey]) -> None:
         """The kinds of step this run will meet (compiled together)."""
 

@@ -206,9 +206,9 @@ class _StepProgram:
     def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
         """The update, and the metrics and per-layer statistics of the step's level."""
         flags = self.flags
-        held = whole_updates(opt_state) if self.zero else None
+        held = whole_updates(opt_state)
         whole = whole_at_rest(self.zero_layout, held) if self.zero else None
-        extra = owner_args(self.zero_layout, held) if self.zero else {}
+        extra = owner_args(self.layout, held)
         if self.zero:  # the update on each device's slice (or whole, where `whole` says)
             params, grads = constrain_for_update(self.zero_layout, params, grads, whole)
         done = self.update(params, opt_state, grads, **extra)

@@ -16,7 +16,8 @@ new params are then all-gathered (stages 1 and 2), or kept sliced and gathered f
 forward pass (stage 3), one all-gather per dtype (`gather`). A param the optimizer updates
 whole (Muon's matrices: `xshard.optim.muon.whole_updates`) stays whole for the update at stages
 1 and 2 and is left out of that gather: its new value is already whole on every device; at
-stage 3 one owner per matrix orthogonalises it (`owner_args`). A norm
+stage 3 one owner per matrix orthogonalises it (`owner_args`; at stage 0 too, its update then
+gathered). A norm
 over a sharded array is a global norm under GSPMD, which keeps lamb, lars, adafactor and
 global-norm clipping exact.
 """
@@ -50,12 +51,18 @@ def whole_at_rest(layout: ZeroLayout, whole: Any) -> Any:
     return whole if layout.stage < 3 else None
 
 
-def owner_args(layout: ZeroLayout, whole: Any) -> dict[str, bool]:
-    """The optimizer's extra arguments for the update: where the params are sliced at rest
-    (stage 3) and the optimizer updates some whole (`whole`: Muon's matrices), each matrix is
-    orthogonalised by one owner (``muon_owners``, `xshard.optim.muon.owned`) rather than on
-    every device, whose update an all-to-all returns to the row slices; none otherwise."""
-    return {"muon_owners": True} if layout.stage >= 3 and whole is not None else {}
+def owner_args(layout: ZeroLayout | None, whole: Any) -> dict[str, Any]:
+    """The optimizer's extra arguments for the update, where it updates some params whole
+    (`whole`: Muon's matrices): each matrix is orthogonalised by one owner rather than on every
+    device. Stage 0 (a replicated momentum): each device orthogonalises 1/N of the matrices and
+    an all-gather brings their updates to all (``muon_spread``, `xshard.optim.muon.spread`);
+    stage 3 (params sliced at rest): the owner's update goes back to the row slices
+    (``muon_owners``, `xshard.optim.muon.owned`); none otherwise."""
+    if layout is None or whole is None:
+        return {}
+    if layout.stage == 0:
+        return {"muon_spread": layout.axes}
+    return {"muon_owners": True} if layout.stage >= 3 else {}
 
 
 def constrain_for_update(

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +33,15 @@ class _Slot:
     dtype: np.dtype
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True)
 class PackedLayout:
     """The static part of a `PackedLeaves`: the packed tree's structure and every leaf's slot.
 
-    Two layouts are equal (the same pytree structure) when their trees have the same
-    structure, leaf dtypes and ranks, whatever the leaves' sizes, as two arrays of one rank
-    have one structure: so `optax.tree_map_params`, which matches the state of placeholder
-    params with the real one, maps a packed state (its per-leaf vectors have another length
-    there). The sizes are the vectors' shapes, which a jitted function is keyed on.
+    It is the pytree node's auxiliary data, so JAX compares it exactly (a jitted function is
+    keyed on it): two layouts are equal only when every leaf has the same vector, offset,
+    shape and dtype. (A state for other params, such as the one `optax.tree_map_params` builds
+    from a placeholder, has another layout: map a state holding packed leaves with
+    `tree_map_params`.)
 
     Attributes:
       treedef: the structure of the packed tree.
@@ -50,16 +52,6 @@ class PackedLayout:
     treedef: Any
     slots: tuple[_Slot, ...]
     dtypes: tuple[np.dtype, ...]
-
-    def _structure(self) -> tuple[Any, ...]:
-        ranks = tuple((s.vector, len(s.shape), s.dtype) for s in self.slots)
-        return (self.treedef, self.dtypes, ranks)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, PackedLayout) and self._structure() == other._structure()
-
-    def __hash__(self) -> int:
-        return hash(self._structure())
 
 
 def _held_as(dtype: np.dtype) -> np.dtype:
@@ -123,5 +115,50 @@ class PackedLeaves:
     def tree_unflatten(cls, layout: PackedLayout, vectors: Any) -> PackedLeaves:
         return cls(tuple(vectors), layout)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal layouts and vectors that compare equal, as a tuple's items (a tree of specs or
+        shardings of a state compares as the unpacked records did)."""
+        if not isinstance(other, PackedLeaves):
+            return NotImplemented
+        return self.layout == other.layout and self.vectors == other.vectors
+
     def __repr__(self) -> str:
         return f"PackedLeaves({', '.join(d.name for d in self.layout.dtypes)})"
+
+
+def _is_packed(x: Any) -> bool:
+    return isinstance(x, PackedLeaves)
+
+
+def tree_map_params(
+    initable: Callable[[Any], Any] | optax.GradientTransformation,
+    f: Callable[..., Any],
+    state: Any,
+    /,
+    *rest: Any,
+    transform_non_params: Callable[..., Any] | None = None,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Any:
+    """`optax.tree_map_params` for a state that holds `PackedLeaves` (`xshard.cross_shard`'s).
+
+    optax matches `state` with the state `initable` builds for placeholder params, whose packed
+    leaves have another layout (their per-leaf records are sized by the params). Here the
+    packed leaves are non-param state: `transform_non_params` maps each of their vectors, and
+    the result keeps `state`'s layouts (its structure). Arguments and result as optax's.
+    """
+    init = initable.init if isinstance(initable, optax.GradientTransformation) else initable
+    non_params = transform_non_params or (lambda x: x)
+
+    def placeholder_state(params: Any) -> Any:
+        # Each packed node becomes its layout, a leaf (not a pytree), so that optax hands the
+        # state's packed node there to `transform_non_params`, whole.
+        return jax.tree.map(
+            lambda x: x.layout if _is_packed(x) else x, init(params), is_leaf=_is_packed
+        )
+
+    def each_non_param(value: Any) -> Any:
+        return jax.tree.map(non_params, value) if _is_packed(value) else non_params(value)
+
+    return optax.tree_map_params(
+        placeholder_state, f, state, *rest, transform_non_params=each_non_param, is_leaf=is_leaf
+    )

@@ -1,5 +1,5 @@
 """A checkpoint saved before `cross_shard`'s state packed its statistics and the guard's
-counters (issue 38) restores into the packed state, bitwise; and the packing itself."""
+counters (issue 38) restores into the packed state, bitwise (the packing itself: tests/xshard/test_packed.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
 from xshard import cross_shard
 from xshard.optim.cross_shard import CrossShardState
-from xshard.optim.packed import PackedLeaves
 
 CONFIG = {
     "task": {"_target_": "trainers.tasks.mlp.MLPTask"},
@@ -68,24 +67,3 @@ def test_a_checkpoint_of_the_unpacked_layout_restores_packed_and_bitwise(tmp_pat
     assert_bitwise_equal(host(unpacked(restored)), host(old))
     assert int(restored.opt_state.skipped_steps) == 0 and restored.opt_state.guard.last_finite
     assert trainer.step(restored, batch, with_stats=False)[0].step == 2  # the run goes on
-
-
-def test_packed_leaves_round_trip_dtypes_batches_and_structure():
-    tree = {"n": jnp.int32(3), "ok": jnp.bool_(True), "v": jnp.arange(4.0), "m": jnp.ones((2, 3))}
-    packed = PackedLeaves.pack(tree)
-    assert [v.dtype for v in packed.vectors] == [jnp.float32, jnp.int32]  # bool held as int32
-    assert [v.shape for v in packed.vectors] == [(10,), (2,)]  # m, v; n, ok
-    assert_bitwise_equal(host(packed.unpack()), host(tree))
-    assert packed.unpack()["ok"].dtype == jnp.bool_
-    # Stacked (a vmapped state at rest): each leaf keeps the leading dimension.
-    stacked = jax.vmap(lambda x: PackedLeaves.pack(jax.tree.map(lambda a: a * x, tree)))(
-        jnp.arange(1, 3)
-    )
-    assert stacked.unpack()["m"].shape == (2, 2, 3)
-    assert stacked.unpack()["n"].tolist() == [3, 6]
-    # One structure whatever the leaves' sizes (optax.tree_map_params matches placeholders).
-    shorter = PackedLeaves.pack({**tree, "v": jnp.arange(2.0)})
-    assert jax.tree.structure(shorter) == jax.tree.structure(packed)
-    assert jax.tree.structure(PackedLeaves.pack({**tree, "v": jnp.int32(1)})) != (
-        jax.tree.structure(packed)
-    )

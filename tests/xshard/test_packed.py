@@ -77,3 +77,22 @@ def test_tree_map_params_maps_a_cross_shard_state(non_params):
     assert adam.mu == adam.nu == {"w": "param", "b": "param"}
     expected = state.stats.vectors if non_params is None else ("other", "other")
     assert mapped.stats.vectors == expected
+
+
+def test_cross_shard_state_builds_and_reads_by_the_names_it_had_unpacked():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    tx = xshard.cross_shard(optax.adam(1e-3), "mean", axis_name="data", clip_per_shard=1.0)
+    state = tx.init(params)
+    # The constructor's arguments before the packing, by name (comm left out: no axis rules).
+    rebuilt = xshard.CrossShardState.of(
+        clip=state.clip,
+        shards=state.shards,
+        reduced=state.reduced._replace(norm=jnp.float32(2.0)),
+        histograms=state.histograms,
+        guard=state.guard._replace(total_notfinite=jnp.int32(3)),
+    )
+    assert jax.tree.structure(rebuilt) == jax.tree.structure(state)
+    assert float(rebuilt.reduced.norm) == 2.0 and int(rebuilt.skipped_steps) == 3
+    assert int(rebuilt.guard.total_notfinite) == 3 and rebuilt.inner_state is state.inner_state
+    assert rebuilt.reduced.leaf_norms.shape == (2,)
+    assert_bitwise_equal(host(rebuilt.clip), host(state.clip))  # NaN: not measured yet

@@ -180,13 +180,15 @@ class CrossShardState(NamedTuple):
         reduced: GradSummary,
         histograms: Histograms | optax.EmptyState,
         guard: SkipIfNonFiniteState,
-        comm: dict[str, AxisCommState] | optax.EmptyState,
+        comm: dict[str, AxisCommState] | optax.EmptyState | None = None,
     ) -> CrossShardState:
         """The state of these records, the guard's state (its counters and the inner
-        optimizer's state) and the axis rules' state."""
+        optimizer's state) and the axis rules' state: the arguments, names and order the
+        constructor took before the records were packed (``CrossShardState(clip, shards,
+        reduced, histograms, guard, comm)``; `comm` None: `optax.EmptyState()`, no axis rules)."""
         counters = guard._replace(inner_state=None)
         packed = PackedLeaves.pack(Recorded(clip, shards, reduced, histograms, counters))
-        return cls(packed, guard.inner_state, comm)
+        return cls(packed, guard.inner_state, optax.EmptyState() if comm is None else comm)
 
     @property
     def recorded(self) -> Recorded:

@@ -1,5 +1,6 @@
 """A checkpoint saved before `cross_shard`'s state packed its statistics and the guard's
-counters (issue 38) restores into the packed state, bitwise (the packing itself: tests/xshard/test_packed.py)."""
+counters (issue 38) restores into the packed state, bitwise (the packing itself:
+tests/xshard/test_packed.py)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from trainers.core.step import HISTOGRAMS, LAYERS, STATS
 from trainers.core.trainer import Trainer
 from trainers.tasks.sharding import param_shardings
 from xshard import cross_shard
+from xshard.optim.packed import tree_map_params
 
 HANDWRITTEN = ("jit_gspmd", "pmap_pmean")
 
@@ -193,7 +194,7 @@ def _placed_state(wl: Workload, mesh: Mesh, params: Any, opt: optax.GradientTran
     """Params placed by the task's sharding rules, optimizer state sharded like them."""
     replicated = NamedSharding(mesh, P())
     params_sh = param_shardings(params, wl.task.sharding_rules, mesh)
-    opt_sh = optax.tree_map_params(
+    opt_sh = tree_map_params(
         opt,
         lambda _, sharding: sharding,
         jax.eval_shape(opt.init, params),

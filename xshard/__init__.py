@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "get_slot_names": "xshard.optim.slots",
     "inner_state": "xshard.optim.slots",
     "reduce_gradients": "xshard.reduce.gradients",
+    "tree_map_params": "xshard.optim.packed",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -69,6 +70,7 @@ if TYPE_CHECKING:  # names for type checkers and IDEs; imported lazily above
     from xshard.optim.cross_shard import cross_shard as cross_shard
     from xshard.optim.factory import build_optimizer as build_optimizer
     from xshard.optim.factory import build_schedule as build_schedule
+    from xshard.optim.packed import tree_map_params as tree_map_params
     from xshard.optim.slots import get_hyperparams as get_hyperparams
     from xshard.optim.slots import get_slot as get_slot
     from xshard.optim.slots import get_slot_names as get_slot_names

@@ -11,7 +11,9 @@ modified or pruned. `restore_checkpoint` then:
    dtypes, and the task and optimizer ``_target_``, must match, else `CheckpointError` naming
    what differs; other config changes are logged;
 2. restores the arrays straight into the shardings of the current run's state, so that a
-   checkpoint saved on one mesh restores onto another (`ocp.args.StandardRestore`);
+   checkpoint saved on one mesh restores onto another (`ocp.args.StandardRestore`); one saved
+   before the optimizer's statistics were packed restores in its own layout and is packed
+   (`trainers.checkpoint.unpacked`);
 3. verifies the arrays against the checksums saved with them: Orbax detects truncated or
    missing files, but loads flipped bytes of raw array data without complaint.
 
@@ -44,6 +46,7 @@ from trainers.checkpoint.io import (
     write_failure,
 )
 from trainers.checkpoint.save import METADATA_ITEM, STATE_ITEM, integrity, state_signature
+from trainers.checkpoint.unpacked import packed_like, saved_unpacked, unpacked_abstract
 from trainers.core.model_state import from_saved, saved_tree
 from trainers.core.trainer import TrainState
 from trainers.exits import CheckpointError, CorruptCheckpointError
@@ -179,13 +182,15 @@ def _restore_step(
     """Metadata, compatibility check, arrays, checksums: one step folder, in that order."""
     metadata = _read_metadata(checkpointer, path)
     _check_step(path, metadata.get("step"), "its metadata")
-    check_compatible(metadata, state_signature(abstract), config, where=str(path), action=action)
+    unpacked = saved_unpacked(metadata["signature"])  # saved before issue 38's packing
+    target = unpacked_abstract(abstract) if unpacked else abstract
+    check_compatible(metadata, state_signature(target), config, where=str(path), action=action)
     try:
         saved = checkpointer.restore(
             path,
-            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(saved_tree(abstract))}),
+            args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(saved_tree(target))}),
         )[STATE_ITEM]
-        state = from_saved(saved, abstract)
+        state = from_saved(saved, target)
     except Exception as e:
         _raise_read_error(
             e, path, f"Checkpoint {path} is corrupted or truncated: {_first_line(e)}."
@@ -201,6 +206,9 @@ def _restore_step(
         )
     restored = int(jax.device_get(state.step))
     _check_step(path, restored, "its state")
+    if unpacked:
+        state = packed_like(state, abstract)
+        logger.info("Packed the optimizer statistics of %s (saved unpacked).", path)
     logger.info("Restored step %d from %s.", restored, path)
     return state
 

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from optax.transforms import MaskedNode
 
 from trainers.tasks.sharding import param_specs
+from xshard.optim.packed import tree_map_params
 from xshard.stats.tree import path_str
 
 
@@ -161,7 +162,7 @@ class ZeroLayout:
             return NamedSharding(self.mesh, spec)
 
         tagged = jax.tree.map(lambda p, s: _Param(s, tuple(np.shape(p))), params, param_shardings)
-        return optax.tree_utils.tree_map_params(
+        return tree_map_params(
             tx,
             per_param,
             shapes,

@@ -1,7 +1,8 @@
 """The cross-shard optimizer and its builder from config.
 
 `xshard.optim.cross_shard` builds `xshard.cross_shard` (its types in
-`xshard.optim.cross_shard_types`, its update step by step in `xshard.optim.cross_shard_update`);
+`xshard.optim.cross_shard_types`, its update step by step in `xshard.optim.cross_shard_update`,
+its records held as one vector per dtype by `xshard.optim.packed`);
 `xshard.optim.factory` builds it from config (`xshard.build_optimizer`), with its axis rules
 (`xshard.optim.axis_factory`), masks (`xshard.optim.masks`, `xshard.optim.muon_masks`) and
 schedule-free support (`xshard.optim.schedule_free`), the learning rate and its schedule

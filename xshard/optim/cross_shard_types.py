@@ -17,6 +17,7 @@ import optax
 
 from xshard.config.reduction import Reduction
 from xshard.guard.update import SkipIfNonFiniteState
+from xshard.optim.packed import PackedLeaves
 from xshard.reduce.gradients import PerShardClipState, divide
 from xshard.reduce.hierarchical import all_reduce_bytes_per_axis
 from xshard.reduce.per_axis import AxisCommState, AxisReductions
@@ -143,35 +144,91 @@ class CrossShardPhases(NamedTuple):
     apply: Callable[..., Applied]
 
 
-class CrossShardState(NamedTuple):
-    """State of `cross_shard`, in the order of the update's steps.
-
-    The statistics fields hold `optax.EmptyState()` when the optimizer does not record them
-    (no per-shard clipping; ``track_stats=False``).
-    """
+class Recorded(NamedTuple):
+    """What a `cross_shard` state records besides the inner optimizer's state: its
+    statistics and the guard's counters (held packed in `CrossShardState.stats`)."""
 
     clip: PerShardClipState | optax.EmptyState  # share of shards clipped (clip_per_shard)
     shards: ShardStats | optax.EmptyState  # per-shard norms before clipping, noise-scale terms
     reduced: GradSummary  # norm, max |g|, non-finite count, leaf norms of the reduced gradient
     histograms: Histograms | optax.EmptyState  # per-leaf histograms of that gradient
-    guard: SkipIfNonFiniteState  # skip counters and the inner optimizer's state
+    #: the guard's skip counters (`SkipIfNonFiniteState` without its inner state)
+    counters: SkipIfNonFiniteState
+
+
+class CrossShardState(NamedTuple):
+    """State of `cross_shard`: what it records (`Recorded`: statistics and the guard's skip
+    counters, packed in one vector per dtype, `xshard.optim.packed`: a donated step passes
+    two buffers for them, not a dozen), the inner optimizer's state, and the axis rules'.
+
+    Read the records by name (`clip`, `shards`, `reduced`, `histograms`, `guard`,
+    `skipped_steps`, `consecutive_skipped`); build a state with `of`. The statistics fields
+    hold `optax.EmptyState()` when the optimizer does not record them (no per-shard clipping;
+    ``track_stats=False``).
+    """
+
+    stats: PackedLeaves  # a `Recorded`, packed
+    inner_state: optax.OptState
     #: Per every-step axis rule: residual, compression error norm, bytes (`xshard.reduce.per_axis`).
     comm: dict[str, AxisCommState] | optax.EmptyState = optax.EmptyState()
 
+    @classmethod
+    def of(
+        cls,
+        clip: PerShardClipState | optax.EmptyState,
+        shards: ShardStats | optax.EmptyState,
+        reduced: GradSummary,
+        histograms: Histograms | optax.EmptyState,
+        guard: SkipIfNonFiniteState,
+        comm: dict[str, AxisCommState] | optax.EmptyState | None = None,
+    ) -> CrossShardState:
+        """The state of these records, the guard's state (its counters and the inner
+        optimizer's state) and the axis rules' state: the arguments, names and order the
+        constructor took before the records were packed (``CrossShardState(clip, shards,
+        reduced, histograms, guard, comm)``; `comm` None: `optax.EmptyState()`, no axis rules)."""
+        counters = guard._replace(inner_state=None)
+        packed = PackedLeaves.pack(Recorded(clip, shards, reduced, histograms, counters))
+        return cls(packed, guard.inner_state, optax.EmptyState() if comm is None else comm)
+
     @property
-    def inner_state(self) -> optax.OptState:
-        """The inner optimizer's state."""
-        return self.guard.inner_state
+    def recorded(self) -> Recorded:
+        """The statistics and the guard's counters, unpacked."""
+        return self.stats.unpack()
+
+    @property
+    def clip(self) -> PerShardClipState | optax.EmptyState:
+        """The per-shard clip's record (`Recorded.clip`)."""
+        return self.recorded.clip
+
+    @property
+    def shards(self) -> ShardStats | optax.EmptyState:
+        """The per-shard statistics (`Recorded.shards`)."""
+        return self.recorded.shards
+
+    @property
+    def reduced(self) -> GradSummary:
+        """The reduced gradient's summary (`Recorded.reduced`)."""
+        return self.recorded.reduced
+
+    @property
+    def histograms(self) -> Histograms | optax.EmptyState:
+        """The reduced gradient's histograms (`Recorded.histograms`)."""
+        return self.recorded.histograms
+
+    @property
+    def guard(self) -> SkipIfNonFiniteState:
+        """The guard's state: its skip counters around the inner optimizer's state."""
+        return self.recorded.counters._replace(inner_state=self.inner_state)
 
     @property
     def skipped_steps(self) -> jax.Array:
         """int32: steps skipped because the reduced gradient was not finite."""
-        return self.guard.total_notfinite
+        return self.recorded.counters.total_notfinite
 
     @property
     def consecutive_skipped(self) -> jax.Array:
         """int32: skipped steps in a row, reset by a finite step."""
-        return self.guard.notfinite_count
+        return self.recorded.counters.notfinite_count
 
 
 class CrossShardTransformation(optax.GradientTransformationExtraArgs):

@@ -22,6 +22,7 @@ from xshard.optim.cross_shard_types import (
     CrossShardState,
     LocalReduction,
 )
+from xshard.optim.packed import PackedLeaves
 from xshard.reduce.gradients import (
     AllReduce,
     PerShardClipState,
@@ -55,7 +56,7 @@ class CrossShardUpdate:
         """The optimizer's initial state for `params`."""
         empty = optax.EmptyState()
         track = self.spec.track_stats
-        return CrossShardState(
+        return CrossShardState.of(
             empty if self.clip is None else self.clip.init(params),
             empty_shard_stats() if track else empty,
             empty_summary(params),
@@ -244,7 +245,7 @@ class CrossShardUpdate:
         )
         record = guarded.record
         shards, measured = record.measured
-        new_state = CrossShardState(
+        new_state = CrossShardState.of(
             clip_state,
             state.shards if shards is None else shards,
             record.summary,
@@ -272,9 +273,11 @@ class CrossShardUpdate:
         measured = None
         if measure is not None:
             measured = when(with_stats, lambda: measure(out, updates, state.reduced))
-        guard_state = state.guard._replace(inner_state=new_inner)
         comm = state.comm if local.comm is None else local.comm
-        new_state = state._replace(clip=clip_state, guard=guard_state, comm=comm)
+        kept = state.recorded  # nothing measured: the records as they were
+        new_state = CrossShardState(
+            PackedLeaves.pack(kept._replace(clip=clip_state)), new_inner, comm
+        )
         return Applied(out, new_state, measured)
 
     def _measured_with_shards(

@@ -92,7 +92,7 @@ def eval_and_raw_params(step_dir: Path) -> tuple[dict[str, np.ndarray], dict[str
     """From the checkpoint's arrays: schedule_free_eval_params (x = (y - (1 - b1) z) / b1),
     and the raw params y, by parameter path."""
     saved = load_arrays(step_dir)
-    sf = "['opt_state']['guard']['inner_state']['inner_state']"
+    sf = "['opt_state']['inner_state']['inner_state']"
     b1 = saved[f"{sf}['b1']"]
     raw = {k[len("['params']") :]: v for k, v in saved.items() if k.startswith("['params']")}
     x = {k: (y - (1.0 - b1) * saved[f"{sf}['z']{k}"]) / b1 for k, y in raw.items()}

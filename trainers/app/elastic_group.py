@@ -17,10 +17,12 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     from trainers.app.builders import RunOptions, RunParts
+    from trainers.config.run import TrainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +86,18 @@ class ElasticGroup:
 
         return dataclasses.replace(options, data_seed=group_seed(options.seed, self.group))
 
-    def join(self, state: Any) -> Any:
+    def join(self, state: Any, trainer: Any, batch: Any, opts: TrainerOptions) -> Any:
         """The first round with the peers: `state`, or a live peer's when this group is
         behind them (its step, outer and inner optimizer states). It waits there for the
-        others' next sync (a live group asks for a quorum only at its syncs)."""
+        others' next sync (a live group asks for a quorum only at its syncs).
+
+        The `trainer`'s step programs are compiled first (for batches like `batch`, those
+        steps ``state.step + 1 .. opts.steps`` meet: a peer's later step meets fewer), and
+        the sync's in the round: once this group joined, the others wait for it at their
+        next sync, which must not wait for its compilation too.
+        """
+        first = int(np.asarray(state.step)) + 1
+        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
         return self.programs.join(state, self.shardings)
 
 

@@ -17,10 +17,12 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from omegaconf import DictConfig
 
 if TYPE_CHECKING:
     from trainers.app.builders import RunOptions, RunParts
+    from trainers.config.run import TrainerOptions
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,22 @@ def require_extra(key: str) -> None:
             raise ConfigError(f"{key}: needs {module}, not installed: {EXTRA}.") from None
 
 
+def check_one_process(cfg: DictConfig, key: str) -> None:
+    """Refuses a replica group of several processes (``distributed.enabled=true``): not built
+    yet (docs/reductions.md says what it needs); each group is one process.
+
+    Raises:
+      ConfigError: one line naming `key` and ``distributed.enabled``.
+    """
+    from xshard.errors import ConfigError
+
+    if (cfg.get("distributed") or {}).get("enabled"):
+        raise ConfigError(
+            f"{key}: a replica group of several processes (distributed.enabled=true) is not "
+            "supported yet; run each group as one process (distributed.enabled=false)."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticGroup:
     """A run that is one replica group: its key, id, and the trainer's periodic programs."""
@@ -84,10 +102,18 @@ class ElasticGroup:
 
         return dataclasses.replace(options, data_seed=group_seed(options.seed, self.group))
 
-    def join(self, state: Any) -> Any:
+    def join(self, state: Any, trainer: Any, batch: Any, opts: TrainerOptions) -> Any:
         """The first round with the peers: `state`, or a live peer's when this group is
         behind them (its step, outer and inner optimizer states). It waits there for the
-        others' next sync (a live group asks for a quorum only at its syncs)."""
+        others' next sync (a live group asks for a quorum only at its syncs).
+
+        The `trainer`'s step programs are compiled first (for batches like `batch`, those
+        steps ``state.step + 1 .. opts.steps`` meet: a peer's later step meets fewer), and
+        the sync's in the round: once this group joined, the others wait for it at their
+        next sync, which must not wait for its compilation too.
+        """
+        first = int(np.asarray(state.step)) + 1
+        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
         return self.programs.join(state, self.shardings)
 
 
@@ -96,8 +122,8 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
     """This run's replica group (None: no elastic axis), its manager stopped on exit.
 
     Raises:
-      ConfigError: without the optional extra, or for a mesh where the axis has more than
-        one replica.
+      ConfigError: for a group of several processes, without the optional extra, or for a
+        mesh where the axis has more than one replica.
     """
     from xshard.errors import ConfigError
 
@@ -107,6 +133,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
         return
     axis, node = found
     key = f"reduction.axes.{axis}.elastic"
+    check_one_process(cfg, key)
     require_extra(key)
     from trainers.cluster.torchft_group import GroupOptions, TorchftExchange
 

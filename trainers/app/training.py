@@ -122,10 +122,8 @@ def _fit(
         started.data,
         num_steps=opts.steps,
         hooks=hooks,
-        layer_stats_every=opts.layer_stats_every,
-        histogram_every=opts.histogram_every,
-        stats_every=opts.stats_every,
         should_stop=stop,
+        **opts.stat_periods,
     )
     own_stop = any(h.wants_stop() for h in hooks)  # early stopping decides alike everywhere
     check_end(result, options, where, started.start_step, stop, own_stop)
@@ -255,14 +253,8 @@ def start(
     if source is not None:
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
-    if group is not None:
-        state = group.join(state)
-    start_step = int(jax.device_get(state.step))
-    data = _batches(options, parts, start_step)
-    if source is not None and is_checkpointable(data):  # a stream: its saved position
-        restore_data_state(source.directory / str(start_step), data)
-    check_start_up_stop(where, stop, start_step)
-    # Compiled now: a bad eval split or trainer.objective fails before training.
+    # Compiled now: a bad eval split or trainer.objective fails before training (and before
+    # an elastic group joins its peers, who would wait for it at their next sync).
     evaluator = build_evaluator(
         parts.task,
         where.mesh,
@@ -273,6 +265,13 @@ def start(
         compute_dtype=trainer.precision.compute_dtype,
         all_gather=cluster.all_gather,
     )
+    if group is not None:
+        state = group.join(state, trainer, first, options.trainer)
+    start_step = int(jax.device_get(state.step))
+    data = _batches(options, parts, start_step)
+    if source is not None and is_checkpointable(data):  # a stream: its saved position
+        restore_data_state(source.directory / str(start_step), data)
+    check_start_up_stop(where, stop, start_step)
     return Started(state, start_step, data, evaluator, config, first)
 
 

@@ -70,6 +70,9 @@ def check_steps(value: Any, key: str, minimum: int, allowed: str) -> int:
 
 #: Periods of the ``trainer`` node that null switches off, as 0 does (read as 0).
 OFF_WHEN_NULL = ("layer_stats_every", "histogram_every", "eval_every")
+#: The statistics periods of the ``trainer`` node: which kinds of step a run meets
+#: (`TrainerOptions.stat_periods`, as `trainers.Trainer.fit` takes them).
+STAT_PERIODS = ("stats_every", "layer_stats_every", "histogram_every")
 
 
 #: Signals `trainer.stop_signals` may name: they stop training cleanly (checkpoint, exit 75).
@@ -225,10 +228,16 @@ class TrainerOptions:
         for key in OFF_WHEN_NULL:  # null switches a period off, as 0 does
             if getattr(self, key) is None:
                 object.__setattr__(self, key, 0)
-        for key in ("stats_every", "layer_stats_every", "histogram_every"):
+        for key in STAT_PERIODS:
             check_steps(
                 getattr(self, key), f"trainer.{key}", 0, "a period in steps, 0 or null disables"
             )
+
+    @property
+    def stat_periods(self) -> dict[str, int]:
+        """`STAT_PERIODS` and their values (read: 0 where null switched one off), as
+        `trainers.Trainer.fit` and `trainers.Trainer.compile_run` take them."""
+        return {key: int(getattr(self, key)) for key in STAT_PERIODS}
 
     def _check_run_control(self) -> None:
         """What ends, resumes, profiles or stops the run."""

@@ -163,10 +163,13 @@ def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthous
 
 
 def start_lighthouse(bind: str) -> subprocess.Popen:
-    """A lighthouse of its own on `bind` (this test kills it)."""
+    """A lighthouse of its own on `bind` (this test kills it), whose quorums need both groups:
+    the restarted one would otherwise commit group 0's next sync alone if group 0's heartbeat
+    reached it first, leaving group 1 behind (exit 4: restarted, it rejoins; no supervisor
+    here)."""
     command = [
         sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
-        "--min-groups", "1", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+        "--min-groups", "2", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.DEVNULL)
 
@@ -182,7 +185,13 @@ def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
             )
             logs[gid] = tmp_path / f"g{gid}.log"
             command = group(
-                bind, gid, tmp_path / f"g{gid}", hooks, "trainer.steps=48", RETRY_EVERY_2S
+                bind,
+                gid,
+                tmp_path / f"g{gid}",
+                hooks,
+                "trainer.steps=48",
+                RETRY_EVERY_2S,
+                f"{KEY}.min_groups=2",
             )
             with open(logs[gid], "w") as out:
                 procs[gid] = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=out, stderr=out)

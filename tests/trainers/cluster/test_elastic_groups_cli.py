@@ -117,6 +117,12 @@ def test_a_killed_group_rejoins_from_a_live_peer_and_the_outer_params_stay_equal
     assert logs[1].count("Replica group 1 of") == 3
     assert logs[1].count("Group 1 rejoined at step") == 2  # from group 0's state, twice
     assert "Traceback" not in logs[0] + logs[1]
+    # each start compiled its steps before it joined (its peers do not wait for that at their
+    # next sync), and not again after
+    for start in logs[0].split("Replica group 0 of")[1:] + logs[1].split("Replica group 1 of")[1:]:
+        before, joined, after = start.partition("joining its peers")
+        assert joined and "Compiled the train step" in before, start[:3000]
+        assert "Compiled the train step" not in after, after[:3000]
     # the round group 1 died in failed in group 0, was committed nowhere and was retried
     mid = logs[0].split(f"Sync at step {MID_SYNC}: exchanging")[1]
     mid = mid.split(f"Sync at step {MID_SYNC} committed")[0]

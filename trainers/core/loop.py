@@ -111,9 +111,10 @@ class FitLoop:
       state: the current state.
       pending: the last dispatched step and its metrics, not yet given to the hooks.
       agreed: with agreed stops, the vote that stops the run once known, else None.
-      reported_compile: the compile seconds the last step's metrics reported (`COMPILE_TIME`)
-        or that were known when the loop started: a step whose programs compiled anew reports
-        the new total.
+      reported_compile: the compile seconds the last step's metrics reported (`COMPILE_TIME`),
+        of this loop or the trainer's previous one (None: none yet): a step after programs
+        compiled anew (before the loop too: an elastic group's before it joins its peers)
+        reports the new total.
     """
 
     trainer: Stepper
@@ -140,7 +141,6 @@ class FitLoop:
         """
         step = int(jax.device_get(self.state.step))
         first = step + 1
-        self.reported_compile = self.trainer.compile_seconds
         reason = "done"
         try:
             if not self.agree and self.stop_requested():  # e.g. a signal during start-up

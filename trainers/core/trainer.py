@@ -158,6 +158,9 @@ class Trainer:
         )
         agree = jax.process_count() > 1 if agree_stop is None else bool(agree_stop)
         self.hyperparams = hyperparams
+        # The compile seconds the last fit's steps reported (`perf/compile_time_s`): a later
+        # fit reports programs compiled since, in it or before it (`compile_run` ahead).
+        self._compile_reported: float | None = None
         self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, seat)
         self.periodic_programs = (
             None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams, seat)
@@ -400,8 +403,9 @@ class Trainer:
             nothing is checked before the first step (the caller agrees on that).
           compile_ahead: compile every step program the run will meet (`compile_run`: the
             levels of its steps from the periods above) before the first step, concurrently,
-            with their time reported at that step (`perf/compile_time_s`); False: each when a
-            step first needs it.
+            with their time reported at that step (`perf/compile_time_s`, the total so far,
+            programs compiled before this fit and not reported by an earlier one included);
+            False: each when a step first needs it.
 
         Returns:
           A `FitResult`: the final state, the reason the loop ended, the agreed stop and the
@@ -416,5 +420,16 @@ class Trainer:
             "layer_stats_every": layer_stats_every,
             "histogram_every": histogram_every,
         }
-        loop = FitLoop(self, hooks, num_steps, periods, should_stop, state, compile_ahead)
-        return loop.run(batches)
+        loop = FitLoop(
+            self,
+            hooks,
+            num_steps,
+            periods,
+            should_stop,
+            state,
+            compile_ahead,
+            reported_compile=self._compile_reported,
+        )
+        result = loop.run(batches)
+        self._compile_reported = loop.reported_compile
+        return result

@@ -80,3 +80,13 @@ def test_fit_returns_its_result_and_reports_the_compile_time_once():
     assert list(hook.reported) == [1] and sorted(trainer.executables()) == [STATS]
     again = trainer.fit(result.state, task.batches(BATCH, seed=3), num_steps=5, hooks=[hook])
     assert again.compile_seconds == result.compile_seconds and list(hook.reported) == [1]
+    # Programs compiled before a fit (an elastic group's, before it joins its peers): its
+    # first step reports them.
+    ahead = Trainer(task, optax.sgd(1e-2), MESH, global_batch_size=BATCH)
+    first = next(iter(task.batches(BATCH, seed=0)))
+    state = ahead.init(ahead.init_params(first))  # the first fit donated its state
+    periods = {"stats_every": 1, "layer_stats_every": 0, "histogram_every": 0}
+    ahead.compile_run(state, first, 1, 3, periods)
+    hook = Compiles()
+    ahead.fit(state, task.batches(BATCH, seed=0), num_steps=3, hooks=[hook])
+    assert hook.reported == {1: ahead.compile_seconds} and ahead.compile_seconds > 0

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.zero [--smoke] [--bytes-only] [--models a,b] [--out PATH]``: ZeRO / FSDP against replicated.
+"""ZeRO / FSDP against replicated:
+``python -m benchmarks.zero [--smoke] [--bytes-only] [--models a,b] [--out PATH]``.
 
 For each model (tiny_gpt as configured, and an 8-layer, 256-wide GPT where the state, not the
 temporaries, dominates, with adam and with muon) and each ``sharding.zero_stage`` 0-3, in one

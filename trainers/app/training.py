@@ -254,6 +254,7 @@ def start(
     if source is not None:
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
+        state = trainer.row_order(state)  # checkpoints hold Muon's momentum in row order
     if group is not None:
         state = group.join(state)
     start_step = int(jax.device_get(state.step))

@@ -159,6 +159,11 @@ def spread(
     return jax.tree.unflatten(treedef, out)
 
 
+def _adaptive(mu_hat: Any, out: Any) -> Any:
+    """`out` scaled by the dual norm of the momentum (arXiv 2409.20325), as optax's."""
+    return jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
+
+
 def scale_by_muon(
     ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
@@ -209,8 +214,7 @@ def scale_by_muon(
     ) -> tuple[Any, MuonState]:
         del params, extra_args
         dims = weight_dimension_numbers
-        if callable(dims):
-            dims = dims(updates)
+        dims = dims(updates) if callable(dims) else dims
         groups = owner_groups(state.mu, muon_owners)
         if not muon_owned_grads:  # the momentum is in owner order, not the gradient
             updates = to_owner_order(updates, groups)
@@ -228,15 +232,10 @@ def scale_by_muon(
             out = spread(orthogonalize, mu_hat, dims, muon_spread)
         else:
             out = whole_each(orthogonalize, mu_hat, dims)
-        if adaptive:  # scaled by the dual norm of the momentum (arXiv 2409.20325)
-            mu_hat = swap_order(mu_hat, groups)  # in row order, as `out`
-            out = jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
-        new_state = MuonState(
-            count=optax.safe_increment(state.count),
-            mu=optax.tree.cast(mu, mu_dtype),
-            ns_coeffs=state.ns_coeffs,
-        )
-        return out, new_state
+        if adaptive:
+            out = _adaptive(swap_order(mu_hat, groups), out)  # in row order, as `out`
+        count = optax.safe_increment(state.count)
+        return out, MuonState(count, optax.tree.cast(mu, mu_dtype), state.ns_coeffs)
 
     return optax.GradientTransformationExtraArgs(optax_tx.init, update_fn)
 

@@ -130,6 +130,8 @@ def test_muon_with_bf16_compute_trains_as_stage_0(stage, impl):
 
 @functools.cache
 def deep_muon(stage: int, impl: str):
+    """Three plain steps of DEEP: the final state (Muon's momentum in row order) and, at
+    stage 3, the step's collectives."""
     state, _, trainer = train(("optimizer=muon",), stage=stage, impl=impl, steps=3, task=DEEP)
     opt_state = swap_state(state.opt_state, 8) if stage == 3 else state.opt_state  # row order
     host_state = jax.device_get((state.params, opt_state))
@@ -145,8 +147,10 @@ def test_muon_at_stage_3_orthogonalises_each_matrix_on_one_owner_and_trains_as_s
     # gradient comes reduced in row order: one more all-to-all to the owners. No gather of a
     # matrix beyond the forward pass's one of all the params, no collective inside the
     # iterations (xshard.optim.muon.owned).
-    want, _ = deep_muon(0, impl)
-    got, ops = deep_muon(3, impl)
+    # The manual path's runs are those of the test below (microbatches, a skipped step).
+    run = deep_muon if impl == "gspmd" else lambda stage, _: deep_levels(stage)[::2]
+    want, _ = run(0, impl)
+    got, ops = run(3, impl)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
     exchanged = [shapes for op, shapes in ops if op == "all-to-all"]
@@ -162,3 +166,40 @@ def test_muon_at_stage_3_orthogonalises_each_matrix_on_one_owner_and_trains_as_s
         assert len([op for op, _ in ops if op == "reduce-scatter"]) == 1
         reduced = sum(int(np.prod(s)) for op, shapes in ops if op == "all-reduce" for s in shapes)
         assert reduced < 64  # scalar statistics only
+
+
+@functools.cache
+def deep_levels(stage: int):
+    """DEEP with two microbatches and a NaN at step 1, trained on the manual path by a plain
+    step, a statistics step (the NaN's: the guard skips it), a per-layer one and a statistics
+    one: the final state (Muon's momentum in row order), and the statistics steps' metrics
+    and per-layer gradient norms."""
+    task = MLPTask(hidden=(128,) * 9, nan_at_step=1)
+    tx = build_optimizer(config("optimizer=muon"), mesh=MESH8)
+    trainer = Trainer(task, tx, MESH8, global_batch_size=BATCH, zero_stage=stage, microbatches=2)
+    batches = iter(task.batches(BATCH, seed=0))
+    state = trainer.init(trainer.init_params(next(iter(task.batches(BATCH, seed=0)))))
+    measured = []
+    for level in ({"with_stats": False}, {}, {"layer_stats": True}, {}):
+        state, metrics = trainer.step(state, next(batches), **level)
+        measured.append(dict(metrics))
+        if level.get("layer_stats"):
+            measured.append(jax.device_get(metrics.diagnostics["grad_norms"]))
+    row_order = trainer.row_order(state)
+    ops = collectives(trainer, level=0) if stage else None  # the plain step's
+    return jax.device_get((row_order.params, row_order.opt_state)), measured[1:], ops
+
+
+def test_muon_in_owner_order_keeps_the_guard_microbatches_and_statistics_of_stage_0():
+    # Statistics steps reduce the gradient in owner order too (its global norms do not depend
+    # on the order); per-layer steps in row order, the optimizer swapping it to the owners.
+    want, want_metrics, _ = deep_levels(0)
+    got, got_metrics, _ = deep_levels(3)
+    assert int(got[1].skipped_steps) == int(want[1].skipped_steps) == 1
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    for a, b in zip(want_metrics, got_metrics, strict=True):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys()
+            a, b = [a[k] for k in sorted(a)], [b[k] for k in sorted(a)]
+        np.testing.assert_allclose(np.asarray(b, float), np.asarray(a, float), rtol=1e-4)

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.zero [--smoke] [--out PATH]``: ZeRO / FSDP against replicated.
+"""ZeRO / FSDP against replicated:
+``python -m benchmarks.zero [--smoke] [--bytes-only] [--models a,b] [--out PATH]``.
 
 For each model (tiny_gpt as configured, and an 8-layer, 256-wide GPT where the state, not the
 temporaries, dominates, with adam and with muon) and each ``sharding.zero_stage`` 0-3, in one
@@ -11,7 +12,9 @@ process on every device present (8 simulated CPU devices), on both gradient path
   (N-1)/N of the full array, all-to-all (N-1)/N of its operand) over the arrays above `SMALL`
   elements, against the ring limit of data parallelism, 2(N-1)/N x the gradient's bytes;
 * step time, the stages interleaved block by block (`benchmarks.timing.interleave`), with the
-  ratio to the replicated step of the same path.
+  ratio to the replicated step of the same path; ``--bytes-only`` compiles and counts without
+  timing (the step's time columns then say "not timed"): bytes and collectives come from the
+  compiled programs and do not depend on the machine's load, step times do.
 
 Writes JSON to ``--out`` (default ``benchmarks/zero_results.json``) and a Markdown table next to
 it, and prints the table. ``--smoke`` shrinks everything (CI); its numbers mean nothing.
@@ -44,6 +47,8 @@ MODELS: dict[str, tuple[str, ...]] = {
 }
 SMOKE: tuple[str, ...] = ("task.n_layers=1", "task.d_model=32", "task.d_ff=64", "task.seq_len=16")
 STAGES = (0, 1, 2, 3)
+#: What the step-time columns say of a variant measured by ``--bytes-only``.
+NOT_TIMED = "not timed"
 IMPLS = ("manual", "gspmd")
 _OP = re.compile(
     r"=\s*(?P<shape>.+?)\s+(?P<op>all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\("
@@ -106,13 +111,34 @@ class _Loop:
         jax.block_until_ready((self.state, metrics.device_value("train/loss")))
 
 
-def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, Any]:
+def _variant(trainer: Any, state: Any, n: int) -> dict[str, Any]:
+    """Memory and collectives of one compiled plain step (`trainer` stepped once)."""
+    from benchmarks.hlo import memory, state_bytes
+
+    params = state_bytes(state.params)
+    (compiled,) = trainer.executables().values()  # the plain step's
+    comm = ring_bytes(compiled.as_text(), n)
+    return {
+        "compiled": memory(compiled),
+        "params_bytes_per_device": params["per_device_bytes"],
+        "params_bytes_logical": params["logical_bytes"],
+        "opt_state_bytes_per_device": state_bytes(state.opt_state)["per_device_bytes"],
+        "collectives": comm["counts"],
+        "sent_bytes_per_device": comm["sent_bytes"],
+        "ring_limit_bytes": int(2 * (n - 1) / n * params["logical_bytes"]),
+        "compile_s": round(trainer.compile_seconds or 0.0, 2),
+    }
+
+
+def measure(
+    model: str, overrides: tuple[str, ...], smoke: bool, timed: bool = True
+) -> dict[str, Any]:
     """All stages and paths of one model: memory, collectives, step times (plain steps: no
-    statistics, the program of most steps with the CLI's defaults)."""
+    statistics, the program of most steps with the CLI's defaults); `timed` False: each step
+    compiled and run once, not timed (no ``step`` nor ``vs_replicated`` in the variants)."""
     import jax
     from hydra import compose, initialize_config_module
 
-    from benchmarks.hlo import memory, state_bytes
     from benchmarks.timing import Plan, interleave, ratio
     from trainers.app.builders import build_task
     from trainers.core.trainer import Trainer
@@ -151,24 +177,14 @@ def measure(model: str, overrides: tuple[str, ...], smoke: bool) -> dict[str, An
             batch = trainer.global_batch(next(iter(task.batches(cfg.trainer.batch_size, seed=0))))
             state = trainer.init(trainer.init_params(jax.device_get(batch)))
             state, _ = trainer.step(state, batch, with_stats=False)  # compiles
-            params = state_bytes(state.params)
-            grad_bytes = params["logical_bytes"]
-            (compiled,) = trainer.executables().values()  # the plain step's
-            comm = ring_bytes(compiled.as_text(), n)
+            jax.block_until_ready(state)
             name = f"{impl}/zero{stage}"
-            out["variants"][name] = {
-                "compiled": memory(compiled),
-                "params_bytes_per_device": params["per_device_bytes"],
-                "params_bytes_logical": params["logical_bytes"],
-                "opt_state_bytes_per_device": state_bytes(state.opt_state)["per_device_bytes"],
-                "collectives": comm["counts"],
-                "sent_bytes_per_device": comm["sent_bytes"],
-                "ring_limit_bytes": int(2 * (n - 1) / n * grad_bytes),
-                "compile_s": round(trainer.compile_seconds or 0.0, 2),
-            }
-            loops.append(_Loop(name, trainer, state, batch))
-    plan = Plan(1, 2, 1) if smoke else Plan(1, 8, 3)
-    timings = interleave(loops, plan)
+            out["variants"][name] = _variant(trainer, state, n)
+            if timed:
+                loops.append(_Loop(name, trainer, state, batch))
+    if not timed:
+        return out
+    timings = interleave(loops, Plan(1, 2, 1) if smoke else Plan(1, 8, 3))
     for impl in IMPLS:
         base = timings[f"{impl}/zero0"]
         for stage in STAGES:
@@ -217,14 +233,14 @@ def render(results: dict[str, Any]) -> str:
         for name, v in sec["variants"].items():
             c = v.get("compiled") or {}
             ops = ", ".join(f"{k} {n}" for k, n in sorted(v["collectives"].items())) or "none"
-            step = v.get("step", {})
+            step = v.get("step", {"median_ms": NOT_TIMED})
             lines.append(
                 f"| {name} | {_kib(v['params_bytes_per_device'])} | "
                 f"{_kib(v['opt_state_bytes_per_device'])} | "
                 f"{_kib(c.get('argument_size_in_bytes'))} | {_kib(c.get('temp_size_in_bytes'))} | "
                 f"{ops} | {_kib(v['sent_bytes_per_device'])} | {_kib(v['ring_limit_bytes'])} | "
                 f"{step.get('median_ms', '-')} | "
-                f"{v.get('vs_replicated', {}).get('paired_median', '-')} | "
+                f"{v.get('vs_replicated', {}).get('paired_median', NOT_TIMED)} | "
                 f"{v.get('compile_s', '-')} |"
             )
     return "\n".join(lines) + "\n"
@@ -236,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero", description=__doc__)
     parser.add_argument("--smoke", action="store_true", help="tiny models, one block each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
+    parser.add_argument(
+        "--bytes-only",
+        action="store_true",
+        help="compile each step and count its bytes and collectives, without timing it",
+    )
     parser.add_argument(
         "--models",
         type=lambda text: text.split(","),
@@ -249,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = list(MODELS.items())[:1] if args.smoke else MODELS.items()
     if args.models:
         chosen = [(m, MODELS[m]) for m in args.models]
-    models = {m: measure(m, o, args.smoke) for m, o in chosen}
-    meta = {**environment(), "mode": "smoke" if args.smoke else "full"}
+    models = {m: measure(m, o, args.smoke, timed=not args.bytes_only) for m, o in chosen}
+    mode = "smoke" if args.smoke else "full"
+    meta = {**environment(), "mode": f"{mode} bytes-only" if args.bytes_only else mode}
     results = {"meta": meta, "models": models}
     if args.models and args.out.exists():  # a subset: its sections replace those measured before
         results = json.loads(args.out.read_text())

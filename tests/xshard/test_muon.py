@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from xshard.optim.muon import muon, scale_by_muon, whole_updates
 from xshard.optim.muon_masks import hidden_matrices
+from xshard.optim.muon_owners import swap_order, swap_state
 
 PARAMS = {
     "embed": jnp.linspace(-1.0, 1.0, 16 * 8).reshape(16, 8),
@@ -88,3 +90,38 @@ def test_spread_orthogonalises_each_matrix_on_one_device_as_optax_does():
     ops = re.findall(r"\s(dot|all-gather)(?:-start)?\(", compiled.as_text())
     assert ops.count("dot") == 2 * 3 * 5  # 2 groups, 5 iterations of 3 products
     assert ops.count("all-gather") == 2
+
+
+def test_owned_keeps_the_momentum_in_owner_order_and_updates_as_optax_does():
+    # Stage 3's Muon (trainers.core.step.zero_update.owner_args): eight (16, 8) matrices, rows
+    # sliced over 8 devices, the momentum in owner order (each device holds one matrix whole).
+    # A gradient in owner order (the manual step's) costs one all-to-all, the update's way back
+    # to the rows; one in row order one more, to the owners.
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",), axis_types=(AxisType.Auto,))
+    rows = NamedSharding(mesh, P("data"))
+    matrices = [jnp.linspace(-1.0, 1.0 + k, 16 * 8).reshape(16, 8) for k in range(8)]
+    dims = [optax.contrib.MuonDimensionNumbers()] * 8
+    ours = scale_by_muon(weight_dimension_numbers=dims)
+    theirs = optax.contrib.scale_by_muon(weight_dimension_numbers=dims)
+    groups = [list(range(8))]
+    for owned_grads in (False, True):
+        state, want_state = ours.init(matrices), theirs.init(matrices)
+        update = jax.jit(
+            lambda g, s, o=owned_grads: ours.update(g, s, muon_owners=8, muon_owned_grads=o),
+            out_shardings=([rows] * 8, None),
+        )
+        for scale in (1.0, 2.0):
+            grads = [jnp.sin(x * scale) for x in matrices]
+            want, want_state = theirs.update(grads, want_state)
+            sent = swap_order(grads, groups) if owned_grads else grads
+            with jax.set_mesh(mesh):
+                sent = jax.device_put(sent, rows)
+                compiled = update.lower(sent, state).compile()
+                got, state = compiled(sent, state)
+            for a, b in zip(want, got, strict=True):
+                np.testing.assert_allclose(b, a, atol=3e-5)  # batched products: float32
+        row_order = swap_state(state, 8)
+        for a, b in zip(want_state.mu, row_order.mu, strict=True):
+            np.testing.assert_allclose(b, a, atol=1e-6)
+        ops = re.findall(r"\s(all-to-all|all-gather|all-reduce)(?:-start)?\(", compiled.as_text())
+        assert ops == ["all-to-all"] * (1 if owned_grads else 2)

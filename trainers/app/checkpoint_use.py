@@ -107,6 +107,7 @@ def restore_run(
         target = with_saved_replica_shapes(state, step_dir, periodic + ruled)
     source = RestoreSource(directory, step)
     state = restore_checkpoint(source, target, run_config(cfg), action="Reading")
+    state = trainer.row_order(state)  # checkpoints hold Muon's momentum in row order
     return Restored(parts, state, int(jax.device_get(state.step)))
 
 

@@ -253,6 +253,7 @@ def start(
     if source is not None:
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
+        state = trainer.row_order(state)  # checkpoints hold Muon's momentum in row order
     # Compiled now: a bad eval split or trainer.objective fails before training (and before
     # an elastic group joins its peers, who would wait for it at their next sync).
     evaluator = build_evaluator(

@@ -61,7 +61,7 @@ def run_hooks(
         ProgressHook(start_step=start_step, num_steps=opts.steps, enabled=opts.progress and lead)
     )
     if ckpt.enabled:
-        after.append(checkpoint_hook(options, where, started))
+        after.append(checkpoint_hook(options, where, started, parts.trainer.row_order))
     after += list(parts.hooks)  # the user's after the built-in ones
     sinks = [h.on_eval for h in before + after if _has_on_eval(h)]
     evaluation = evaluation_hook(options, parts, started, stop, sinks)
@@ -97,9 +97,12 @@ def evaluation_hook(
     )
 
 
-def checkpoint_hook(options: RunOptions, where: Placement, started: Started) -> Any:
+def checkpoint_hook(
+    options: RunOptions, where: Placement, started: Started, saved_order: Any = None
+) -> Any:
     """The checkpoint hook, created after the restore (its manager prunes old steps when
-    saving), with the data iterator's state when it has one."""
+    saving), with the data iterator's state when it has one; `saved_order`: the state as
+    checkpoints hold it (`trainers.core.trainer.Trainer.row_order`)."""
     from trainers.app.population_run import trial_seat
     from trainers.checkpoint.data_state import is_checkpointable
     from trainers.checkpoint.save import CheckpointHook
@@ -108,7 +111,7 @@ def checkpoint_hook(options: RunOptions, where: Placement, started: Started) -> 
     seat = trial_seat()  # a population's trials save in turns (`CheckpointHook`'s `serial`)
     serial = None if seat is None else seat.population.saving
     hook = CheckpointHook(
-        where.dirs.checkpoint_dir, options.checkpoint, started.config, data, serial
+        where.dirs.checkpoint_dir, options.checkpoint, started.config, data, serial, saved_order
     )
     hook.prepare(started.state)  # compiles its check now, not during the first save
     return hook

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,8 @@ class CheckpointHook(Hook):
       serial: held around each save's start: Orbax's saves share process-wide state (the
         ids its background writes are signalled by), so the runs of one process that save
         concurrently (a population's trials) take turns; None: no lock.
+      saved_order: the state as checkpoints hold it (`trainers.core.trainer.Trainer.row_order`:
+        Muon's momentum in row order whatever the stage); None: as it is.
     """
 
     def __init__(
@@ -190,8 +192,10 @@ class CheckpointHook(Hook):
         config: dict[str, Any],
         data: Any = None,
         serial: AbstractContextManager[Any] | None = None,
+        saved_order: Callable[[TrainState], TrainState] | None = None,
     ):
         self.directory = Path(directory)
+        self._saved_order = saved_order or (lambda state: state)
         self._serial = serial or contextlib.nullcontext()
         self.options = options
         self.config = config
@@ -228,7 +232,7 @@ class CheckpointHook(Hook):
         waits (seconds for tiny_gpt on CPU; docs/benchmarks.md). It runs once on `state`
         (sums over the arrays, no copy), which fills `jax.jit`'s cache for later saves.
         """
-        jax.block_until_ready(_integrity(state))
+        jax.block_until_ready(_integrity(self._saved_order(state)))
 
     def on_step(self, step: int, metrics: dict[str, float]) -> None:
         self._trained = True
@@ -266,6 +270,7 @@ class CheckpointHook(Hook):
         """
         if self.last_saved is not None and step <= self.last_saved:
             return
+        state = self._saved_order(state)
         finite, checksums = integrity(state)
         if not finite:
             kept = "none yet" if self.last_saved is None else f"step {self.last_saved}, kept"

@@ -30,12 +30,14 @@ from trainers.core.step.optimizer import as_cross_shard
 from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms, StepSeat
 from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
+from trainers.core.step.zero_update import owners
 from trainers.core.stop_vote import StopVote
 from trainers.core.zero import zero_layout
 from trainers.tasks.base import Task
 from xshard.config.axes import AxisRule
 from xshard.config.reduction import Reduction
 from xshard.optim.hyperparams import Hyperparams
+from xshard.optim.muon_owners import muon_groups, swap_state
 
 __all__ = ["FitResult", "Hook", "StopTraining", "StopVote", "TrainState", "Trainer"]
 
@@ -161,6 +163,7 @@ class Trainer:
         # The compile seconds the last fit's steps reported (`perf/compile_time_s`): a later
         # fit reports programs compiled since, in it or before it (`compile_run` ahead).
         self._compile_reported: float | None = None
+        self._row_order: Callable[[TrainState], TrainState] | None = None  # `row_order`'s
         self.programs = self._step_programs(zero_stage, inner_axes, rules, agree, seat)
         self.periodic_programs = (
             None if self.periodic is None else PeriodicPrograms(self.periodic, hyperparams, seat)
@@ -248,6 +251,21 @@ class Trainer:
     def state_shardings(self, state: TrainState) -> Any:
         """The shardings every `TrainState` of this run has (what the step keeps)."""
         return self.placement.state_shardings(state)
+
+    def row_order(self, state: TrainState) -> TrainState:
+        """`state` with Muon's momentum swapped between owner order, the order it is kept in
+        at rest at ``sharding.zero_stage=3`` (`xshard.optim.muon_owners`), and row order, what
+        checkpoints hold (owner order depends on the number of devices, which a restore may
+        change, and on the stage): the same swap both ways, so a save takes `state` through
+        it and a restore its result. `state` itself where the run keeps row order."""
+        n = owners(self.layout, self.periodic is not None)
+        if not muon_groups(state.opt_state, n):
+            return state
+        if self._row_order is None:  # shardings kept: the steps' programs take the result
+            shardings = self.state_shardings(state)
+            swap = lambda s: s._replace(opt_state=swap_state(s.opt_state, n))
+            self._row_order = jax.jit(swap, out_shardings=shardings)
+        return self._row_order(state)
 
     def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Host-local NumPy arrays -> global arrays sharded over the data axes."""

@@ -10,12 +10,14 @@ momentum each matrix orthogonalises is laid out whole (`whole`) first, so it is 
 and the iterations run without communication; the update leaves whole. `whole_updates` names
 the parameters so updated: a ZeRO step whose params are whole at rest adds the whole update to
 the whole parameter and leaves it out of the params' gather. Where the params are sliced at rest
-(``zero_stage=3``) the step passes ``muon_owners=True`` (an optax extra argument): each matrix is
-orthogonalised by one owner device instead (`owned`), an all-to-all of 1/N of the momentum in and
-one of the update out in place of a gather of all of it. Where the momentum is replicated
-(``zero_stage=0``) the step passes ``muon_spread=<data axes>``: each device orthogonalises 1/N
-of the matrices and one all-gather per shape brings the updates to all (`spread`), instead of
-every device running the iterations on every matrix.
+(``zero_stage=3``) the step passes ``muon_owners=N`` (an optax extra argument): each matrix is
+orthogonalised by one owner device instead (`owned`), its momentum kept in owner order
+(`xshard.optim.muon_owners`: whole on its owner, rows still sliced) and its gradient arriving in
+that order (``muon_owned_grads``; else swapped here, an all-to-all), so only the update goes back
+to the rows: one all-to-all of 1/N of it in place of a gather of all of it. Where the momentum is
+replicated (``zero_stage=0``) the step passes ``muon_spread=<data axes>``: each device
+orthogonalises 1/N of the matrices and one all-gather per shape brings the updates to all
+(`spread`), instead of every device running the iterations on every matrix.
 
 Adapted from optax.contrib._muon (optax 0.2.8, Apache 2.0, DeepMind).
 """
@@ -35,21 +37,19 @@ from optax.contrib import MuonDimensionNumbers, MuonState
 from optax.contrib import _muon as optax_muon  # Newton-Schulz and shape scaling: not exported
 from optax.transforms import MaskedNode
 
+from xshard.optim.muon_owners import (
+    owned,
+    owner_groups,
+    swap_order,
+    to_owner_order,
+    whole,
+)
+
 WeightDims = Any  # a MuonDimensionNumbers, a pytree of them (None: Adam), or a callable
 
 
 def _is_dims(x: Any) -> bool:
     return isinstance(x, MuonDimensionNumbers)
-
-
-def whole(x: jax.Array) -> jax.Array:
-    """`x` laid out whole on every device of the mesh in context (``jax.set_mesh``), so its
-    consumers compute on the whole array; unchanged without a mesh, or inside a ``shard_map``
-    manual over every axis (where each device holds its own value)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or set(mesh.manual_axes) == set(mesh.axis_names):
-        return x
-    return jax.lax.with_sharding_constraint(x, P())
 
 
 def _is_muon_state(x: Any) -> bool:
@@ -109,38 +109,6 @@ def whole_each(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) 
     )
 
 
-def owned(orthogonalize: Callable[..., jax.Array], mu_hat: Any, dims: Any) -> Any:
-    """Each matrix of `mu_hat` orthogonalised whole by one device, its owner: the matrices of
-    one shape are stacked in groups of as many as the mesh has devices, each group laid out
-    one matrix per device (an all-to-all from the row slices of ZeRO), orthogonalised there
-    and left in that layout, so the consumer's layout (the row slices at ``zero_stage=3``)
-    costs one more all-to-all. Matrices outside a full group are orthogonalised whole
-    (`whole_each`); without a mesh (or inside a manual ``shard_map``) all are."""
-    mesh = jax.sharding.get_abstract_mesh()
-    leaves, treedef = jax.tree.flatten(mu_hat)
-    dims_leaves = treedef.flatten_up_to(dims)  # type: ignore[attr-defined]  # jaxlib: no stubs
-    out = list(leaves)
-    groups: dict[Any, list[int]] = {}
-    for i, (x, d) in enumerate(zip(leaves, dims_leaves)):
-        if _is_dims(d):
-            groups.setdefault((x.shape, x.dtype, d), []).append(i)
-    n = 0 if mesh.empty or mesh.manual_axes else mesh.size
-    owners = P(tuple(mesh.axis_names)) if n else P()
-    for (_, _, d), members in groups.items():
-        full = len(members) - len(members) % n if n else 0
-        for start in range(0, full, n):
-            chunk = members[start : start + n]
-            stack = jax.lax.with_sharding_constraint(jnp.stack([leaves[i] for i in chunk]), owners)
-            done = jax.lax.with_sharding_constraint(
-                jax.vmap(lambda x, d=d: orthogonalize(x, dimension_numbers=d))(stack), owners
-            )
-            for k, i in enumerate(chunk):
-                out[i] = done[k]
-        for i in members[full:]:
-            out[i] = whole(orthogonalize(whole(leaves[i]), dimension_numbers=d))
-    return jax.tree.unflatten(treedef, out)
-
-
 def _canonical(x: jax.Array) -> jax.Array:
     """A 2-D matrix with no more rows than columns (transposed if taller), the orientation
     `optax.contrib`'s Newton-Schulz iterates in: ``orthogonalize(x) == orthogonalize(x.T).T``."""
@@ -191,6 +159,11 @@ def spread(
     return jax.tree.unflatten(treedef, out)
 
 
+def _adaptive(mu_hat: Any, out: Any) -> Any:
+    """`out` scaled by the dual norm of the momentum (arXiv 2409.20325), as optax's."""
+    return jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
+
+
 def scale_by_muon(
     ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
@@ -211,9 +184,10 @@ def scale_by_muon(
 
     Returns:
       The transformation; its state is `optax.contrib.MuonState`, as optax's. Its update
-      takes the extra arguments ``muon_owners`` (True: `owned`, for a momentum sliced by
-      rows) and ``muon_spread`` (mesh axes: `spread`, for a replicated momentum); neither:
-      `whole_each`.
+      takes the extra arguments ``muon_owners`` (N > 0: `owned`, for a momentum sliced by
+      rows and kept in owner order over N devices, `xshard.optim.muon_owners`; with
+      ``muon_owned_grads`` the gradient comes in owner order too, else it is swapped here) and
+      ``muon_spread`` (mesh axes: `spread`, for a replicated momentum); neither: `whole_each`.
     """
     optax_tx = optax.contrib.scale_by_muon(
         ns_coeffs,
@@ -233,14 +207,17 @@ def scale_by_muon(
         state: MuonState,
         params: Any = None,
         *,
-        muon_owners: bool = False,
+        muon_owners: int = 0,
+        muon_owned_grads: bool = False,
         muon_spread: tuple[str, ...] = (),
         **extra_args: Any,
     ) -> tuple[Any, MuonState]:
         del params, extra_args
         dims = weight_dimension_numbers
-        if callable(dims):
-            dims = dims(updates)
+        dims = dims(updates) if callable(dims) else dims
+        groups = owner_groups(state.mu, muon_owners)
+        if not muon_owned_grads:  # the momentum is in owner order, not the gradient
+            updates = to_owner_order(updates, groups)
         mu, mu_hat = _momentum(updates, state, beta, nesterov)
         orthogonalize = functools.partial(
             optax_muon.orthogonalize_via_newton_schulz,
@@ -250,19 +227,15 @@ def scale_by_muon(
             eps=eps,
         )
         if muon_owners:
-            out = owned(orthogonalize, mu_hat, dims)
+            out = owned(orthogonalize, mu_hat, dims, groups)
         elif muon_spread:
             out = spread(orthogonalize, mu_hat, dims, muon_spread)
         else:
             out = whole_each(orthogonalize, mu_hat, dims)
-        if adaptive:  # scaled by the dual norm of the momentum (arXiv 2409.20325)
-            out = jax.tree.map(lambda x, y: jnp.sum(x.conj() * y) * y, mu_hat, out)
-        new_state = MuonState(
-            count=optax.safe_increment(state.count),
-            mu=optax.tree.cast(mu, mu_dtype),
-            ns_coeffs=state.ns_coeffs,
-        )
-        return out, new_state
+        if adaptive:
+            out = _adaptive(swap_order(mu_hat, groups), out)  # in row order, as `out`
+        count = optax.safe_increment(state.count)
+        return out, MuonState(count, optax.tree.cast(mu, mu_dtype), state.ns_coeffs)
 
     return optax.GradientTransformationExtraArgs(optax_tx.init, update_fn)
 

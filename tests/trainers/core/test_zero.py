@@ -284,13 +284,15 @@ def compiled_step(trainer):
     return compiled
 
 
-def collectives(trainer):
-    """(op, result shapes) of every collective in the compiled step."""
+def collectives(trainer, level=None):
+    """(op, result shapes) of every collective in the compiled step (that of `level` where
+    the trainer compiled several)."""
     found = []
     pattern = re.compile(
         r"=\s*(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all)(?:-start)?\(", re.ASCII
     )
-    for line in compiled_step(trainer).as_text().splitlines():
+    step = compiled_step(trainer) if level is None else trainer.executable_for(level)
+    for line in step.as_text().splitlines():
         m = pattern.search(line)
         if m:
             shapes = [

@@ -55,6 +55,8 @@ from trainers.core.step.zero_update import (
     gathered,
     manual_zero_step,
     owner_args,
+    owner_order,
+    owners,
     updated,
     whole_at_rest,
 )
@@ -203,12 +205,29 @@ class _StepProgram:
             local, opt_state, params, measure=_measure, **flags._asdict(), **extra_args
         )
 
-    def train_and_measure(self, params: Any, opt_state: Any, grads: Any) -> Trained:
-        """The update, and the metrics and per-layer statistics of the step's level."""
+    @property
+    def owners(self) -> int:
+        """The devices owning Muon's matrices, over which its momentum is in owner order
+        (`trainers.core.step.zero_update.owners`; 0: row order)."""
+        return owners(self.layout, self.spec.replica_axis is not None)
+
+    def owner_order(self, opt_state: Any) -> Any:
+        """The groups whose gradient this step swaps to owner order before reducing it
+        (`owner_order`): not where it measures the gradient per leaf (per-layer norms,
+        histograms) or reduces it by per-axis rules (whose codecs scale per leaf)."""
+        flags = self.flags
+        per_leaf = flags.layer_norms or flags.histograms or bool(self.tx.spec.axes.rules)
+        return owner_order(self.layout, opt_state, self.owners, per_leaf)
+
+    def train_and_measure(
+        self, params: Any, opt_state: Any, grads: Any, owned_grads: bool = False
+    ) -> Trained:
+        """The update, and the metrics and per-layer statistics of the step's level;
+        `owned_grads`: Muon's gradient came in owner order (`owner_order`)."""
         flags = self.flags
         held = whole_updates(opt_state)
         whole = whole_at_rest(self.zero_layout, held) if self.zero else None
-        extra = owner_args(self.layout, held)
+        extra = owner_args(self.layout, held, self.owners, owned_grads)
         if self.zero:  # the update on each device's slice (or whole, where `whole` says)
             params, grads = constrain_for_update(self.zero_layout, params, grads, whole)
         done = self.update(params, opt_state, grads, **extra)
@@ -296,6 +315,7 @@ class _StepProgram:
         out = loss_and_grads(
             self.task_loss, params, state.model_state, batch, rng, self.spec.microbatches
         )
+        # Muon's gradient in row order: the compiler reduces it (`owner_order`).
         trained = self.train_and_measure(state.params, state.opt_state, out.grads)
         metrics = trained.metrics | {"train/loss": out.loss}
         metrics |= {f"train/{k}": v for k, v in out.aux.items()}
@@ -305,6 +325,7 @@ class _StepProgram:
     def manual_zero(self, state: TrainState, batch: Any) -> StepResult:
         """``grad_impl=manual`` with ZeRO: the reduction in a shard_map, the update on the
         slices outside it (`trainers.core.step.zero_update`)."""
+        owners = self.owner_order(state.opt_state)
         reduce = manual_zero_step(
             self.zero_layout,
             self.mesh,
@@ -314,12 +335,13 @@ class _StepProgram:
             self._shard_grads,
             whole=bool(self.tx.spec.axes.rules),
             updated_whole=whole_at_rest(self.zero_layout, whole_updates(state.opt_state)),
+            owners=owners,
         )
         rng = step_rng(self.spec.seed, state.step)
         comm = state.opt_state.comm if self.tx.spec.axes.rules else None
         params = gathered(self.zero_layout, state.params)
         reduced = reduce(params, state.model_state, batch, rng, comm)
-        trained = self.train_and_measure(state.params, state.opt_state, reduced.local)
+        trained = self.train_and_measure(state.params, state.opt_state, reduced.local, bool(owners))
         new_state = TrainState(
             state.step + 1, trained.params, trained.opt_state, reduced.model_state
         )

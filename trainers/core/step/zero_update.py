@@ -17,7 +17,9 @@ forward pass (stage 3), one all-gather per dtype (`gather`). A param the optimiz
 whole (Muon's matrices: `xshard.optim.muon.whole_updates`) stays whole for the update at stages
 1 and 2 and is left out of that gather: its new value is already whole on every device; at
 stage 3 one owner per matrix orthogonalises it (`owner_args`; at stage 0 too, its update then
-gathered). A norm
+gathered), Muon's momentum kept in owner order and its gradient swapped to that order before the
+reduce-scatter on the manual path (`owner_order`), so that each owner receives its matrices'
+gradient whole. A norm
 over a sharded array is a global norm under GSPMD, which keeps lamb, lars, adafactor and
 global-norm clipping exact.
 """
@@ -34,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from trainers.core.zero import ZeroLayout
 from xshard.mesh.collectives import all_gather_tree
 from xshard.optim.cross_shard import LocalReduction
+from xshard.optim.muon_owners import muon_groups, swap_order
 from xshard.reduce.per_axis import state_partition_specs
 
 
@@ -51,18 +54,46 @@ def whole_at_rest(layout: ZeroLayout, whole: Any) -> Any:
     return whole if layout.stage < 3 else None
 
 
-def owner_args(layout: ZeroLayout | None, whole: Any) -> dict[str, Any]:
+def owners(layout: ZeroLayout | None, replicas: bool = False) -> int:
+    """N, the number of devices that own Muon's matrices and hold its momentum in owner order
+    (`xshard.optim.muon_owners`): the mesh's at stage 3 (params sliced at rest), 0 (row order)
+    at other stages, on one device, or in a periodic axis's `replicas` (whose step sees that
+    axis manual: each matrix is orthogonalised whole there)."""
+    if layout is None or layout.stage < 3 or replicas or layout.mesh.size <= 1:
+        return 0
+    return layout.mesh.size
+
+
+def owner_args(
+    layout: ZeroLayout | None, whole: Any, n_owners: int = 0, owned_grads: bool = False
+) -> dict[str, Any]:
     """The optimizer's extra arguments for the update, where it updates some params whole
     (`whole`: Muon's matrices): each matrix is orthogonalised by one owner rather than on every
     device. Stage 0 (a replicated momentum): each device orthogonalises 1/N of the matrices and
     an all-gather brings their updates to all (``muon_spread``, `xshard.optim.muon.spread`);
-    stage 3 (params sliced at rest): the owner's update goes back to the row slices
-    (``muon_owners``, `xshard.optim.muon.owned`); none otherwise."""
+    stage 3 (params sliced at rest): the momentum is in owner order over `n_owners` (`owners`)
+    and the owner's update goes back to the row slices (``muon_owners``,
+    `xshard.optim.muon.owned`), the gradient already in owner order where `owned_grads`
+    (`owner_order`); none otherwise."""
     if layout is None or whole is None:
         return {}
     if layout.stage == 0:
         return {"muon_spread": layout.axes}
-    return {"muon_owners": True} if layout.stage >= 3 else {}
+    if layout.stage < 3:
+        return {}
+    return {"muon_owners": n_owners, "muon_owned_grads": owned_grads}
+
+
+def owner_order(layout: ZeroLayout | None, opt_state: Any, n_owners: int, per_leaf: bool) -> Any:
+    """The groups of Muon's matrices (`xshard.optim.muon_owners.owner_groups` over `n_owners`)
+    whose gradient the step swaps to owner order before reducing it, so that the
+    reduce-scatter delivers each matrix's gradient whole to its owner: where the data axes are
+    the whole mesh (the owners its data shards), unless the step measures or reduces the
+    gradient per leaf (`per_leaf`: per-layer norms, histograms, per-axis rules), in row order.
+    [] for none (the optimizer then swaps the gradient itself)."""
+    if not n_owners or per_leaf or layout is None or layout.num_shards != n_owners:
+        return []
+    return muon_groups(opt_state, n_owners) or []
 
 
 def constrain_for_update(
@@ -148,6 +179,7 @@ def manual_zero_step(
     shard_grads: Callable[..., Any],
     whole: bool = False,
     updated_whole: Any = None,
+    owners: list[list[int]] | None = None,
 ) -> Callable[..., ZeroReduced]:
     """The reducing half of a ZeRO step on the manual path.
 
@@ -168,6 +200,8 @@ def manual_zero_step(
       updated_whole: per param, whether the optimizer updates it whole (`whole_at_rest`), or
         None: such a gradient is reduce-scattered at stage 1 too, only the momentum built
         from it being needed whole (the all-reduce would send it twice over).
+      owners: the groups of matrices whose gradient is swapped to owner order before the
+        reduction (`owner_order`; each shard holds its whole gradient: no communication).
 
     Returns:
       ``reduce(params, model_state, batch, rng, comm) -> ZeroReduced``, `comm` the
@@ -186,9 +220,8 @@ def manual_zero_step(
 
         def shard_step(params, model_state, batch, rng, comm) -> ZeroReduced:
             out = shard_grads(params, model_state, batch, rng)
-            local = reduce_fn(
-                out.grads, params, with_stats=with_stats, scatter_dims=dims, comm=comm
-            )
+            grads = swap_order(out.grads, owners) if owners else out.grads
+            local = reduce_fn(grads, params, with_stats=with_stats, scatter_dims=dims, comm=comm)
             # Divided here: the reduction leaves the shard_map as the gradient itself.
             local = dataclasses.replace(
                 local, updates=local.gradient(), parts=None, mean_over=1, unpack=None

@@ -151,6 +151,10 @@ def own_log_file(first: bool, configured: threading.Event) -> logging.Handler | 
     return handler
 
 
+#: How often the main thread, waiting for the trials, lets a stop signal's handler run (s).
+JOIN_POLL_S = 0.1
+
+
 def run_population(
     configs: Sequence[DictConfig],
     run_job: Callable[[DictConfig, bool, Callable[[], Any]], Any],
@@ -200,8 +204,13 @@ def run_population(
             ]
             for thread in threads:
                 thread.start()
-            for thread in threads:  # a signal's handler runs while the main thread waits here
-                thread.join()
+            for thread in threads:
+                # In short waits: a signal's handler runs in this (the main) thread between
+                # them. A process's signal may interrupt another thread (a trial's, XLA's);
+                # Python then runs the handler at the main thread's next bytecode, which a
+                # join without a timeout would hold back until the trials ended (never).
+                while thread.is_alive():
+                    thread.join(JOIN_POLL_S)
     for result in results:
         if isinstance(result, BaseException):
             raise result

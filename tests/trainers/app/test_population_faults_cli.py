@@ -1,6 +1,7 @@
 """``hydra/launcher=population`` under faults, through the real CLI (docs/sweeps.md): a
 population killed with SIGKILL, its trials' saves of one step left unequal, resumes every
-trial from the latest step all of them saved, bitwise as it trained uninterrupted; a SIGTERM
+trial from the latest step all of them saved (DiLoCo: the replicas and the outer state too),
+bitwise as it trained uninterrupted; a SIGTERM
 stops every trial after the same step, each with its checkpoint, exit 75."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ SWEEP = [
     "optimizer=adam",
     "optimizer.learning_rate=1e-3,1e-2",
     "task=mlp",
+    # DiLoCo: each trial's checkpoint holds its replicas and its outer params and momentum.
+    "mesh=cpu2x4_slices",
+    "reduction=diloco",
+    "reduction.axes.slice.every_steps=2",
     "schedule=constant",
     "trainer.steps=1000000",  # never ends on its own
     "trainer.progress=false",
@@ -99,7 +104,9 @@ def test_kill_9_then_sigterm_population_resumes_every_trial_bitwise(tmp_path):
     assert out.count("the latest every trial of the population saved") == 1  # job 0 only
     assert (first.with_name("checkpoints.ahead") / "10").is_dir()  # moved aside, not lost
     for n, ckpt in enumerate((first, second)):
-        assert_bitwise_equal(load_state(ckpt / "10"), load_state(reference / str(n)))
+        state = load_state(ckpt / "10")
+        assert any("['outer']['opt_state']" in k for k in state)  # DiLoCo's outer momentum
+        assert_bitwise_equal(state, load_state(reference / str(n)))
         assert f"Restored step 5 from {ckpt / '5'}" in out
     # The SIGTERM stopped both trials after the same step, each with its checkpoint.
     records = [json.loads((c.parent / RESULT_FILE).read_text()) for c in (first, second)]

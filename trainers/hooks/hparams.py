@@ -30,22 +30,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from tensorboardX.proto.api_pb2 import (
+from trainers.config.cli_args import RunOverrides
+from trainers.hooks.tbx import (
     DataType,
     Experiment,
     HParamInfo,
+    HParamsPluginData,
     MetricInfo,
     MetricName,
-    Status,
-)
-from tensorboardX.proto.plugin_hparams_pb2 import (
-    HParamsPluginData,
     SessionEndInfo,
     SessionStartInfo,
+    Status,
+    Summary,
+    SummaryMetadata,
 )
-from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
-
-from trainers.config.cli_args import RunOverrides
 
 #: Values shown after the overrides and group choices (when not already among them).
 KEY_VALUES = (

@@ -18,14 +18,10 @@ import os
 import time
 from collections.abc import Callable, Mapping
 
-from tensorboardX import summary as tbx_summary
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.proto.summary_pb2 import Summary
-from tensorboardX.record_writer import directory_check
-
 from trainers.hooks import hparams as hp
 from trainers.hooks.log_sink import Histogram, LogSink, RunInfo
+from trainers.hooks.tbx import Event, EventsWriter, Summary, directory_check
+from trainers.hooks.tbx import summary as tbx_summary
 
 
 class TensorBoardSink(LogSink):

@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.sync import PeriodicPrograms
-from trainers.core.step.programs import CompiledSteps, ProgramKey, StepPrograms, Traced
+from trainers.core.step.compiled import CompiledSteps, ProgramKey, Traced
+from trainers.core.step.programs import StepPrograms
 from trainers.core.step.types import TrainState, state_shardings
 from xshard.stats.layers import leaf_names
 

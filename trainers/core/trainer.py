@@ -25,9 +25,10 @@ from trainers.core.periodic.axis import Periodic
 from trainers.core.periodic.sync import PeriodicPrograms
 from trainers.core.placement import DevicePlacement, StateShapes
 from trainers.core.precision import Precision
+from trainers.core.step.compiled import ProgramKey
 from trainers.core.step.levels import HISTOGRAMS, LAYERS, PLAIN, STATS
 from trainers.core.step.optimizer import as_cross_shard
-from trainers.core.step.programs import ProgramKey, StepFunctionSets, StepPrograms, StepSeat
+from trainers.core.step.programs import StepFunctionSets, StepPrograms, StepSeat
 from trainers.core.step.step_spec import periodic_inner_axes, step_spec
 from trainers.core.step.types import TrainState
 from trainers.core.step.zero_update import owners

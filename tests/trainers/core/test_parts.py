@@ -9,8 +9,9 @@ from jax.sharding import AxisType, Mesh
 import xshard
 from trainers.core.placement import DevicePlacement
 from trainers.core.precision import Precision
+from trainers.core.step.compiled import ProgramKey
 from trainers.core.step.levels import PLAIN, STATS
-from trainers.core.step.programs import ProgramKey, StepPrograms, step_functions
+from trainers.core.step.programs import StepPrograms, step_functions
 from trainers.core.step.step_spec import step_spec
 from trainers.core.trainer import Hook, Trainer
 from trainers.core.zero import zero_layout

@@ -3,8 +3,8 @@
 import pytest
 
 from trainers.core.step import HISTOGRAMS, LAYERS, PLAIN, STATS
+from trainers.core.step.compiled import ProgramKey, keys_in_run
 from trainers.core.step.levels import levels_in_run, step_level
-from trainers.core.step.programs import ProgramKey, keys_in_run
 
 PERIODS = {"stats_every": 10, "layer_stats_every": 100, "histogram_every": 100}
 

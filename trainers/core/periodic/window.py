@@ -150,8 +150,8 @@ def overlapped_steps(
       ValueError: as `trainers.core.periodic.sync.PeriodicPrograms.window`.
     """
     from trainers.core.periodic.axis import BYTES_TAG
+    from trainers.core.step.compiled import ProgramKey
     from trainers.core.step.levels import PLAIN
-    from trainers.core.step.programs import ProgramKey
 
     programs, periodic = trainer.programs, trainer.periodic_programs
     placed = tuple(trainer.placement.as_global(b) for b in batches)

@@ -10,6 +10,11 @@
 #   1. probe       benchmarks.device_probe ON THE ACCELERATOR: the compiled step's dot dtypes
 #                  (fp32, bf16), bf16 against fp32 losses, ZeRO-2 with grad_impl=gspmd compiles
 #                  a reduce-scatter (with more than one device), a checkpoint round trip;
+#   1b. zero_bytes benchmarks.zero --bytes-only --impls gspmd ON THE ACCELERATOR (mesh=auto): the
+#                  compiled ZeRO steps of the 8x256 GPT with adam and muon, stages 0-3, their
+#                  collectives and bytes sent per device against the ring limit (XLA:CPU
+#                  all-reduces the gradient there, 1.5x; a reduce-scatter gives 1.0x;
+#                  docs/scaling.md); with one device there is nothing to count;
 #   2. throughput  benchmarks.gpt_throughput ON THE ACCELERATOR: tokens/s and MFU of the 8x256
 #                  GPT and of a 24x1024 GPT, fp32 and bf16, xshard's step against a
 #                  hand-written jax.jit step;
@@ -104,6 +109,14 @@ run_stage probe 150 "$PY" -m benchmarks.device_probe --out "$WORK/probe.json" ${
 PEAK="$("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["peak_flops_per_device"] or "null")' \
   "$WORK/probe.json" 2> /dev/null || echo null)"
 
+ZERO=("$PY" -m benchmarks.zero --bytes-only --impls gspmd --models gpt_8x256,gpt_8x256_muon
+      --out "$WORK/zero.json")
+if [ "$DRY" = 1 ]; then
+  dry zero_bytes "${ZERO[@]}"
+else
+  run_stage zero_bytes 120 "${ZERO[@]}"
+fi
+
 [ "$DRY" = 1 ] && QUICK=(--quick)
 run_stage throughput 200 "$PY" -m benchmarks.gpt_throughput --out "$WORK/throughput.json" ${QUICK[@]+"${QUICK[@]}"}
 
@@ -157,6 +170,7 @@ result = {
     "seconds": int(seconds),
     "stages": stages,
     "probe": read_json("probe.json"),
+    "zero_bytes": read_json("zero.json"),
     "throughput": read_json("throughput.json"),
     "memory": read_json("memory.json"),
     "population": read_json("population.json"),

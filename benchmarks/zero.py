@@ -1,9 +1,11 @@
 """ZeRO / FSDP against replicated:
-``python -m benchmarks.zero [--smoke] [--bytes-only] [--models a,b] [--out PATH]``.
+``python -m benchmarks.zero [--smoke] [--bytes-only] [--models a,b] [--impls a,b] [--out PATH]``.
 
 For each model (tiny_gpt as configured, and an 8-layer, 256-wide GPT where the state, not the
-temporaries, dominates, with adam and with muon) and each ``sharding.zero_stage`` 0-3, in one
-process on every device present (8 simulated CPU devices), on both gradient paths:
+temporaries, dominates, with adam, with muon, and with muon orthogonalising every matrix on
+every device at stage 0, ``optimizer.shard_orthogonalization=false``, measured at stage 0 only)
+and each ``sharding.zero_stage`` 0-3, in one process on every device present (8 simulated CPU
+devices), on both gradient paths (``--impls`` one of them):
 
 * bytes per device: ``compiled.memory_analysis()`` of the step (arguments, outputs,
   temporaries) and the live arrays of params and optimizer state (from their shardings);
@@ -44,9 +46,17 @@ MODELS: dict[str, tuple[str, ...]] = {
     "gpt_8x256": GPT_8X256,
     # Muon orthogonalises each hidden matrix whole: under ZeRO its momentum is gathered once.
     "gpt_8x256_muon": (*GPT_8X256, "optimizer=muon"),
+    # ... and at stage 0 on every device, not 1/N of the matrices on each and an all-gather.
+    "gpt_8x256_muon_unsharded_ns": (
+        *GPT_8X256,
+        "optimizer=muon",
+        "optimizer.shard_orthogonalization=false",
+    ),
 }
 SMOKE: tuple[str, ...] = ("task.n_layers=1", "task.d_model=32", "task.d_ff=64", "task.seq_len=16")
 STAGES = (0, 1, 2, 3)
+#: The stages a model is measured at where not all: an option that acts at those only.
+MODEL_STAGES: dict[str, tuple[int, ...]] = {"gpt_8x256_muon_unsharded_ns": (0,)}
 #: What the step-time columns say of a variant measured by ``--bytes-only``.
 NOT_TIMED = "not timed"
 IMPLS = ("manual", "gspmd")
@@ -131,11 +141,16 @@ def _variant(trainer: Any, state: Any, n: int) -> dict[str, Any]:
 
 
 def measure(
-    model: str, overrides: tuple[str, ...], smoke: bool, timed: bool = True
+    model: str,
+    overrides: tuple[str, ...],
+    smoke: bool,
+    timed: bool = True,
+    impls: tuple[str, ...] = IMPLS,
 ) -> dict[str, Any]:
-    """All stages and paths of one model: memory, collectives, step times (plain steps: no
-    statistics, the program of most steps with the CLI's defaults); `timed` False: each step
-    compiled and run once, not timed (no ``step`` nor ``vs_replicated`` in the variants)."""
+    """The stages (`MODEL_STAGES`, else all) and `impls` of one model: memory, collectives,
+    step times (plain steps: no statistics, the program of most steps with the CLI's
+    defaults); `timed` False: each step compiled and run once, not timed (no ``step`` nor
+    ``vs_replicated`` in the variants)."""
     import jax
     from hydra import compose, initialize_config_module
 
@@ -163,8 +178,9 @@ def measure(
     task = build_task(cfg)
     out: dict[str, Any] = {"devices": n, "overrides": list(overrides), "variants": {}}
     loops = []
-    for impl in IMPLS:
-        for stage in STAGES:
+    stages = MODEL_STAGES.get(model, STAGES)
+    for impl in impls:
+        for stage in stages:
             trainer = Trainer(
                 task,
                 build_optimizer(cfg, mesh=mesh),
@@ -185,9 +201,9 @@ def measure(
     if not timed:
         return out
     timings = interleave(loops, Plan(1, 2, 1) if smoke else Plan(1, 8, 3))
-    for impl in IMPLS:
+    for impl in impls:
         base = timings[f"{impl}/zero0"]
-        for stage in STAGES:
+        for stage in stages:
             t = timings[f"{impl}/zero{stage}"]
             out["variants"][f"{impl}/zero{stage}"]["step"] = t.summary()
             out["variants"][f"{impl}/zero{stage}"]["vs_replicated"] = ratio(t, base)
@@ -215,7 +231,8 @@ def render(results: dict[str, Any]) -> str:
             "",
             (
                 f"## {model} ({sec['devices']} data shards; "
-                f"params {_kib(sec['variants']['manual/zero0']['params_bytes_logical'])} KiB)"
+                f"params {_kib(next(iter(sec['variants'].values()))['params_bytes_logical'])}"
+                " KiB)"
             ),
             "",
             *(
@@ -262,15 +279,25 @@ def main(argv: list[str] | None = None) -> int:
         type=lambda text: text.split(","),
         help=f"comma-separated subset of {', '.join(MODELS)}, merged into an existing --out",
     )
+    parser.add_argument(
+        "--impls",
+        type=lambda text: tuple(text.split(",")),
+        default=IMPLS,
+        help=f"comma-separated subset of {', '.join(IMPLS)} (default: both)",
+    )
     args = parser.parse_args(argv)
     unknown = sorted(set(args.models or ()) - set(MODELS))
     if unknown:
         parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+    if not args.impls or set(args.impls) - set(IMPLS):
+        parser.error(f"--impls={','.join(args.impls)}: choose from {','.join(IMPLS)}")
     # --smoke shrinks every model to the same one (SMOKE): measuring it once is enough.
     chosen = list(MODELS.items())[:1] if args.smoke else MODELS.items()
     if args.models:
         chosen = [(m, MODELS[m]) for m in args.models]
-    models = {m: measure(m, o, args.smoke, timed=not args.bytes_only) for m, o in chosen}
+    models = {
+        m: measure(m, o, args.smoke, timed=not args.bytes_only, impls=args.impls) for m, o in chosen
+    }
     mode = "smoke" if args.smoke else "full"
     meta = {**environment(), "mode": f"{mode} bytes-only" if args.bytes_only else mode}
     results = {"meta": meta, "models": models}

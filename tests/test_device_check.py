@@ -30,6 +30,8 @@ def test_dry_run_probes_the_devices_and_writes_one_results_file(tmp_path):
     assert record["dry_run"]
     stages = record["stages"]
     assert [stages[n]["exit"] for n in ("probe", "throughput", "population")] == ["0"] * 3
+    assert stages["zero_bytes"]["exit"] == "dry-run"  # compiles 8 GPT steps: listed only
+    assert "benchmarks.zero --bytes-only --impls gspmd" in result.stderr
     assert {stages[n]["exit"] for n in ("install", "cli", "memory", "tests")} == {"dry-run"}
     probe = record["probe"]
     assert probe["backend"] == "cpu" and probe["devices"] == 8

@@ -73,3 +73,14 @@ def test_ring_bytes_counts_an_all_to_all_as_n_minus_1_over_n_of_its_operand():
     found = ring_bytes(hlo, 8)
     assert found["counts"] == {"all-to-all": 1}
     assert found["sent_bytes"] == int(7 / 8 * 8 * 32 * 4)  # each device's (8, 32) operand
+
+
+@pytest.mark.parametrize("impls", ["gspmd,pjit", ""])
+def test_an_unknown_gradient_path_is_refused_before_anything_compiles(impls, capsys):
+    # benchmarks/device_check.sh measures the gspmd path only (--impls gspmd).
+    from benchmarks.zero import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--bytes-only", "--impls", impls, "--models", "gpt_8x256_muon"])
+    assert e.value.code == 2
+    assert f"--impls={impls}: choose from manual,gspmd" in capsys.readouterr().err

@@ -136,6 +136,7 @@ class MuonConf(OptimizerConf):
     adam_weight_decay: float = 0.0
     consistent_rms: float | None = None
     muon_mask: str | None = "hidden_matrices"
+    shard_orthogonalization: bool = True
 
 
 @dataclass

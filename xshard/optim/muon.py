@@ -17,7 +17,9 @@ that order (``muon_owned_grads``; else swapped here, an all-to-all), so only the
 to the rows: one all-to-all of 1/N of it in place of a gather of all of it. Where the momentum is
 replicated (``zero_stage=0``) the step passes ``muon_spread=<data axes>``: each device
 orthogonalises 1/N of the matrices and one all-gather per shape brings the updates to all
-(`spread`), instead of every device running the iterations on every matrix.
+(`spread`), instead of every device running the iterations on every matrix; with
+``shard_orthogonalization=False`` it does run them all (`whole_each`), which spares the
+all-gather (the ring limit, not 1.5x of it) for N times the iterations.
 
 Adapted from optax.contrib._muon (optax 0.2.8, Apache 2.0, DeepMind).
 """
@@ -175,19 +177,23 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: str = "frobenius",
     weight_dimension_numbers: WeightDims = None,
+    shard_orthogonalization: bool = True,
 ) -> optax.GradientTransformation:
     """`optax.contrib.scale_by_muon`, each matrix orthogonalised whole (`whole`).
 
     Args:
       ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning,
         weight_dimension_numbers: as `optax.contrib.scale_by_muon`'s.
+      shard_orthogonalization: whether ``muon_spread`` is taken (`spread`); False: a
+        replicated momentum is orthogonalised whole on every device (`whole_each`).
 
     Returns:
       The transformation; its state is `optax.contrib.MuonState`, as optax's. Its update
       takes the extra arguments ``muon_owners`` (N > 0: `owned`, for a momentum sliced by
       rows and kept in owner order over N devices, `xshard.optim.muon_owners`; with
       ``muon_owned_grads`` the gradient comes in owner order too, else it is swapped here) and
-      ``muon_spread`` (mesh axes: `spread`, for a replicated momentum); neither: `whole_each`.
+      ``muon_spread`` (mesh axes: `spread`, for a replicated momentum, unless
+      `shard_orthogonalization` is False); neither: `whole_each`.
     """
     optax_tx = optax.contrib.scale_by_muon(
         ns_coeffs,
@@ -228,7 +234,7 @@ def scale_by_muon(
         )
         if muon_owners:
             out = owned(orthogonalize, mu_hat, dims, groups)
-        elif muon_spread:
+        elif muon_spread and shard_orthogonalization:
             out = spread(orthogonalize, mu_hat, dims, muon_spread)
         else:
             out = whole_each(orthogonalize, mu_hat, dims)
@@ -293,6 +299,7 @@ def muon(
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: WeightDims = None,
     consistent_rms: float | None = None,
+    shard_orthogonalization: bool = True,
 ) -> optax.GradientTransformation:
     """`optax.contrib.muon` (same arguments, state and arithmetic) whose Newton-Schulz
     iterations run on whole matrices (`scale_by_muon`): under a sharded state each matrix's
@@ -303,6 +310,10 @@ def muon(
         mu_dtype, nesterov, adaptive, preconditioning, adam_b1, adam_b2, adam_eps_root,
         adam_weight_decay, adam_learning_rate, muon_weight_dimension_numbers,
         consistent_rms: as `optax.contrib.muon`'s.
+      shard_orthogonalization: where the momentum is replicated (``sharding.zero_stage=0``),
+        each device orthogonalises 1/N of the matrices and an all-gather shares the updates
+        (True, `spread`), or every device orthogonalises every matrix (False: no all-gather,
+        N times the iterations); `scale_by_muon`'s.
 
     Returns:
       The optimizer: a partition of Muon (the parameters `muon_weight_dimension_numbers`
@@ -324,6 +335,7 @@ def muon(
             adaptive=adaptive,
             preconditioning=preconditioning,
             weight_dimension_numbers=dims_fn,
+            shard_orthogonalization=shard_orthogonalization,
         ),
         optax_muon.scale_by_shape(dims_fn, consistent_rms),
         optax.add_decayed_weights(weight_decay, weight_decay_mask),

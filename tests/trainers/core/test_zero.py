@@ -140,6 +140,20 @@ def test_non_elementwise_optimizers_train_as_replicated_with_zero1_and_fsdp(opti
     assert_same_training((f"optimizer={optimizer}",), impl, stage=stage)
 
 
+@pytest.mark.parametrize("impl", ["manual", "gspmd"])
+def test_muon_at_stage_0_can_orthogonalise_every_matrix_on_every_device(impl):
+    # optimizer.shard_orthogonalization=false (composed by Hydra, as from the CLI): every
+    # device orthogonalises every matrix, so the updates need no all-gather (the default's,
+    # xshard.optim.muon.spread): all-reduces only; it trains as the default stage 0.
+    off = ("optimizer=muon", "optimizer.shard_orthogonalization=false")
+    state, _, trainer = train(off, impl=impl)
+    want = reference(("optimizer=muon",), impl)
+    got = jax.device_get((state.params, state.opt_state))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    assert {op for op, _ in collectives(trainer)} == {"all-reduce"}
+
+
 @pytest.mark.parametrize(
     "overrides, impls",
     [

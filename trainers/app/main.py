@@ -11,10 +11,12 @@ own experiment repo's main with it too (docs/config.md). Around Hydra's own main
    the command line in ``hydra.overrides`` or widen ``allowed_targets`` (exit 2, one line);
 3. hands the ``allowed_targets`` entries typed on the command line to the processes a launcher
    starts (through ``XSHARD_ALLOWED_TARGETS``, `trainers.app.allowlist`);
-4. refuses ``--experimental-rerun``, which unpickles a run dir's ``config.pickle`` (a pickle
+4. reports an override that does not fit the schema (a wrong type, an unknown key) in one
+   line with exit 2 (`trainers.app.override_errors`), not Hydra's report and exit 1;
+5. refuses ``--experimental-rerun``, which unpickles a run dir's ``config.pickle`` (a pickle
    from a copied run dir runs code): rerun with the overrides of ``.hydra/overrides.yaml``;
-5. reports, in one line, a stop signal that came after the run had ended;
-6. registers the resolvers xshard's configs use (also where Hydra's plugin scan did not run),
+6. reports, in one line, a stop signal that came after the run had ended;
+7. registers the resolvers xshard's configs use (also where Hydra's plugin scan did not run),
    ``${xshard.help:}`` of ``--help`` among them.
 """
 
@@ -66,13 +68,14 @@ def main(
         def entry() -> Any:
             from trainers.app.allowlist import export_command_line_entries
             from trainers.app.config_guard import guard_compositions
+            from trainers.app.override_errors import readable_overrides
             from trainers.exits import EXIT_CONFIG_ERROR
 
             signal_latch.install()
             refuse_rerun(EXIT_CONFIG_ERROR)
             try:
                 export_command_line_entries()
-                with guard_compositions(EXIT_CONFIG_ERROR):
+                with guard_compositions(EXIT_CONFIG_ERROR), readable_overrides(EXIT_CONFIG_ERROR):
                     return hydra_main()
             finally:
                 signal_latch.report_unhandled()

@@ -288,6 +288,9 @@ def test_a_removed_key_is_refused_naming_it_and_saying_it_was_removed(value, com
     [
         (["seed=abc"], "seed='abc'"),
         (["trainer.microbatches=abc"], "trainer.microbatches='abc'"),
+        # Hydra's own override errors (a typed key, an unknown key): trainers.app.override_errors
+        (["reduction.skip_nonfinite=maybe"], "reduction.skip_nonfinite=maybe: Value 'maybe' is"),
+        (["optimizer.lr=0.1"], "optimizer.lr=0.1: unknown key. Allowed keys: ['_target_',"),
         (["paths.checkpoint_dir=' '"], "paths.checkpoint_dir=' ': expected a directory path"),
         ([f"trainer.grad_impl={LONG}"], "(5002 characters) is not allowed"),
         (["distributed.enabled=true"], "distributed.enabled=true: JAX could not set up"),

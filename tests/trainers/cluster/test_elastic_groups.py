@@ -47,16 +47,6 @@ def test_a_bad_elastic_key_is_one_line_naming_it(elastic, rule, message):
     assert "\n" not in str(caught.value)
 
 
-def test_a_group_of_several_processes_is_one_line_naming_the_keys():
-    from trainers.app.elastic_group import check_one_process
-
-    key = "reduction.axes.slice.elastic"
-    with pytest.raises(ConfigError, match=rf"^{key}: .*\(distributed\.enabled=true\)") as caught:
-        check_one_process(OmegaConf.create({"distributed": {"enabled": True}}), key)
-    assert "\n" not in str(caught.value)
-    check_one_process(OmegaConf.create({"distributed": {"enabled": False}}), key)
-
-
 def test_a_good_node_passes_and_null_is_off():
     check_axes(axis({"group": 3, "lighthouse": "10.0.0.2:29510", "min_groups": 2}))
     check_axes(axis(None))

@@ -3,6 +3,7 @@
     python -m trainers.elastic lighthouse --bind 127.0.0.1:29510 --min-groups 1
     python -m trainers.elastic run --groups 2 --out runs/elastic -- \\
         task=mlp mesh=cpu4_group reduction=diloco_elastic trainer.steps=64
+    python -m trainers.elastic run --groups 2 --processes 2 --out runs/elastic -- ...
 
 ``lighthouse`` runs torchft's quorum server (torchft's own ``torchft_lighthouse`` does the
 same); each group is then ``python -m trainers.train ... reduction=diloco_elastic
@@ -53,6 +54,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, required=True, help="run dirs and logs of the groups")
     run.add_argument("--axis", default="slice", help="the elastic axis (reduction.axes.<axis>)")
     run.add_argument("--restarts", type=int, default=3, help="restarts of one group at most")
+    run.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="jax.distributed processes per group (a coordinator per group on 127.0.0.1, "
+        "gloo); a group restarts whole when one dies",
+    )
     run.add_argument("overrides", nargs="*", help="trainers.train overrides (after --)")
     return top
 
@@ -79,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "lighthouse":
         return serve_lighthouse(lighthouse)
-    launch = GroupLaunch(args.groups, args.out, tuple(args.overrides), args.axis, args.restarts)
+    launch = GroupLaunch(
+        args.groups, args.out, tuple(args.overrides), args.axis, args.restarts, args.processes
+    )
     return supervise(launch, lighthouse)
 
 

@@ -1,18 +1,21 @@
 """Elastic replica groups of two ``jax.distributed`` processes each (slow, multiprocess): real
-torchft, real JAX over gloo, real processes on 127.0.0.1, started by hand as a scheduler
-would (a lighthouse, then each group's two processes with their own coordinator).
+torchft, real JAX over gloo, real processes on 127.0.0.1, under the supervisor
+(``python -m trainers.elastic run --groups 2 --processes 2``).
 
 One run (a module fixture) of 2 groups of task=mlp on ``mesh=cpu4_group`` (its data axis of 4
 devices spans the group's 2 processes; the elastic axis has size 1), DiLoCo every 8 steps:
-process 1 of group 1 is killed (SIGKILL) among inner steps; group 1's process 0 exits in
-bounded time with one line, group 0 goes on; group 1 is started again (both processes), rejoins
-from group 0 (each process from the same rank of group 0), and after every sync both groups
-dumped, the outer params are bitwise equal in every process of every group."""
+process 1 of group 1 is killed (SIGKILL) among inner steps while the supervisor is stopped
+(SIGSTOP), so that group 1's process 0 is seen to exit on its own, in bounded time, with one
+line; group 0 goes on; the supervisor, continued, restarts group 1 whole (both processes),
+which rejoins from group 0 (each process from the same rank of group 0); after every sync both
+groups dumped, the outer params are bitwise equal in every process of every group."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -20,41 +23,41 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from tests.multihost_cli import PROCESSES, distributed, finish, free_port, start, tail
-from trainers.exits import EXIT_PEER_LOST
+from tests import REPO
+from tests.multihost_cli import PROCESSES, free_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]  # ~1.5 min
 
 EVERY, STEPS, KILL_AFTER, HOLD_AT, HEARTBEAT_S = 8, 48, 16, 24, 5
 
 
 class Run(NamedTuple):
-    """The run's folders, the logs of each start and the exit statuses."""
+    """The supervisor's status and stderr, the groups' folder and group 1's survivor."""
 
-    tmp: Path
-    logs: dict[str, list[Path]]  # "g0", "g1", "g1.restart": one log per process
-    codes: dict[str, list[int]]
-    lost_after_s: float  # from the kill to the exit of group 1's other process
+    code: int
+    err: str
+    out: Path
+    dumps: Path
+    survivor_log: str  # group 1's process 0, up to its exit on its own
+    lost_after_s: float  # from the kill to that exit
 
 
-def overrides(tmp: Path, group: int, port: int, lighthouse: int) -> list[list[str]]:
-    """Each process's overrides for `group` (its coordinator on `port`, the lighthouse on
-    `lighthouse`): paced steps, the
-    outer params dumped after every sync, group 0 held at `HOLD_AT` until the restarted
-    group 1 waits in its first round (so that it rejoins from a live peer)."""
-    joining = f"path:'{tmp}/g1.restart.p0.log',text:'Group 1 joining its peers',count:1"
+def overrides(out: Path, dumps: Path) -> list[str]:
+    """The groups' config: paced steps, the outer params dumped after every sync, group 0
+    held at `HOLD_AT` until the restarted group 1 waits in its first round (so that it
+    rejoins from a live peer)."""
+    group = "${reduction.axes.slice.elastic.group}"
+    joining = f"path:'{out}/group_1.log',text:'Group 1 joining its peers',count:2"
     hooks = [
         "{_target_:tests.multihost_hooks.Pace,seconds:0.1}",
-        f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{tmp}/dumps/g{group}',every:{EVERY}}}",
+        f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{group}',every:{EVERY}}}",
         f"{{_target_:tests.multihost_hooks.WaitForText,{joining},step:{HOLD_AT},timeout:400}}",
     ]
-    common = [
+    return [
         "task=mlp",
         "mesh=cpu4_group",
         "reduction=diloco_elastic",
         f"reduction.axes.slice.every_steps={EVERY}",
-        f"reduction.axes.slice.elastic.group={group}",
-        f"reduction.axes.slice.elastic.lighthouse=127.0.0.1:{lighthouse}",
         "reduction.axes.slice.elastic.heartbeat_s=0.1",
         "trainer.batch_size=16",
         f"trainer.steps={STEPS}",
@@ -63,85 +66,83 @@ def overrides(tmp: Path, group: int, port: int, lighthouse: int) -> list[list[st
         f"distributed.heartbeat_timeout_s={HEARTBEAT_S}",
         "+allowed_targets=[tests.]",
         f"trainer.hooks=[{','.join(hooks)}]",
-        f"hydra.run.dir={tmp}/group_{group}",
     ]
-    return [[*common, *distributed(port, pid)] for pid in range(PROCESSES)]
 
 
-def launch(
-    tmp: Path, group: int, name: str, lighthouse: int
-) -> tuple[list[subprocess.Popen], list[Path]]:
-    """Starts both processes of `group`, logs ``<tmp>/<name>.p<i>.log``."""
-    logs = [tmp / f"{name}.p{pid}.log" for pid in range(PROCESSES)]
-    return start(logs, overrides(tmp, group, free_port(), lighthouse)), logs
-
-
-def wait_for(path: Path, timeout: float = 300.0) -> None:
+def wait_until(done, what: str, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
+    while not done():
+        assert time.monotonic() < deadline, f"{what} never happened"
         time.sleep(0.02)
+
+
+def exited(pid: int) -> bool:
+    """Whether child `pid` of a stopped parent has exited (a zombie, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
-    tmp, port = tmp_path_factory.mktemp("groups"), free_port()
-    lighthouse = start(
-        [tmp / "lighthouse.log"],
-        [["lighthouse", "--bind", f"127.0.0.1:{port}", "--min-groups", "1",
-          "--heartbeat-timeout-s", "3", "--join-timeout-s", "30"]],
-        module="trainers.elastic",
-    )[0]  # fmt: skip
-    try:
-        g0, logs0 = launch(tmp, 0, "g0", port)
-        g1, logs1 = launch(tmp, 1, "g1", port)
-        wait_for(tmp / "dumps" / "g1" / f"step{KILL_AFTER}.process1.npz")
-        g1[1].send_signal(signal.SIGKILL)  # among its inner steps 17..24 (0.1 s each)
-        killed = time.monotonic()
-        first = finish(g1, logs1, timeout=HEARTBEAT_S + 60)
-        lost_after_s = time.monotonic() - killed
-        again, logs1r = launch(tmp, 1, "g1.restart", port)
-        codes = {
-            "g1": first,
-            "g0": finish(g0, logs0, 600),
-            "g1.restart": finish(again, logs1r, 300),
-        }
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    return Run(tmp, {"g0": logs0, "g1": logs1, "g1.restart": logs1r}, codes, lost_after_s)
+    tmp = tmp_path_factory.mktemp("groups")
+    out, dumps = tmp / "groups", tmp / "dumps"
+    command = [
+        sys.executable, "-m", "trainers.elastic", "run", "--groups", "2", "--processes",
+        str(PROCESSES), "--out", str(out), "--bind", f"127.0.0.1:{free_port()}",
+        "--min-groups", "1", "--heartbeat-timeout-s", "3", "--join-timeout-s", "30",
+        "--restarts", "1", "--", *overrides(out, dumps),
+    ]  # fmt: skip
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    with subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) as sup:
+        try:
+            dumped = dumps / "g1" / f"step{KILL_AFTER}.process1.npz"
+            wait_until(dumped.exists, f"{dumped.name} of group 1")
+            survivor, victim = map(int, (out / "group_1.pid").read_text().split())
+            sup.send_signal(signal.SIGSTOP)  # it would kill the survivor at once
+            try:
+                os.kill(victim, signal.SIGKILL)  # among its inner steps 17..24 (0.1 s each)
+                killed = time.monotonic()
+                wait_until(lambda: exited(survivor), "group 1's process 0 exit", HEARTBEAT_S + 60)
+                lost_after_s = time.monotonic() - killed
+            finally:
+                sup.send_signal(signal.SIGCONT)
+            survivor_log = (out / "group_1.log").read_text()
+            _, err = sup.communicate(timeout=600)
+        finally:
+            sup.kill()
+    return Run(sup.returncode, err, out, dumps, survivor_log, lost_after_s)
 
 
 def test_the_other_process_of_the_killed_group_exits_in_bounded_time_with_one_line(run):
-    status, log = run.codes["g1"][0], run.logs["g1"][0]
-    assert run.codes["g1"][1] == -signal.SIGKILL
-    assert run.lost_after_s < HEARTBEAT_S + 20, tail(log)
-    text = log.read_text()
-    if status == -signal.SIGABRT:  # gloo noticed first, mid-collective (docs/multihost.md)
-        assert "[enforce fail at external/gloo" in text, tail(log)
-    else:
-        assert status == EXIT_PEER_LOST, tail(log)
-        lines = [ln for ln in text.splitlines() if ln.startswith("xshard: error:")]
-        assert len(lines) == 1 and "Lost process 1" in lines[0], tail(log)
+    assert run.lost_after_s < HEARTBEAT_S + 20, run.survivor_log[-3000:]
+    if "[enforce fail at external/gloo" not in run.survivor_log:  # gloo aborts, mid-collective
+        lines = [ln for ln in run.survivor_log.splitlines() if ln.startswith("xshard: error:")]
+        assert len(lines) == 1 and "Lost process 1" in lines[0], run.survivor_log[-3000:]
 
 
-def test_group_0_goes_on_and_the_restarted_group_rejoins_in_every_process(run):
-    for name in ("g0", "g1.restart"):
-        for code, log in zip(run.codes[name], run.logs[name], strict=True):
-            assert code == 0, f"{log.name} exited {code}:\n{tail(log)}"
-            assert "Traceback" not in log.read_text(), tail(log)
-    for log in run.logs["g0"]:
-        text = log.read_text()
-        assert text.count("Replica group 0 of") == 1 and "rejoined at step" not in text
-    for log in run.logs["g1.restart"]:  # each process from the same rank of group 0
-        assert "Group 1 rejoined at step" in log.read_text(), tail(log)
+def test_group_0_goes_on_and_group_1_restarts_whole_and_rejoins_in_every_process(run):
+    logs = {
+        (g, k): (run.out / (f"group_{g}.log" if k == 0 else f"group_{g}.process{k}.log"))
+        for g in (0, 1)
+        for k in range(PROCESSES)
+    }
+    texts = {key: log.read_text() for key, log in logs.items()}
+    assert run.code == 0, run.err[-3000:] + texts[1, 0][-3000:]
+    assert run.err.count("Group 1 exited") == 1 and "restarting it (1)" in run.err, run.err
+    assert "Group 0 exited" not in run.err
+    for (g, _), text in texts.items():
+        assert text.count(f"Replica group {g} of") == (1 if g == 0 else 2), text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        # each process of group 1 rejoined from the same rank of group 0 after its restart
+        assert text.count("rejoined at step") == g, text[-3000:]
+    assert len((run.out / "group_1.pid").read_text().split()) == PROCESSES
 
 
 def test_the_outer_params_are_bitwise_equal_in_every_process_of_every_group(run):
-    dumps = run.tmp / "dumps"
-
     def dump(group: int, pid: int, step: int) -> Path:
-        return dumps / f"g{group}" / f"step{step}.process{pid}.npz"
+        return run.dumps / f"g{group}" / f"step{step}.process{pid}.npz"
 
     every = [(g, p) for g in (0, 1) for p in range(PROCESSES)]
     steps = range(EVERY, STEPS + 1, EVERY)

@@ -24,6 +24,17 @@ from pathlib import Path
 from trainers.exits import EXIT_CONFIG_ERROR
 
 
+def _at_least_one(text: str) -> int:
+    """An argument that counts something: a whole number >= 1 (argparse's ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _lighthouse_args(parser: argparse.ArgumentParser) -> None:
     from trainers.cluster.elastic_launch import LighthouseOptions as Opts
 
@@ -50,13 +61,13 @@ def parser() -> argparse.ArgumentParser:
     _lighthouse_args(commands.add_parser("lighthouse", help="run torchft's lighthouse"))
     run = commands.add_parser("run", help="the lighthouse and N groups, restarting any that dies")
     _lighthouse_args(run)
-    run.add_argument("--groups", type=int, required=True, help="how many replica groups")
+    run.add_argument("--groups", type=_at_least_one, required=True, help="how many replica groups")
     run.add_argument("--out", type=Path, required=True, help="run dirs and logs of the groups")
     run.add_argument("--axis", default="slice", help="the elastic axis (reduction.axes.<axis>)")
     run.add_argument("--restarts", type=int, default=3, help="restarts of one group at most")
     run.add_argument(
         "--processes",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="jax.distributed processes per group (a coordinator per group on 127.0.0.1, "
         "gloo); a group restarts whole when one dies",

@@ -104,3 +104,16 @@ def test_the_supervisor_gives_each_group_its_id_the_lighthouse_and_its_own_run_d
         "reduction.axes.dcn.elastic.min_groups=2",
         f"hydra.run.dir={tmp_path / 'group_1'}",
     ]
+
+
+@pytest.mark.parametrize("flag", ["--groups", "--processes"])
+def test_a_count_below_one_is_refused_naming_the_flag(flag, tmp_path, capsys):
+    from trainers.elastic import main
+
+    counts = {"--groups": "2", "--processes": "1", flag: "0"}
+    argv = ["run", "--out", str(tmp_path), *[x for kv in counts.items() for x in kv]]
+    with pytest.raises(SystemExit) as caught:
+        main([*argv, "--", "task=mlp"])
+    assert caught.value.code == 2
+    assert f"argument {flag}: expected a whole number >= 1, got '0'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written

@@ -1,6 +1,7 @@
 """Hooks for the multi-process CLI tests: steps slow enough to send a signal mid-run, and each
 process's own copy of a periodic run's outer params after every sync."""
 
+import os
 import time
 from pathlib import Path
 
@@ -41,7 +42,11 @@ class DumpOuter(Hook):
         self.dir.mkdir(parents=True, exist_ok=True)
         arrays = {f"outer_{j}": x for j, x in enumerate(outer)}
         arrays |= {f"replica_{j}": x for j, x in enumerate(replicas)}
-        np.savez(self.dir / f"step{step}.process{jax.process_index()}.npz", **arrays)
+        # written whole, then renamed: a test that kills this process once the file appears
+        # must not find it cut short
+        name = f"step{step}.process{jax.process_index()}"
+        np.savez(self.dir / f"{name}.partial.npz", **arrays)
+        os.replace(self.dir / f"{name}.partial.npz", self.dir / f"{name}.npz")
 
 
 class WaitForText(Hook):

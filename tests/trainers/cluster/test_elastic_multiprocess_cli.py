@@ -111,7 +111,12 @@ def run(tmp_path_factory) -> Run:
             survivor_log = (out / "group_1.log").read_text()
             _, err = sup.communicate(timeout=600)
         finally:
-            sup.kill()
+            if sup.poll() is None:  # a failed wait: SIGINT stops the groups and the lighthouse
+                sup.send_signal(signal.SIGINT)
+                try:
+                    sup.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    sup.kill()
     return Run(sup.returncode, err, out, dumps, survivor_log, lost_after_s)
 
 

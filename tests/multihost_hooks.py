@@ -1,6 +1,7 @@
 """Hooks for the multi-process CLI tests: steps slow enough to send a signal mid-run, and each
 process's own copy of a periodic run's outer params after every sync."""
 
+import os
 import time
 from pathlib import Path
 
@@ -24,7 +25,9 @@ class DumpOuter(Hook):
     """After every `every`-th step, writes what this process holds of a periodic run's state:
     ``<dir>/step<N>.process<i>.npz`` with the outer params (``outer_<j>``: leaf j, from this
     process's first device) and its replicas' params (``replica_<j>``: the rows of the replica
-    axis this process holds, from its first device)."""
+    axis this process holds, from its first device; where that device holds a whole row and
+    only a part of the outer params, as with ``sharding.zero_stage=1``, the same part of each
+    row, so that ``replica_<j>[0]`` and ``outer_<j>`` compare)."""
 
     def __init__(self, dir: str, every: int):
         self.dir, self.every = Path(dir), every
@@ -36,12 +39,20 @@ class DumpOuter(Hook):
         def local(x):
             return np.asarray(x.addressable_shards[0].data)
 
-        outer = [local(x) for frag in state.outer.params for x in frag]
-        replicas = [local(x) for x in jax.tree.leaves(state.params)]
+        outer_leaves = [x for frag in state.outer.params for x in frag]
+        outer = [local(x) for x in outer_leaves]
+        replicas = [
+            r[(slice(None), *o.addressable_shards[0].index)] if r.shape[1:] == o.shape else r
+            for r, o in zip(map(local, jax.tree.leaves(state.params)), outer_leaves, strict=True)
+        ]
         self.dir.mkdir(parents=True, exist_ok=True)
         arrays = {f"outer_{j}": x for j, x in enumerate(outer)}
         arrays |= {f"replica_{j}": x for j, x in enumerate(replicas)}
-        np.savez(self.dir / f"step{step}.process{jax.process_index()}.npz", **arrays)
+        # written whole, then renamed: a test that kills this process once the file appears
+        # must not find it cut short
+        name = f"step{step}.process{jax.process_index()}"
+        np.savez(self.dir / f"{name}.partial.npz", **arrays)
+        os.replace(self.dir / f"{name}.partial.npz", self.dir / f"{name}.npz")
 
 
 class WaitForText(Hook):

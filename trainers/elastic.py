@@ -3,6 +3,7 @@
     python -m trainers.elastic lighthouse --bind 127.0.0.1:29510 --min-groups 1
     python -m trainers.elastic run --groups 2 --out runs/elastic -- \\
         task=mlp mesh=cpu4_group reduction=diloco_elastic trainer.steps=64
+    python -m trainers.elastic run --groups 2 --processes 2 --out runs/elastic -- ...
 
 ``lighthouse`` runs torchft's quorum server (torchft's own ``torchft_lighthouse`` does the
 same); each group is then ``python -m trainers.train ... reduction=diloco_elastic
@@ -21,6 +22,17 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from trainers.exits import EXIT_CONFIG_ERROR
+
+
+def _at_least_one(text: str) -> int:
+    """An argument that counts something: a whole number >= 1 (argparse's ``type``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def _lighthouse_args(parser: argparse.ArgumentParser) -> None:
@@ -49,10 +61,17 @@ def parser() -> argparse.ArgumentParser:
     _lighthouse_args(commands.add_parser("lighthouse", help="run torchft's lighthouse"))
     run = commands.add_parser("run", help="the lighthouse and N groups, restarting any that dies")
     _lighthouse_args(run)
-    run.add_argument("--groups", type=int, required=True, help="how many replica groups")
+    run.add_argument("--groups", type=_at_least_one, required=True, help="how many replica groups")
     run.add_argument("--out", type=Path, required=True, help="run dirs and logs of the groups")
     run.add_argument("--axis", default="slice", help="the elastic axis (reduction.axes.<axis>)")
     run.add_argument("--restarts", type=int, default=3, help="restarts of one group at most")
+    run.add_argument(
+        "--processes",
+        type=_at_least_one,
+        default=1,
+        help="jax.distributed processes per group (a coordinator per group on 127.0.0.1, "
+        "gloo); a group restarts whole when one dies",
+    )
     run.add_argument("overrides", nargs="*", help="trainers.train overrides (after --)")
     return top
 
@@ -79,7 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "lighthouse":
         return serve_lighthouse(lighthouse)
-    launch = GroupLaunch(args.groups, args.out, tuple(args.overrides), args.axis, args.restarts)
+    launch = GroupLaunch(
+        args.groups, args.out, tuple(args.overrides), args.axis, args.restarts, args.processes
+    )
     return supervise(launch, lighthouse)
 
 

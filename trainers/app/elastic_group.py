@@ -71,22 +71,6 @@ def require_extra(key: str) -> None:
             raise ConfigError(f"{key}: needs {module}, not installed: {EXTRA}.") from None
 
 
-def check_one_process(cfg: DictConfig, key: str) -> None:
-    """Refuses a replica group of several processes (``distributed.enabled=true``): not built
-    yet (docs/reductions.md says what it needs); each group is one process.
-
-    Raises:
-      ConfigError: one line naming `key` and ``distributed.enabled``.
-    """
-    from xshard.errors import ConfigError
-
-    if (cfg.get("distributed") or {}).get("enabled"):
-        raise ConfigError(
-            f"{key}: a replica group of several processes (distributed.enabled=true) is not "
-            "supported yet; run each group as one process (distributed.enabled=false)."
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class ElasticGroup:
     """A run that is one replica group: its key, id, and the trainer's periodic programs."""
@@ -122,8 +106,8 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
     """This run's replica group (None: no elastic axis), its manager stopped on exit.
 
     Raises:
-      ConfigError: for a group of several processes, without the optional extra, or for a
-        mesh where the axis has more than one replica.
+      ConfigError: without the optional extra, or for a mesh where the axis has more than
+        one replica.
     """
     from xshard.errors import ConfigError
 
@@ -133,15 +117,15 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
         return
     axis, node = found
     key = f"reduction.axes.{axis}.elastic"
-    check_one_process(cfg, key)
     require_extra(key)
+    from trainers.cluster.multihost import current
     from trainers.cluster.torchft_group import GroupOptions, TorchftExchange
 
     programs = parts.trainer.periodic_programs
     if programs is None:  # check_elastic refuses an elastic axis that is not periodic
         raise ConfigError(f"{key}: the axis is not periodic.")
     options = GroupOptions(**{f: node[f] for f in GroupOptions._fields})
-    exchange = TorchftExchange(options, key, group_config(cfg, key))
+    exchange = TorchftExchange(options, key, group_config(cfg, key), current())
     try:
         programs.use_exchange(exchange)
         log.info("Replica group %d of %s, lighthouse %s.", options.group, key, options.lighthouse)

@@ -4,15 +4,18 @@
 signal. `supervise` starts the lighthouse and N groups on one host, each
 ``python -m trainers.train <overrides> reduction.axes.<axis>.elastic.group=<i>`` with its own
 run dir and log (``<out>/group_<i>/``, ``<out>/group_<i>.log``), and restarts a group that
-dies (any exit but 0, a signal too) up to ``restarts`` times; the others go on. Each group's
-process id is in ``<out>/group_<i>.pid``. Used by ``python -m trainers.elastic`` (its
-``--help``; docs/reductions.md).
+dies (any exit but 0, a signal too) up to ``restarts`` times; the others go on. A group may be
+several ``jax.distributed`` processes (``GroupLaunch.processes``): when one dies the others
+are killed and the group restarts whole. Each group's process ids are in
+``<out>/group_<i>.pid``. Used by ``python -m trainers.elastic`` (its ``--help``;
+docs/reductions.md).
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +83,8 @@ class GroupLaunch:
       overrides: the ``trainers.train`` overrides every group gets (the same config).
       axis: the elastic axis.
       restarts: how many times one group is restarted before the supervisor gives up.
+      processes: the ``jax.distributed`` processes of each group (1: no ``distributed.*``;
+        more: each start of a group gets its own coordinator on 127.0.0.1, over gloo).
     """
 
     groups: int
@@ -87,6 +92,7 @@ class GroupLaunch:
     overrides: tuple[str, ...]
     axis: str = "slice"
     restarts: int = 3
+    processes: int = 1
 
     def command(self, group: int, lighthouse: LighthouseOptions) -> list[str]:
         """The command line of `group`: the lighthouse's address and its ``min_groups`` are the
@@ -104,14 +110,71 @@ class GroupLaunch:
         ]
 
 
-def _spawn(launch: GroupLaunch, group: int, lighthouse: LighthouseOptions) -> subprocess.Popen:
-    """Starts `group`, appending to its log; its process id is written to ``group_<i>.pid``."""
-    with open(launch.out / f"group_{group}.log", "ab") as log_file:  # the child keeps its own
-        proc = subprocess.Popen(
-            launch.command(group, lighthouse), stdout=log_file, stderr=subprocess.STDOUT
-        )
-    (launch.out / f"group_{group}.pid").write_text(f"{proc.pid}\n")
-    return proc
+class _Processes:
+    """The processes of one start of a group, polled as one: a group of several
+    ``jax.distributed`` processes cannot lose one, so when one fails the others are killed
+    and the group fails with its status."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    def poll(self) -> int | None:
+        """None while the group runs; 0 once every process finished; else the first failed
+        process's status (the others killed)."""
+        codes = [p.poll() for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            return failed[0]
+        return 0 if all(c == 0 for c in codes) else None
+
+    def terminate(self) -> None:
+        """Asks every process to stop (SIGTERM)."""
+        for proc in self.procs:
+            proc.terminate()
+
+    def wait(self) -> None:
+        """Waits for every process."""
+        for proc in self.procs:
+            proc.wait()
+
+
+def _distributed(launch: GroupLaunch) -> list[list[str]]:
+    """Each process's ``distributed.*`` overrides for one start of a group (none for one
+    process): a fresh coordinator port on 127.0.0.1, gloo collectives."""
+    if launch.processes == 1:
+        return [[]]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    common = [
+        "distributed.enabled=true",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        f"distributed.num_processes={launch.processes}",
+        "distributed.cpu_collectives=gloo",
+    ]
+    return [[*common, f"distributed.process_id={i}"] for i in range(launch.processes)]
+
+
+def _spawn(launch: GroupLaunch, group: int, lighthouse: LighthouseOptions) -> _Processes:
+    """Starts `group`'s processes, appending to its logs (``group_<i>.log``, and
+    ``group_<i>.process<k>.log`` for process k > 0); their ids in ``group_<i>.pid``."""
+    procs = []
+    for k, extra in enumerate(_distributed(launch)):
+        name = f"group_{group}.log" if k == 0 else f"group_{group}.process{k}.log"
+        with open(launch.out / name, "ab") as log_file:  # the child keeps its own
+            procs.append(
+                subprocess.Popen(
+                    [*launch.command(group, lighthouse), *extra],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    (launch.out / f"group_{group}.pid").write_text("".join(f"{p.pid}\n" for p in procs))
+    return _Processes(procs)
 
 
 def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:

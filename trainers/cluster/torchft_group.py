@@ -1,7 +1,9 @@
 """A replica group on torchft: the `trainers.core.periodic.group_sync.Exchange` of an elastic axis.
 
-Each group (one process) runs a torchft ``Manager`` (replica id ``group_<id>``) with its own
-``TCPStore`` and a reconfigurable gloo process group. A round (`TorchftExchange.round`):
+Each process of a group runs a torchft ``Manager`` of its rank (replica id ``group_<id>``;
+torchft pairs rank r of every group in its reconfigurable gloo process group), the group's
+``TCPStore`` hosted by its process 0. A round (`TorchftExchange.round`), in every process on
+its piece of the vectors:
 
 1. ``start_quorum``: the lighthouse forms the quorum of the groups that ask (those whose
    heartbeats stopped for its timeout are dropped); a group behind the others (fewer committed
@@ -35,6 +37,7 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import REPLICA_ID_KEY, Manager
 from torchft.process_group import ProcessGroupGloo
 
+from trainers.cluster.multihost import Cluster
 from trainers.cluster.same_config import config_digest, config_entries, listed_differences
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
@@ -113,9 +116,17 @@ class TorchftExchange:
       axis_key: ``reduction.axes.<axis>.elastic``, for messages.
       config: the group's flattened config, less what may differ between groups (compared
         with its peers' at each new quorum: `_check_peers`).
+      cluster: the group's processes (`jax.distributed`); each runs a manager of its rank,
+        process 0 hosts the group's store and learns its address to the others.
     """
 
-    def __init__(self, options: GroupOptions, axis_key: str, config: Mapping[str, Any]):
+    def __init__(
+        self,
+        options: GroupOptions,
+        axis_key: str,
+        config: Mapping[str, Any],
+        cluster: Cluster,
+    ):
         torch.set_num_threads(1)  # the devices are JAX's; torch only sums a vector
         self.options, self.key, self.config = options, axis_key, config
         self._snapshot: Callable[[], GroupState] | None = None
@@ -124,7 +135,14 @@ class TorchftExchange:
         self._quiet = _FirstLine()
         logging.getLogger("torchft.manager").addFilter(self._quiet)
         seconds = lambda s: timedelta(seconds=s)
-        self._store = dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False)
+        self._store = (
+            dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False)
+            if cluster.lead
+            else None  # process 0's, whose address it learns below
+        )
+        store_host, store_port = cluster.broadcast(
+            "elastic/store", [options.host, 0 if self._store is None else self._store.port]
+        )
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=seconds(options.timeout_s)),
             load_state_dict=self._load,
@@ -133,10 +151,10 @@ class TorchftExchange:
             timeout=seconds(options.timeout_s),
             quorum_timeout=seconds(options.quorum_timeout_s),
             connect_timeout=seconds(options.connect_timeout_s),
-            rank=0,
-            world_size=1,
-            store_addr=options.host,
-            store_port=self._store.port,
+            rank=cluster.index,
+            world_size=cluster.count,
+            store_addr=store_host,
+            store_port=store_port,
             lighthouse_addr=lighthouse_url(options.lighthouse),
             replica_id=f"cfg-{config_digest(config)[:16]}-group_{options.group}",
             hostname=options.host,
@@ -146,7 +164,7 @@ class TorchftExchange:
             init_sync=False,  # every group starts from the same seed's params
         )
         self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0
-        self.replica_id = self._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid
+        self.replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with its uuid
 
     def _state(self) -> GroupState:
         """torchft's state_dict: this group's state at the round's start (for a healing peer)."""

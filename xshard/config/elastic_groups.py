@@ -1,7 +1,8 @@
 """The ``elastic`` node of a periodic axis: its replicas are replica groups on torchft.
 
 ``reduction.axes.<axis>.elastic`` (null: off) makes the periodic axis *elastic*: each replica
-group is its own run (one process, its own mesh and run dir, the axis of size 1 in it), and at
+group is its own run (one process or a ``jax.distributed`` job of several, its own mesh and run
+dir, the axis of size 1 in it), and at
 each sync the pseudo-gradient is averaged over the groups in torchft's quorum
 (`trainers.cluster.torchft_group`). A group that dies does not stop the others; a (re)started group
 receives the state from a live peer. docs/reductions.md ("Elastic replica groups").

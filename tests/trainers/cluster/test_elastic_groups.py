@@ -47,16 +47,6 @@ def test_a_bad_elastic_key_is_one_line_naming_it(elastic, rule, message):
     assert "\n" not in str(caught.value)
 
 
-def test_a_group_of_several_processes_is_one_line_naming_the_keys():
-    from trainers.app.elastic_group import check_one_process
-
-    key = "reduction.axes.slice.elastic"
-    with pytest.raises(ConfigError, match=rf"^{key}: .*\(distributed\.enabled=true\)") as caught:
-        check_one_process(OmegaConf.create({"distributed": {"enabled": True}}), key)
-    assert "\n" not in str(caught.value)
-    check_one_process(OmegaConf.create({"distributed": {"enabled": False}}), key)
-
-
 def test_a_good_node_passes_and_null_is_off():
     check_axes(axis({"group": 3, "lighthouse": "10.0.0.2:29510", "min_groups": 2}))
     check_axes(axis(None))
@@ -114,3 +104,16 @@ def test_the_supervisor_gives_each_group_its_id_the_lighthouse_and_its_own_run_d
         "reduction.axes.dcn.elastic.min_groups=2",
         f"hydra.run.dir={tmp_path / 'group_1'}",
     ]
+
+
+@pytest.mark.parametrize("flag", ["--groups", "--processes"])
+def test_a_count_below_one_is_refused_naming_the_flag(flag, tmp_path, capsys):
+    from trainers.elastic import main
+
+    counts = {"--groups": "2", "--processes": "1", flag: "0"}
+    argv = ["run", "--out", str(tmp_path), *[x for kv in counts.items() for x in kv]]
+    with pytest.raises(SystemExit) as caught:
+        main([*argv, "--", "task=mlp"])
+    assert caught.value.code == 2
+    assert f"argument {flag}: expected a whole number >= 1, got '0'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing started, nothing written

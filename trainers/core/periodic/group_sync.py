@@ -1,4 +1,5 @@
-"""An elastic periodic axis: its replicas are replica groups, each its own process and run.
+"""An elastic periodic axis: its replicas are replica groups, each its own run (one process,
+or a ``jax.distributed`` job of several).
 
 In a group the axis has size 1 (its own mesh); the other groups are reached through an
 `Exchange` (torchft's, `trainers.cluster.torchft_group`), on the host. A sync of an elastic axis is
@@ -6,9 +7,12 @@ two compiled programs around that exchange, reusing the periodic sync
 (`trainers.core.periodic.axis.Periodic.sync`):
 
 1. the *delta* program: this group's pseudo-gradient (outer params minus its params), raveled
-   into one float32 vector, read to the host;
-2. the exchange: the mean of the vectors over the groups in the quorum, weighted by what each
-   sent (`Round`); a group (re)joining receives a live peer's `GroupState` in the same round;
+   into one float32 vector split over the mesh's devices; each process reads its piece to the
+   host (`trainers.core.periodic.local_arrays`);
+2. the exchange, in each process on its piece (torchft pairs rank r of every group): the mean
+   of the vectors over the groups in the quorum, weighted by what each sent (`Round`), rebuilt
+   into a vector split as the delta was; a group (re)joining receives, in each process, what
+   the same rank of a live peer holds of its state (`GroupState`) in the same round;
 3. the *apply* program: the periodic sync of the axis (of size 1) with that mean as what the
    replica sent (``OuterState.pending``): the outer optax step (skipped alike everywhere on a
    non-finite mean) and the replica restarting from the new outer params. Every group runs it
@@ -27,8 +31,19 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trainers.core.periodic.axis import Periodic
+from trainers.core.periodic.local_arrays import (
+    from_local_parts,
+    global_vector,
+    layout,
+    local_parts,
+    local_vector,
+    padded_size,
+    vector_sharding,
+)
 from trainers.core.step.types import TrainState
 from trainers.exits import GroupLost
 from xshard.errors import ConfigError
@@ -38,7 +53,8 @@ log = logging.getLogger(__name__)
 
 
 class GroupState(NamedTuple):
-    """What a live group hands a (re)joining one, as host arrays: the step (the data position
+    """What a live group's process hands the same rank of a (re)joining group, as
+    `trainers.core.periodic.local_arrays.LocalParts` (what it holds): the step (the data position
     too: a group's data is a function of its step), the outer params and the outer optimizer's
     state (`xshard.reduce.periodic.OuterState` fields), and its inner optimizer's state."""
 
@@ -101,10 +117,11 @@ class ElasticSync:
         self._apply: Any = None
 
     def snapshot(self, state: TrainState) -> GroupState:
-        """`state` as a peer receives it (host arrays)."""
+        """What this process holds of `state`, as a peer of the same rank receives it
+        (`trainers.core.periodic.local_arrays.LocalParts`)."""
         outer = state.outer
-        host = jax.device_get((state.step, outer.params, outer.opt_state, state.opt_state))
-        return GroupState(int(host[0]), *host[1:])
+        step = int(jax.device_get(state.step))
+        return GroupState(step, *local_parts((outer.params, outer.opt_state, state.opt_state)))
 
     def load(self, state: TrainState, peer: GroupState, shardings: Any) -> TrainState:
         """`state` with a peer's: its step, outer state and inner optimizer state, the
@@ -115,41 +132,41 @@ class ElasticSync:
         """
         mine = (state.outer.params, state.outer.opt_state, state.opt_state)
         theirs = (peer.outer_params, peer.outer_opt_state, peer.opt_state)
-        shapes = lambda t: jax.tree.map(lambda x: (np.shape(x), np.dtype(x.dtype).name), t)
-        if shapes(mine) != shapes(theirs):
+        if layout(mine) != layout(theirs):
             raise ConfigError(
                 f"reduction.axes.{self.periodic.axis}.elastic: a peer's state differs from this "
-                "group's in structure, shapes or dtypes; every group must run the same config "
-                "(task, optimizer, reduction) but its group id."
+                "group's in structure, shapes, dtypes or layout; every group must run the same "
+                "config (task, optimizer, reduction, mesh) but its group id."
             )
         target = shardings(state)
-        outer = state.outer._replace(
-            params=jax.device_put(peer.outer_params, target.outer.params),
-            opt_state=jax.device_put(peer.outer_opt_state, target.outer.opt_state),
+        outer_params, outer_opt, opt = from_local_parts(
+            theirs, (target.outer.params, target.outer.opt_state, target.opt_state)
         )
-        treedef = jax.tree.structure(state.params)
-        restarted = [x[None] for frag in peer.outer_params for x in frag]
-        params = jax.device_put(treedef.unflatten(restarted), target.params)  # type: ignore[attr-defined]
-        return state._replace(
-            step=jax.device_put(np.asarray(peer.step, np.int32), target.step),
-            params=params,
-            opt_state=jax.device_put(peer.opt_state, target.opt_state),
-            outer=outer,
+        outer = state.outer._replace(params=outer_params, opt_state=outer_opt)
+        restart = jax.jit(
+            lambda o: jax.tree.structure(state.params).unflatten(  # type: ignore[attr-defined]
+                [x[None] for frag in o for x in frag]
+            ),
+            out_shardings=target.params,
         )
+        step = jax.make_array_from_callback((), target.step, lambda _: np.int32(peer.step))
+        return state._replace(step=step, params=restart(outer_params), opt_state=opt, outer=outer)
 
     def sync(
         self, state: TrainState, hyperparams: Any, shardings: Any, apply: Callable, join: bool
     ) -> tuple[TrainState, Any]:
         """One sync (or, with `join`, the first round of a (re)starting group, which sends
         nothing and takes a peer's state and step if it is behind). `apply(state, mean)` is the
-        compiled apply program. Returns the state and the sync's statistics (None: no sync
-        applied).
+        compiled apply program. Each process sends its piece of the delta vector
+        (`local_arrays.local_vector`) and rebuilds the mean from its piece of it. Returns the
+        state and the sync's statistics (None: no sync applied).
 
         Raises:
           GroupLost: a peer's state arrived at another step outside a join.
         """
         step = int(jax.device_get(state.step))
-        delta = np.asarray(jax.device_get(self.delta(state, shardings)), np.float32)
+        vector, norm = self.delta(state, shardings)
+        delta = local_vector(vector)
         what = "Join" if join else "Sync"
         log.info("%s at step %d: exchanging with the other groups.", what, step)
         start = time.monotonic()
@@ -174,27 +191,43 @@ class ElasticSync:
             state = self.load(state, done.healed, shardings)
         if done.mean is None:
             return state, None
-        state, stats = apply(state, hyperparams, jnp.asarray(done.mean))
+        mean = global_vector(done.mean.astype(np.float32), self.periodic.mesh, vector.shape[0])
+        state, stats = apply(state, hyperparams, mean)
         drift = SyncStats._fields.index("replica_drift")  # this group's own, not the mean's
-        return state, stats.at[drift].set(float(np.linalg.norm(delta)))
+        return state, stats.at[drift].set(float(jax.device_get(norm)))
 
-    def delta(self, state: TrainState, shardings: Any) -> jax.Array:
-        """This group's pseudo-gradient, raveled (the delta program, compiled once)."""
+    def vector(self, state: TrainState) -> jax.ShapeDtypeStruct:
+        """The delta vector's shape and placement: the outer params' size, padded to a
+        multiple of the mesh's devices, split over them (`local_arrays.vector_sharding`)."""
+        mesh = self.periodic.mesh
+        size = sum(int(np.prod(x.shape)) for x in state.outer.params[0])
+        return jax.ShapeDtypeStruct(
+            (padded_size(size, mesh),), np.float32, sharding=vector_sharding(mesh)
+        )
+
+    def delta(self, state: TrainState, shardings: Any) -> tuple[jax.Array, jax.Array]:
+        """This group's pseudo-gradient, raveled and padded (`vector`), and its norm (the
+        delta program, compiled once)."""
         if self._delta is None:
+            like = self.vector(state)
+
+            def delta(s: TrainState) -> tuple[jax.Array, jax.Array]:
+                leaves = jax.tree.leaves(s.params)
+                flat = _flat([o - r[0] for o, r in zip(s.outer.params[0], leaves, strict=True)])
+                padded = jnp.pad(flat, (0, like.shape[0] - flat.shape[0]))
+                return padded, jnp.linalg.norm(flat)
+
+            replicated = NamedSharding(self.periodic.mesh, P())
             self._delta = jax.jit(
-                lambda s: _flat(
-                    [
-                        o - r[0]
-                        for o, r in zip(s.outer.params[0], jax.tree.leaves(s.params), strict=True)
-                    ]
-                ),
+                delta,
                 in_shardings=(shardings(state),),
+                out_shardings=(like.sharding, replicated),
             )
         return self._delta(state)
 
     def apply_fn(self, groups: tuple[tuple[int, ...], ...]) -> Callable:
         """The apply program's function ``(state, periodic, mean) -> (state, statistics)``:
-        the periodic sync with `mean` as what the replica sent."""
+        the periodic sync with `mean` (padded: `vector`) as what the replica sent."""
 
         def apply(state: TrainState, periodic: Periodic, mean: jax.Array) -> Any:
             sent = [x[None] for x in _unflat(mean, state.outer.params[0])]

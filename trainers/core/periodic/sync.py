@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -239,7 +238,8 @@ class PeriodicPrograms:
         if self._apply is None:
             fn = self.elastic.apply_fn(self.groups)
             apply = lambda s, hp, mean: fn(s, self._periodic(hp), mean)
-            self._apply, seconds = self._compile(apply, state, shardings(state), True, 1)
+            vector = self.elastic.vector(state)
+            self._apply, seconds = self._compile(apply, state, shardings(state), True, vector)
         state, values = self.elastic.sync(state, self._hyperparams, shardings, self._apply, join)
         return state, values, seconds
 
@@ -304,31 +304,32 @@ class PeriodicPrograms:
         return dataclasses.replace(self.periodic, rule=self.inputs.rule(hyperparams))
 
     def _compile(
-        self, fn: Callable, state: TrainState, shardings: Any, with_stats: bool, vectors: int = 0
+        self,
+        fn: Callable,
+        state: TrainState,
+        shardings: Any,
+        with_stats: bool,
+        vector: jax.ShapeDtypeStruct | None = None,
     ) -> tuple[jax.stages.Compiled, float]:
         """`fn` ((state, hyperparameters) -> state, or (state, statistics) with `with_stats`)
-        compiled for `state`, donating it, and the seconds it took; with `vectors` it takes
-        that many more float32 vectors of the outer params' size (replicated)."""
+        compiled for `state`, donating it, and the seconds it took; with `vector` it takes one
+        more argument, shaped and placed as that (an elastic sync's mean)."""
         mesh = self.periodic.mesh
         replicated = NamedSharding(mesh, P())
         out = (shardings, replicated) if with_stats else shardings
+        vectors = () if vector is None else (vector,)
         start = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = (
                 jax.jit(
                     fn,
-                    in_shardings=(shardings, replicated) + (replicated,) * vectors,
+                    in_shardings=(shardings, replicated, *(v.sharding for v in vectors)),
                     out_shardings=out,
                     donate_argnums=(0,),
                 )
-                .lower(state, self._hyperparams, *[self._vector(state)] * vectors)
+                .lower(state, self._hyperparams, *vectors)
                 .compile()
             )
         seconds = time.perf_counter() - start
         self.compile_seconds = (self.compile_seconds or 0.0) + seconds
         return compiled, seconds
-
-    def _vector(self, state: TrainState) -> jax.ShapeDtypeStruct:
-        """A float32 vector of the outer params' size (the shape of an elastic sync's mean)."""
-        size = sum(int(np.prod(x.shape)) for frag in state.outer.params for x in frag)
-        return jax.ShapeDtypeStruct((size,), np.float32)

@@ -27,6 +27,7 @@ def test_import_xshard_and_the_config_layers_do_not_import_jax():
     assert _imported_after(imports) == []
 
 
+@pytest.mark.slow  # three fresh interpreters importing JAX and PyTorch: ~8 s
 def test_the_tensorboard_logger_imports_neither_torch_nor_gcs_but_leaves_them_importable():
     # tensorboardX imports both when installed (~1.3 CPU-s of every run's start-up with the
     # elastic extra's torch); trainers.hooks.tbx hides them from it only.

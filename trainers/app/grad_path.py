@@ -107,12 +107,16 @@ def _race(
     # processes' agreement (each name is one exchange of the run).
     agreed = lambda what: where.cluster.agreed(f"{what} (trainer.grad_impl=auto)")
     memory = StepMemoryCheck(where.mesh.local_devices, options.trainer.batch_size, agreed)
+    run = options.trainer
     found = race(
         parts.paths,
         started.state,
         started.first,
         agree=where.cluster.broadcast,
         check=memory.on_compiled,
+        ahead=lambda trainer: trainer.compile_run(  # what `fit` compiles before step 1
+            started.state, started.first, started.start_step + 1, run.steps, run.stat_periods
+        ),
     )
     _log_race(found)
     if cache_dir is not None and key is not None and found.ms_per_step:  # timed
@@ -150,7 +154,8 @@ def _log_race(found: Any) -> None:
     timed = ", ".join(f"{name} {ms:.3g} ms" for name, ms in found.ms_per_step.items())
     log.info(
         "trainer.grad_impl=auto: %s, the faster plain step (%s; medians of blocks of %d "
-        "steps; compiling and timing both took %.1f s).",
+        "steps; compiling both, the first path's other programs with them, and timing took "
+        "%.1f s).",
         found.chosen,
         timed,
         found.steps_per_block,

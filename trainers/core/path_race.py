@@ -48,7 +48,8 @@ class RaceResult(NamedTuple):
       chosen: the path the run keeps.
       ms_per_step: the median ms per plain step of each path timed (empty if only one ran).
       refused: the paths left out, each with the one-line reason its program gave.
-      seconds: the race's wall time: compiling every path's plain program and the timed steps.
+      seconds: the race's wall time: compiling every path's plain program (and the first
+        path's other programs, `race`'s ``ahead``) and the timed steps.
       steps_per_block: plain steps in each timed block (0 if nothing was timed), in
         `RACE_ROUNDS` blocks per path or fewer.
     """
@@ -66,6 +67,7 @@ def race(
     batch: Any,
     agree: Callable[[str, Any], Any] = lambda name, value: value,
     check: Callable[[Mapping[int, Any]], None] = lambda programs: None,
+    ahead: Callable[[Trainer], None] = lambda trainer: None,
 ) -> RaceResult:
     """Compiles each trainer's plain program and, when more than one compiles, times them.
 
@@ -79,6 +81,12 @@ def race(
         by their order) before any step runs, as `trainers.core.hook.Hook.on_compiled` is
         before the run's first step (the app's memory check: a step too large for the memory
         is refused, not run).
+      ahead: called with the first path's trainer after its plain program compiled, in the
+        same thread, while the other paths' plain programs compile: the run's other programs
+        of that path (``Trainer.compile_run``). The first path is the one a tie keeps, and
+        the usual winner; its other programs then fill the cores while the other path's
+        plain program compiles, where they would compile after the race (wasted, CPU time
+        only, if another path wins).
 
     Returns:
       The `RaceResult`.
@@ -90,11 +98,15 @@ def race(
     ready, refused = {}, {}
     # Concurrently, as `Trainer.compile_run` compiles a path's levels (XLA compiles without
     # the GIL).
+    first = next(iter(trainers))
+
+    def compile_path(name: str, trainer: Trainer) -> None:
+        trainer.compile_levels(state, batch, [0])
+        if name == first:
+            ahead(trainer)
+
     with ThreadPoolExecutor(len(trainers), thread_name_prefix="xshard-race") as pool:
-        futures = {
-            name: pool.submit(trainer.compile_levels, state, batch, [0])
-            for name, trainer in trainers.items()
-        }
+        futures = {name: pool.submit(compile_path, name, t) for name, t in trainers.items()}
     for name, future in futures.items():
         try:
             future.result()

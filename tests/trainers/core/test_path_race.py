@@ -9,6 +9,7 @@ import pytest
 import xshard
 from tests.trainers.core.test_trainer import BATCH, mesh_of
 from trainers.core.path_race import race, race_key
+from trainers.core.step import STATS
 from trainers.core.trainer import Trainer
 from trainers.tasks.mlp import MLPTask
 
@@ -31,7 +32,9 @@ def raced():
     first = next(iter(task.batches(BATCH, seed=0)))
     state = trainers["manual"].init(trainers["manual"].init_params(first))
     before = jax.device_get(state)
-    return race(trainers, state, first), trainers, state, before, task
+    # `ahead`: the first path's other programs (here its statistics step) compile in the race.
+    ahead = lambda trainer: trainer.compile_levels(state, first, [STATS])
+    return race(trainers, state, first, ahead=ahead), trainers, state, before, task
 
 
 def test_race_times_both_paths_and_leaves_the_state_as_it_was(raced):
@@ -45,6 +48,8 @@ def test_race_times_both_paths_and_leaves_the_state_as_it_was(raced):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), before)
     # Both plain programs were compiled once, by the race; the run's steps reuse them.
     assert all(t.executable_for(0) is not None for t in trainers.values())
+    assert trainers["manual"].executable_for(STATS) is not None  # ahead: the first path only
+    assert trainers["gspmd"].executable_for(STATS) is None
 
 
 def test_a_run_after_the_race_equals_a_run_on_the_chosen_path_alone(raced):

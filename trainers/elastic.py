@@ -9,7 +9,9 @@ same); each group is then ``python -m trainers.train ... reduction=diloco_elasti
 reduction.axes.slice.elastic.group=<id>``, one command per group (for a scheduler that restarts
 failed jobs). ``run`` is a local supervisor: the lighthouse and N groups on this host, each
 with its run dir ``<out>/group_<i>`` and log ``<out>/group_<i>.log``, a group that dies
-restarted (it rejoins from a live peer). docs/reductions.md, "Elastic replica groups".
+restarted (it rejoins from a live peer); with ``--standby`` each group has a warm standby
+process that takes over when it dies (``<out>/standby_<i>.log``). docs/reductions.md,
+"Elastic replica groups".
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, required=True, help="run dirs and logs of the groups")
     run.add_argument("--axis", default="slice", help="the elastic axis (reduction.axes.<axis>)")
     run.add_argument("--restarts", type=int, default=3, help="restarts of one group at most")
+    run.add_argument(
+        "--standby",
+        action="store_true",
+        help="keep a warm standby per group (built and compiled ahead) that takes over when "
+        "the group dies: a rejoin without start-up and tracing, for one more process per group",
+    )
     run.add_argument("overrides", nargs="*", help="trainers.train overrides (after --)")
     return top
 
@@ -79,7 +87,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "lighthouse":
         return serve_lighthouse(lighthouse)
-    launch = GroupLaunch(args.groups, args.out, tuple(args.overrides), args.axis, args.restarts)
+    launch = GroupLaunch(
+        args.groups, args.out, tuple(args.overrides), args.axis, args.restarts, args.standby
+    )
     return supervise(launch, lighthouse)
 
 

@@ -96,12 +96,6 @@ class ElasticGroup:
     programs: Any  # trainers.core.periodic.PeriodicPrograms
     shardings: Any  # the trainer's state_shardings
 
-    def data_options(self, options: RunOptions) -> RunOptions:
-        """`options` with this group's data seed (a function of (seed, group))."""
-        from trainers.cluster.torchft_group import group_seed
-
-        return dataclasses.replace(options, data_seed=group_seed(options.seed, self.group))
-
     def join(self, state: Any, trainer: Any, batch: Any, opts: TrainerOptions) -> Any:
         """The first round with the peers: `state`, or a live peer's when this group is
         behind them (its step, outer and inner optimizer states). It waits there for the
@@ -115,6 +109,59 @@ class ElasticGroup:
         first = int(np.asarray(state.step)) + 1
         trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
         return self.programs.join(state, self.shardings)
+
+
+def group_run(cfg: DictConfig, options: RunOptions, parts: RunParts) -> tuple[RunOptions, RunParts]:
+    """`options` and `parts` as an elastic group runs them (unchanged without an elastic axis):
+    the group's data seed (a function of (seed, group)) and the trainer's first gradient path
+    only (the group's sync is wired to its programs: no race between paths)."""
+    found = elastic_axis(cfg)
+    if found is None:
+        return options, parts
+    require_extra(f"reduction.axes.{found[0]}.elastic")  # before torch is imported
+    from trainers.cluster.torchft_group import group_seed
+
+    options = dataclasses.replace(options, data_seed=group_seed(options.seed, found[1].group))
+    return options, dataclasses.replace(parts, paths=dict([next(iter(parts.paths.items()))]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    """This process as its group's warm standby (``elastic.standby=true``,
+    `trainers.cluster.standby`): its key and group."""
+
+    key: str
+    group: int
+
+    def compile(self, trainer: Any, state: Any, batch: Any, opts: TrainerOptions) -> None:
+        """Compiles the step programs of every step a peer may be at (from step 1 on)."""
+        first = int(np.asarray(state.step)) + 1
+        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
+
+    def take_over(self, output_dir: str) -> None:
+        """Waits for the supervisor's go (exits if it is gone); then the run is the group's."""
+        from trainers.cluster.standby import take_over
+
+        take_over(self.group, output_dir)
+
+
+def standby_of(cfg: DictConfig) -> Standby | None:
+    """This run as its group's warm standby, or None (not a standby).
+
+    Raises:
+      ConfigError: one line, for a standby of several processes, without the extra, or whose
+        stdin is not its supervisor's pipe.
+    """
+    from trainers.cluster.standby import check_standby_stdin
+
+    found = elastic_axis(cfg)
+    if found is None or not found[1].get("standby"):
+        return None
+    key = f"reduction.axes.{found[0]}.elastic"
+    check_one_process(cfg, key)
+    require_extra(key)
+    check_standby_stdin(key)
+    return Standby(key, int(found[1].group))
 
 
 @contextlib.contextmanager

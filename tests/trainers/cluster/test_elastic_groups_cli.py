@@ -1,11 +1,14 @@
 """Elastic replica groups end to end (slow, multiprocess): real torchft, real JAX, real
-processes on 127.0.0.1. One supervised run (``python -m trainers.elastic run``) of 2 groups of
-task=mlp, DiLoCo every 8 steps: group 1 is killed (SIGKILL) in the middle of its inner steps,
-group 0 goes on alone without a restart, the supervisor restarts group 1, which rejoins from
-group 0 (state and step); then group 1 is killed inside a sync's allreduce (group 0 stopped in
-that round's quorum, so that group 1 waits in the collective for it): group 0's round fails,
-is committed nowhere and is retried with the new quorum, and group 1, restarted again,
-rejoins; after every sync both groups dumped, their outer params are bitwise equal."""
+processes on 127.0.0.1. One supervised run (``python -m trainers.elastic run --standby``) of 2
+groups of task=mlp, DiLoCo every 8 steps, each group with a warm standby: group 1 is killed
+(SIGKILL) in the middle of its inner steps once its standby is ready, group 0 goes on alone
+without a restart, group 1's standby takes over and rejoins from group 0 (state and step);
+then group 1 is killed inside a sync's allreduce (group 0 stopped in that round's quorum, so
+that group 1 waits in the collective for it): group 0's round fails, is committed nowhere and
+is retried with the new quorum, and group 1's next standby takes over and rejoins; after every
+sync both groups dumped, their outer params are bitwise equal. Group 1's run dir holds one
+history (its checkpoints, one TensorBoard run, its log) that no standby wrote to before its go.
+A plain restart (no standby) is the same code after the go: test_elastic_faults_cli.py."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import pytest
 from tests import REPO
 from tests.multihost_cli import free_port
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]  # ~1.5-2 min
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]  # ~2 min
 
 EVERY, STEPS, KILL_AFTER, HOLD_AT, MID_SYNC = 8, 80, 16, 24, 48
 
@@ -33,7 +36,8 @@ def overrides(out: Path, dumps: Path) -> list[str]:
     `MID_SYNC` + `EVERY`) until the restarted group 1 waits in its first quorum (so that it
     has a live peer to rejoin), and each group held before its sync at `MID_SYNC` (the hooks
     of a step run once the next is dispatched) until the
-    test writes ``go`` to ``<dumps>/release_g<group>``."""
+    test writes ``go`` to ``<dumps>/release_g<group>``; each group held after `KILL_AFTER`
+    until its standby is ready (the first kill lands on a prepared standby)."""
     group = "${reduction.axes.slice.elastic.group}"
 
     def wait(path: str, text: str, count: int, step: int) -> str:
@@ -46,6 +50,7 @@ def overrides(out: Path, dumps: Path) -> list[str]:
     hooks = [
         "{_target_:tests.multihost_hooks.Pace,seconds:0.1}",
         f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{group}',every:{EVERY}}}",
+        wait(f"{out}/standby_{group}.log", "ready", 1, KILL_AFTER),
         wait(*joining, 2, HOLD_AT),
         wait(f"{dumps}/release_g{group}", "go", 1, MID_SYNC - 2),  # two steps in flight
         wait(*joining, 3, MID_SYNC + EVERY),
@@ -59,7 +64,7 @@ def overrides(out: Path, dumps: Path) -> list[str]:
         "trainer.batch_size=16",
         f"trainer.steps={STEPS}",
         "trainer.progress=false",
-        "checkpoint.enabled=false",
+        f"checkpoint.every_steps={2 * EVERY}",
         "+allowed_targets=[tests.]",
         f"trainer.hooks=[{','.join(hooks)}]",
     ]
@@ -71,6 +76,23 @@ def wait_for(path: Path, text: str = "", timeout: float = 180.0) -> None:
     while not path.exists() or (text and text not in path.read_text()):
         assert time.monotonic() < deadline, f"{path} never appeared (with {text!r})"
         time.sleep(0.02)
+
+
+def tree(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under `folder`: its size and modification time."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def kill_with_a_ready_standby(out: Path) -> None:
+    """Group 1 stopped once its standby is ready, its run dir unchanged while it is stopped
+    (the standby, prepared and waiting, writes nothing there), then killed."""
+    wait_for(out / "standby_1.log", "Standby of group 1 ready")
+    pid = int((out / "group_1.pid").read_text())
+    os.kill(pid, signal.SIGSTOP)
+    before = tree(out / "group_1")
+    time.sleep(0.5)
+    assert tree(out / "group_1") == before
+    os.kill(pid, signal.SIGKILL)  # among its inner steps 17..24 (0.1 s each)
 
 
 def kill_inside_the_allreduce(out: Path, dumps: Path) -> None:
@@ -97,32 +119,31 @@ def test_a_killed_group_rejoins_from_a_live_peer_and_the_outer_params_stay_equal
     command = [
         sys.executable, "-m", "trainers.elastic", "run", "--groups", "2", "--out", str(out),
         "--bind", f"127.0.0.1:{free_port()}", "--min-groups", "1", "--heartbeat-timeout-s", "3",
-        "--join-timeout-s", "30", "--restarts", "2", "--", *overrides(out, dumps),
+        "--join-timeout-s", "30", "--restarts", "2", "--standby", "--", *overrides(out, dumps),
     ]  # fmt: skip
     env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
     dumps.mkdir()
     (dumps / "release_g0").write_text("go")
     with subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True) as sup:
         wait_for(dumps / "g1" / f"step{KILL_AFTER}.process0.npz")  # group 1 synced at 16
-        first = int((out / "group_1.pid").read_text())
-        os.kill(first, signal.SIGKILL)  # among its inner steps 17..24 (0.1 s each)
+        kill_with_a_ready_standby(out)
         kill_inside_the_allreduce(out, dumps)
         _, err = sup.communicate(timeout=400)
     logs = {g: (out / f"group_{g}.log").read_text() for g in (0, 1)}
     assert sup.returncode == 0, err[-3000:] + logs[1][-3000:]
-    restarts = [f"Group 1 exited -9; restarting it ({n})" for n in (1, 2)]
-    assert all(r in err for r in restarts), err[-3000:]
-    assert "restarting it" not in err.replace(restarts[0], "").replace(restarts[1], "")
+    assert err.count("Group 1 exited -9; its standby took over (pid") == 2, err[-3000:]
+    assert "restarting it" not in err and "Group 0 exited" not in err
+    # group 0's standby never went: stopped at the end (its stdin closed), it wrote nothing
+    assert (
+        "Standby of group 0: its supervisor is gone or stopped it"
+        in (out / "standby_0.log").read_text()
+    )
     assert logs[0].count("Replica group 0 of") == 1  # group 0 was never restarted
     assert logs[1].count("Replica group 1 of") == 3
     assert logs[1].count("Group 1 rejoined at step") == 2  # from group 0's state, twice
     assert "Traceback" not in logs[0] + logs[1]
-    # each start compiled its steps before it joined (its peers do not wait for that at their
-    # next sync), and not again after
-    for start in logs[0].split("Replica group 0 of")[1:] + logs[1].split("Replica group 1 of")[1:]:
-        before, joined, after = start.partition("joining its peers")
-        assert joined and "Compiled the train step" in before, start[:3000]
-        assert "Compiled the train step" not in after, after[:3000]
+    check_the_starts(out, logs)
+    check_one_history(out, logs[1])
     # the round group 1 died in failed in group 0, was committed nowhere and was retried
     mid = logs[0].split(f"Sync at step {MID_SYNC}: exchanging")[1]
     mid = mid.split(f"Sync at step {MID_SYNC} committed")[0]
@@ -147,3 +168,38 @@ def test_a_killed_group_rejoins_from_a_live_peer_and_the_outer_params_stay_equal
         if before is not None:
             assert not np.array_equal(before, g0["outer_0"])  # the outer params moved
         before = g0["outer_0"]
+
+
+def check_the_starts(out: Path, logs: dict[int, str]) -> None:
+    """Each group's first start compiled its steps before it joined (its peers do not wait
+    for that at their next sync) and not again after; each standby compiled before it was
+    ready, and after taking over compiled nothing."""
+    firsts = [logs[g].split(f"Replica group {g} of")[1] for g in (0, 1)]
+    for start in firsts:
+        before, joined, after = start.partition("joining its peers")
+        assert joined and "Compiled the train step" in before, start[:3000]
+        assert "Compiled the train step" not in after, after[:3000]
+    took_over = logs[1].split("Standby of group 1 taking over its group")[1:]
+    assert len(took_over) == 2 and not any("Compiled the train step" in t for t in took_over)
+    standbys = (out / "standby_1.log").read_text().split("Standby of group 1 ready")[:-1]
+    assert len(standbys) >= 2 and all("Compiled the train step" in s for s in standbys)
+
+
+def check_one_history(out: Path, log: str) -> None:
+    """Group 1's run dir after two standbys took over: the second restored the first's
+    checkpoint, every checkpoint is complete up to the last step, one TensorBoard run whose
+    loss reaches the last step, the log file there holds no standby's lines from before its go
+    (those are in ``standby_1/``), and Hydra's config dump is the group's own."""
+    from tests.cli import scalars
+    from trainers.checkpoint.resume import complete_steps
+
+    run_dir = out / "group_1"
+    restored = log.split("Standby of group 1 taking over its group")[2]
+    assert f"from {run_dir}/checkpoints/" in restored.split("Group 1 joining its peers")[0]
+    assert STEPS in complete_steps(run_dir / "checkpoints")
+    assert max(scalars(run_dir / "tb", "train/loss")) == STEPS
+    train_log = (run_dir / "train.log").read_text()
+    assert train_log.count("Standby of group 1 taking over") == 2
+    assert "Standby of group 1 ready" not in train_log
+    assert "Standby of group 1 ready" in (out / "standby_1" / "train.log").read_text()
+    assert "elastic.standby" not in (run_dir / ".hydra" / "overrides.yaml").read_text()

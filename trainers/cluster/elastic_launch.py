@@ -140,14 +140,17 @@ def _spawn(launch: GroupLaunch, group: int, lighthouse: LighthouseOptions) -> su
 def _spawn_standby(
     launch: GroupLaunch, group: int, lighthouse: LighthouseOptions
 ) -> subprocess.Popen:
-    """Starts `group`'s standby, its stdin a pipe from here, its log ``standby_<i>.log``."""
+    """Starts `group`'s standby, its stdin a pipe from here, its log ``standby_<i>.log``, its
+    process id in ``standby_<i>.pid``."""
     with open(launch.out / f"standby_{group}.log", "ab") as log_file:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             launch.standby_command(group, lighthouse),
             stdin=subprocess.PIPE,
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
+    (launch.out / f"standby_{group}.pid").write_text(f"{proc.pid}\n")
+    return proc
 
 
 def _stop(procs: list[tuple[subprocess.Popen, bool]]) -> None:

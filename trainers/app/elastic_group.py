@@ -138,6 +138,19 @@ class Standby:
         first = int(np.asarray(state.step)) + 1
         trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
 
+    @contextlib.contextmanager
+    def before_go(self) -> Iterator[None]:
+        """Any error in it ends the process (`trainers.cluster.standby.exit_before_go`)
+        without writing to the group's run dir, the group's live process being its owner."""
+        from trainers.cluster.standby import exit_before_go
+        from trainers.exits import EXIT_CONFIG_ERROR
+        from xshard.errors import ConfigError
+
+        try:
+            yield
+        except BaseException as e:  # the run's own handlers would write result.json
+            exit_before_go(self.group, e, EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else 1)
+
     def take_over(self, output_dir: str) -> None:
         """Waits for the supervisor's go (exits if it is gone); then the run is the group's."""
         from trainers.cluster.standby import take_over
@@ -148,9 +161,8 @@ class Standby:
 def standby_of(cfg: DictConfig) -> Standby | None:
     """This run as its group's warm standby, or None (not a standby).
 
-    Raises:
-      ConfigError: one line, for a standby of several processes, without the extra, or whose
-        stdin is not its supervisor's pipe.
+    A standby of several processes, without the extra, or whose stdin is not its
+    supervisor's pipe is refused: one line, exit 2, nothing written (`Standby.before_go`).
     """
     from trainers.cluster.standby import check_standby_stdin
 
@@ -158,10 +170,12 @@ def standby_of(cfg: DictConfig) -> Standby | None:
     if found is None or not found[1].get("standby"):
         return None
     key = f"reduction.axes.{found[0]}.elastic"
-    check_one_process(cfg, key)
-    require_extra(key)
-    check_standby_stdin(key)
-    return Standby(key, int(found[1].group))
+    standby = Standby(key, int(found[1].group))
+    with standby.before_go():  # a refusal writes nothing to the group's run dir either
+        check_one_process(cfg, key)
+        require_extra(key)
+        check_standby_stdin(key)
+    return standby
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ waits for its supervisor's go before it claims the run's dirs and starts its man
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -83,15 +84,18 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
         None if cache_dir is None else user_path(cache_dir, launch_dir())
     )
     summary.use_compilation_cache(cache)
-    where = place(cfg, options)
     standby = standby_of(cfg)
-    source = None if standby is not None else prepare_dirs(where, options)
-    parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
-    options, parts = group_run(cfg, options, parts)  # an elastic group's data, its one path
-    warm = None
-    if standby is not None:  # everything but the run dir, the manager and the join
-        warm = warm_up(cfg, options, where, parts)
-        standby.compile(parts.trainer, warm.state, warm.first, options.trainer)
+    # A standby's error before its go ends it without writing to its group's run dir.
+    with contextlib.nullcontext() if standby is None else standby.before_go():
+        where = place(cfg, options)
+        source = None if standby is not None else prepare_dirs(where, options)
+        parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor does
+        options, parts = group_run(cfg, options, parts)  # an elastic group's data, one path
+        # a standby: everything but the run dir, the manager and the join, before its go
+        warm = None if standby is None else warm_up(cfg, options, where, parts)
+        if standby is not None and warm is not None:
+            standby.compile(parts.trainer, warm.state, warm.first, options.trainer)
+    if standby is not None:
         standby.take_over(where.dirs.output_dir)
         source = prepare_dirs(where, options)
     with open_group(cfg, parts) as group:  # an elastic replica group (else None)

@@ -15,6 +15,9 @@ pipe from the supervisor:
 - end of file (the supervisor is gone, killed too, or it stopped the standby): the process
   exits at once, status 0, having written nothing to the group's run dir.
 
+A standby that fails before its go exits too (`exit_before_go`: one line, status 2 for a bad
+config, else 1), without the run's ``result.json``, which would land in the group's run dir.
+
 `JOINING` is the line a group logs when it joins its peers: the supervisor starts a group's
 standby once the group logged it (compiled: the standby's tracing then does not slow the
 group's first start). Used by `trainers.app.training` and `trainers.cluster.elastic_launch`.
@@ -26,7 +29,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 from trainers.rundir.log_file import RunLogFile
 
@@ -79,6 +82,15 @@ def take_over(group: int, output_dir: str, stdin: IO[str] | None = None) -> None
         if isinstance(handler, RunLogFile):
             handler.move_to(output_dir)
     log.info("Standby of group %d taking over its group (pid %d).", group, os.getpid())
+
+
+def exit_before_go(group: int, error: BaseException, code: int) -> NoReturn:
+    """A standby that failed before its go exits with `code` and one line (`error`), writing
+    nothing to its group's run dir (no ``result.json``: the group may be alive)."""
+    log.error("Standby of group %d failed before its go; nothing of the group's written.", group)
+    print(f"xshard: error: {error}", file=sys.stderr, flush=True)
+    logging.shutdown()
+    os._exit(code)
 
 
 def _append_output_to(path: str) -> None:

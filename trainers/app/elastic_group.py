@@ -5,7 +5,9 @@
 line, exit 2), starts the group's torchft manager (`trainers.cluster.torchft_group`) and makes the
 trainer's periodic axis elastic. `ElasticGroup.join` is the group's first round with its peers
 (a restarted group takes a live peer's state and step there); the group leaves the quorum when
-the run ends. Without an elastic axis nothing here imports torch.
+the run ends. `standby_of` and `Standby`: this process as its group's warm standby
+(``elastic.standby=true``), which `trainers.app.training` prepares before its go. Without an
+elastic axis nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ def group_config(cfg: DictConfig, key: str) -> dict[str, Any]:
         for k, v in flat_config(cfg).items()
         if not any(k == o or k.startswith(f"{o}.") for o in left_out)
     }
+
+
+def elastic_key(axis: str) -> str:
+    """The key of `axis`'s elastic node, for messages."""
+    return f"reduction.axes.{axis}.elastic"
 
 
 def elastic_axis(cfg: DictConfig) -> tuple[str, Any] | None:
@@ -118,7 +125,7 @@ def group_run(cfg: DictConfig, options: RunOptions, parts: RunParts) -> tuple[Ru
     found = elastic_axis(cfg)
     if found is None:
         return options, parts
-    require_extra(f"reduction.axes.{found[0]}.elastic")  # before torch is imported
+    require_extra(elastic_key(found[0]))  # before torch is imported
     from trainers.cluster.torchft_group import group_seed
 
     options = dataclasses.replace(options, data_seed=group_seed(options.seed, found[1].group))
@@ -128,9 +135,8 @@ def group_run(cfg: DictConfig, options: RunOptions, parts: RunParts) -> tuple[Ru
 @dataclasses.dataclass(frozen=True)
 class Standby:
     """This process as its group's warm standby (``elastic.standby=true``,
-    `trainers.cluster.standby`): its key and group."""
+    `trainers.cluster.standby`): its group."""
 
-    key: str
     group: int
 
     def compile(self, trainer: Any, state: Any, batch: Any, opts: TrainerOptions) -> None:
@@ -169,8 +175,8 @@ def standby_of(cfg: DictConfig) -> Standby | None:
     found = elastic_axis(cfg)
     if found is None or not found[1].get("standby"):
         return None
-    key = f"reduction.axes.{found[0]}.elastic"
-    standby = Standby(key, int(found[1].group))
+    key = elastic_key(found[0])
+    standby = Standby(int(found[1].group))
     with standby.before_go():  # a refusal writes nothing to the group's run dir either
         check_one_process(cfg, key)
         require_extra(key)
@@ -193,7 +199,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
         yield None
         return
     axis, node = found
-    key = f"reduction.axes.{axis}.elastic"
+    key = elastic_key(axis)
     check_one_process(cfg, key)
     require_extra(key)
     from trainers.cluster.torchft_group import GroupOptions, TorchftExchange

@@ -28,7 +28,8 @@ Goals (issue 39, item 5): no global restart, stall <= heartbeat timeout + 1 s, r
 eval loss within 1% of the failure-free run, goodput >= 90%. Writes JSON to ``--out``
 (default ``benchmarks/elastic_results.json``) and prints the table. Run it under ``nice -n 5``
 (the groups are). ``--smoke``: 2 groups of task=mlp, one kill, few steps: its numbers mean
-nothing.
+nothing. ``--standby``: both runs with a warm standby per group (``run --standby``), which
+takes over from a killed group (write the results elsewhere with ``--out``).
 """
 
 from __future__ import annotations

@@ -171,6 +171,7 @@ def standby_of(cfg: DictConfig) -> Standby | None:
     supervisor's pipe is refused: one line, exit 2, nothing written (`Standby.before_go`).
     """
     from trainers.cluster.standby import check_standby_stdin
+    from xshard.errors import ConfigError
 
     found = elastic_axis(cfg)
     if found is None or not found[1].get("standby"):
@@ -178,7 +179,11 @@ def standby_of(cfg: DictConfig) -> Standby | None:
     key = elastic_key(found[0])
     standby = Standby(int(found[1].group))
     with standby.before_go():  # a refusal writes nothing to the group's run dir either
-        check_one_process(cfg, key)
+        if (cfg.get("distributed") or {}).get("enabled"):
+            raise ConfigError(
+                f"{key}.standby=true: a standby is one process; a group of several "
+                "(distributed.enabled=true) restarts whole, without a standby (drop --standby)."
+            )
         require_extra(key)
         check_standby_stdin(key)
     return standby

@@ -28,7 +28,8 @@ Goals (issue 39, item 5): no global restart, stall <= heartbeat timeout + 1 s, r
 eval loss within 1% of the failure-free run, goodput >= 90%. Writes JSON to ``--out``
 (default ``benchmarks/elastic_results.json``) and prints the table. Run it under ``nice -n 5``
 (the groups are). ``--smoke``: 2 groups of task=mlp, one kill, few steps: its numbers mean
-nothing.
+nothing. ``--standby``: both runs with a warm standby per group (``run --standby``), which
+takes over from a killed group (write the results elsewhere with ``--out``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Settings:
     the lighthouse dropping a silent group after `heartbeat_timeout_s`, a group killed every
     `kill_every_s` seconds while the groups are before `kill_until` of their steps, at most
     `max_kills` times; an evaluation every `eval_every` steps (the failure-free run's curve
-    gives its loss at the failing run's committed steps).
+    gives its loss at the failing run's committed steps); with `standby`, the supervisor keeps
+    a warm standby per group (``--standby``), which takes over from a killed group.
 
     The default interval, 90 s, is longer than a restart cycle here (a group's start-up and
     compilation, ~50 s on 2 loaded cores): the goal (goodput >= 90%) is meant for failures
@@ -81,6 +83,7 @@ class Settings:
     kill_until: float = 0.75
     max_kills: int = 1000
     eval_every: int = 400
+    standby: bool = False
 
 
 #: CI: task=mlp, whose steps take milliseconds: enough steps that one kill lands mid-run (one
@@ -107,7 +110,7 @@ def command(settings: Settings, out: Path, cache: Path) -> list[str]:
         "nice", "-n", "5", sys.executable, "-m", "trainers.elastic", "run",
         "--groups", str(s.groups), "--out", str(out), "--bind", f"127.0.0.1:{free_port()}",
         "--min-groups", "1", "--heartbeat-timeout-s", str(s.heartbeat_timeout_s),
-        "--join-timeout-s", "60", "--restarts", "100", "--",
+        "--join-timeout-s", "60", "--restarts", "100", *(["--standby"] if s.standby else []), "--",
         f"task={s.task}", "mesh=cpu4_group", "reduction=diloco_elastic",
         f"reduction.axes.slice.every_steps={s.every}", f"trainer.batch_size={s.batch_size}",
         f"trainer.steps={s.steps}", "trainer.progress=false", "checkpoint.enabled=false",
@@ -330,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=None, help="replica groups (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per group")
     parser.add_argument("--kill-every-s", type=float, default=None, help="seconds between kills")
+    parser.add_argument("--standby", action="store_true", help="a warm standby per group")
     parser.add_argument(
         "--cache-dir", type=Path, default=None, help="compilation cache (default: a new one)"
     )
@@ -338,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = SMOKE if args.smoke else Settings()
     given = {"task": args.task, "steps": args.steps, "kill_every_s": args.kill_every_s}
     given["groups"] = args.groups
+    given["standby"] = args.standby or None
     settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v is not None})
     out = args.out or (
         Path(tempfile.gettempdir()) / "elastic_smoke.json" if args.smoke else DEFAULT_OUT

@@ -10,7 +10,9 @@ same); each group is then ``python -m trainers.train ... reduction=diloco_elasti
 reduction.axes.slice.elastic.group=<id>``, one command per group (for a scheduler that restarts
 failed jobs). ``run`` is a local supervisor: the lighthouse and N groups on this host, each
 with its run dir ``<out>/group_<i>`` and log ``<out>/group_<i>.log``, a group that dies
-restarted (it rejoins from a live peer). docs/reductions.md, "Elastic replica groups".
+restarted (it rejoins from a live peer); with ``--standby`` each group has a warm standby
+process that takes over when it dies (``<out>/standby_<i>.log``). docs/reductions.md,
+"Elastic replica groups".
 """
 
 from __future__ import annotations
@@ -72,6 +74,13 @@ def parser() -> argparse.ArgumentParser:
         help="jax.distributed processes per group (a coordinator per group on 127.0.0.1, "
         "gloo); a group restarts whole when one dies",
     )
+    run.add_argument(
+        "--standby",
+        action="store_true",
+        help="keep a warm standby per group (built and compiled ahead) that takes over when "
+        "the group dies: a rejoin without start-up and tracing, for one more process per group "
+        "(groups of one process)",
+    )
     run.add_argument("overrides", nargs="*", help="trainers.train overrides (after --)")
     return top
 
@@ -98,8 +107,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.command == "lighthouse":
         return serve_lighthouse(lighthouse)
+    if args.standby and args.processes > 1:
+        print(
+            f"xshard: error: --standby with --processes {args.processes}: a standby is one "
+            "process; a group of several restarts whole, without one (drop --standby).",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG_ERROR
     launch = GroupLaunch(
-        args.groups, args.out, tuple(args.overrides), args.axis, args.restarts, args.processes
+        args.groups,
+        args.out,
+        tuple(args.overrides),
+        args.axis,
+        args.restarts,
+        args.processes,
+        args.standby,
     )
     return supervise(launch, lighthouse)
 

@@ -5,7 +5,9 @@
 line, exit 2), starts the group's torchft manager (`trainers.cluster.torchft_group`) and makes the
 trainer's periodic axis elastic. `ElasticGroup.join` is the group's first round with its peers
 (a restarted group takes a live peer's state and step there); the group leaves the quorum when
-the run ends. Without an elastic axis nothing here imports torch.
+the run ends. `standby_of` and `Standby`: this process as its group's warm standby
+(``elastic.standby=true``), which `trainers.app.training` prepares before its go. Without an
+elastic axis nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ def group_config(cfg: DictConfig, key: str) -> dict[str, Any]:
     }
 
 
+def elastic_key(axis: str) -> str:
+    """The key of `axis`'s elastic node, for messages."""
+    return f"reduction.axes.{axis}.elastic"
+
+
 def elastic_axis(cfg: DictConfig) -> tuple[str, Any] | None:
     """The axis whose ``elastic`` node is set and that node (as composed), or None."""
     for axis, node in (cfg.get("reduction") or {}).get("axes", {}).items():
@@ -80,12 +87,6 @@ class ElasticGroup:
     programs: Any  # trainers.core.periodic.PeriodicPrograms
     shardings: Any  # the trainer's state_shardings
 
-    def data_options(self, options: RunOptions) -> RunOptions:
-        """`options` with this group's data seed (a function of (seed, group))."""
-        from trainers.cluster.torchft_group import group_seed
-
-        return dataclasses.replace(options, data_seed=group_seed(options.seed, self.group))
-
     def join(self, state: Any, trainer: Any, batch: Any, opts: TrainerOptions) -> Any:
         """The first round with the peers: `state`, or a live peer's when this group is
         behind them (its step, outer and inner optimizer states). It waits there for the
@@ -99,6 +100,77 @@ class ElasticGroup:
         first = int(np.asarray(state.step)) + 1
         trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
         return self.programs.join(state, self.shardings)
+
+
+def group_run(cfg: DictConfig, options: RunOptions, parts: RunParts) -> tuple[RunOptions, RunParts]:
+    """`options` and `parts` as an elastic group runs them (unchanged without an elastic axis):
+    the group's data seed (a function of (seed, group)) and the trainer's first gradient path
+    only (the group's sync is wired to its programs: no race between paths)."""
+    found = elastic_axis(cfg)
+    if found is None:
+        return options, parts
+    require_extra(elastic_key(found[0]))  # before torch is imported
+    from trainers.cluster.torchft_group import group_seed
+
+    options = dataclasses.replace(options, data_seed=group_seed(options.seed, found[1].group))
+    return options, dataclasses.replace(parts, paths=dict([next(iter(parts.paths.items()))]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Standby:
+    """This process as its group's warm standby (``elastic.standby=true``,
+    `trainers.cluster.standby`): its group."""
+
+    group: int
+
+    def compile(self, trainer: Any, state: Any, batch: Any, opts: TrainerOptions) -> None:
+        """Compiles the step programs of every step a peer may be at (from step 1 on)."""
+        first = int(np.asarray(state.step)) + 1
+        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
+
+    @contextlib.contextmanager
+    def before_go(self) -> Iterator[None]:
+        """Any error in it ends the process (`trainers.cluster.standby.exit_before_go`)
+        without writing to the group's run dir, the group's live process being its owner."""
+        from trainers.cluster.standby import exit_before_go
+        from trainers.exits import EXIT_CONFIG_ERROR
+        from xshard.errors import ConfigError
+
+        try:
+            yield
+        except BaseException as e:  # the run's own handlers would write result.json
+            exit_before_go(self.group, e, EXIT_CONFIG_ERROR if isinstance(e, ConfigError) else 1)
+
+    def take_over(self, output_dir: str) -> None:
+        """Waits for the supervisor's go (exits if it is gone); then the run is the group's."""
+        from trainers.cluster.standby import take_over
+
+        take_over(self.group, output_dir)
+
+
+def standby_of(cfg: DictConfig) -> Standby | None:
+    """This run as its group's warm standby, or None (not a standby).
+
+    A standby of several processes, without the extra, or whose stdin is not its
+    supervisor's pipe is refused: one line, exit 2, nothing written (`Standby.before_go`).
+    """
+    from trainers.cluster.standby import check_standby_stdin
+    from xshard.errors import ConfigError
+
+    found = elastic_axis(cfg)
+    if found is None or not found[1].get("standby"):
+        return None
+    key = elastic_key(found[0])
+    standby = Standby(int(found[1].group))
+    with standby.before_go():  # a refusal writes nothing to the group's run dir either
+        if (cfg.get("distributed") or {}).get("enabled"):
+            raise ConfigError(
+                f"{key}.standby=true: a standby is one process; a group of several "
+                "(distributed.enabled=true) restarts whole, without a standby (drop --standby)."
+            )
+        require_extra(key)
+        check_standby_stdin(key)
+    return standby
 
 
 @contextlib.contextmanager
@@ -116,7 +188,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
         yield None
         return
     axis, node = found
-    key = f"reduction.axes.{axis}.elastic"
+    key = elastic_key(axis)
     require_extra(key)
     from trainers.cluster.multihost import current
     from trainers.cluster.torchft_group import GroupOptions, TorchftExchange

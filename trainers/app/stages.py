@@ -22,7 +22,9 @@ class Placement(NamedTuple):
 class Started(NamedTuple):
     """The state training starts from, and the data from its step on (a checkpointable
     iterator already at the saved position: `trainers.checkpoint.data_state`); `first` is the
-    run's first batch (its shapes compile the steps; ``grad_impl=auto`` times steps on it)."""
+    run's first batch (its shapes compile the steps; ``grad_impl=auto`` times steps on it);
+    `source` the checkpoint the state was restored from (None: a new state, or an elastic
+    group's healed from a live peer at another step)."""
 
     state: Any
     start_step: int
@@ -30,3 +32,4 @@ class Started(NamedTuple):
     evaluator: Any
     config: dict[str, Any]
     first: Any = None
+    source: Any = None

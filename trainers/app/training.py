@@ -3,20 +3,22 @@
     options -> join the cluster, build the mesh (`place`)
             -> claim and check the run's dirs, find what to resume from (`prepare_dirs`)
             -> build the task, optimizer and trainer (`trainers.app.builders.build_run`)
-            -> a new or restored state (`start`)
+            -> the first batch, a new state, the evaluator (`trainers.app.warm_up`)
+            -> a restored state, or a live peer's for an elastic group (`start`)
             -> the gradient path, with ``trainer.grad_impl=auto`` (`trainers.app.grad_path`)
             -> the hooks (`run_hooks`) -> `Trainer.fit` -> how it ended (`check_end`)
 
 Every check a process can fail alone runs under `Cluster.agreed`, so that no process waits for
 a failed one. Stop signals are handled from the start (`StopOnSignal`): a signal during
-start-up stops the run before its first step.
+start-up stops the run before its first step. An elastic group's warm standby
+(``elastic.standby=true``, `trainers.cluster.standby`) warms up and compiles first, then
+waits for its supervisor's go before it claims the run's dirs and starts its manager.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
@@ -24,6 +26,7 @@ from omegaconf import DictConfig
 from trainers.app.builders import RunOptions, RunParts, build_run, read_options
 from trainers.app.grad_path import choose_path
 from trainers.app.stages import Placement, Started
+from trainers.app.warm_up import Warm, batches, warm_up
 from trainers.app.wiring import run_hooks
 from trainers.cluster.multihost import current, join_cluster
 from trainers.cluster.preemption import StopOnSignal, stop_signals
@@ -68,8 +71,10 @@ def train(cfg: DictConfig, summary: RunSummary | None = None) -> float:
 
 
 def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: RunSummary) -> float:
-    """`train`'s sections in order; `stop` is the run's `StopOnSignal`."""
-    from trainers.app.elastic_group import open_group
+    """`train`'s sections in order; `stop` is the run's `StopOnSignal`. An elastic group's
+    warm standby (`trainers.cluster.standby`) builds, warms up and compiles before it claims
+    the run dir and starts its manager, when its supervisor says go."""
+    from trainers.app.elastic_group import group_run, open_group, standby_of
     from trainers.core.compile_cache import enable_compilation_cache
     from trainers.rundir.user_paths import launch_dir, user_path
 
@@ -79,15 +84,23 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
         None if cache_dir is None else user_path(cache_dir, launch_dir())
     )
     summary.use_compilation_cache(cache)
-    where = place(cfg, options)
-    source = prepare_dirs(where, options)
-    parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor builds
+    standby = standby_of(cfg)
+    # A standby's error before its go ends it without writing to its group's run dir.
+    with contextlib.nullcontext() if standby is None else standby.before_go():
+        where = place(cfg, options)
+        source = None if standby is not None else prepare_dirs(where, options)
+        parts = build_run(cfg, options, where.mesh, where.data_axes)  # as trainers.doctor does
+        options, parts = group_run(cfg, options, parts)  # an elastic group's data, one path
+        # a standby: everything but the run dir, the manager and the join, before its go
+        warm = None if standby is None else warm_up(cfg, options, where, parts)
+        if standby is not None and warm is not None:
+            standby.compile(parts.trainer, warm.state, warm.first, options.trainer)
+    if standby is not None:
+        standby.take_over(where.dirs.output_dir)
+        source = prepare_dirs(where, options)
     with open_group(cfg, parts) as group:  # an elastic replica group (else None)
-        options = options if group is None else group.data_options(options)
-        if group is not None:  # its sync is wired to the first path's programs: no race
-            parts = dataclasses.replace(parts, paths=dict([next(iter(parts.paths.items()))]))
-        started = start(cfg, options, where, parts, source, stop, group)
-        parts, started = choose_path(options, where, parts, started, source, summary, cache)
+        started = start(cfg, options, where, parts, source, stop, group, warm)
+        parts, started = choose_path(options, where, parts, started, started.source, summary, cache)
         return _fit(cfg, options, where, parts, started, stop, summary)
 
 
@@ -223,9 +236,10 @@ def start(
     source: Any,
     stop: StopOnSignal,
     group: ElasticGroup | None = None,
+    warm: Warm | None = None,
 ) -> Started:
     """The state to train from (new, or restored from `source`; an elastic `group`'s from a
-    live peer when it is behind them) and the run's evaluator.
+    live peer when it is behind them) and the run's evaluator; `warm` if warmed up already.
 
     Raises:
       ConfigError: if the data yields no batch, or the disk has no room for a checkpoint.
@@ -237,110 +251,29 @@ def start(
     from trainers.checkpoint.io import check_checkpoint_space
     from trainers.checkpoint.resume import restore_checkpoint
     from trainers.config.plain import run_config
-    from trainers.core.zero import state_report
-    from trainers.hooks.evaluation import build_evaluator
 
     trainer, cluster = parts.trainer, where.cluster
-    first = first_batch(cfg, options, where, parts)
-    state = trainer.init(*trainer.init_variables(first))
-    if cluster.lead:
-        log.info("%s", state_report(trainer.layout, state))
+    first, state, evaluator = warm or warm_up(cfg, options, where, parts)
     if options.checkpoint.enabled:  # a full disk fails here, not at the first save
         with cluster.agreed("checking the free space for checkpoints"):
             check_checkpoint_space(where.dirs.checkpoint_dir, state)
     config = run_config(cfg)
     # The step restores the RNG and the data position too: both are pure functions of it.
+    restored = None
     if source is not None:
         fallback = options.checkpoint.fallback_to_previous
         state = restore_checkpoint(source, state, config, fallback_to_previous=fallback)
         state = trainer.row_order(state)  # checkpoints hold Muon's momentum in row order
-    # Compiled now: a bad eval split or trainer.objective fails before training (and before
-    # an elastic group joins its peers, who would wait for it at their next sync).
-    evaluator = build_evaluator(
-        parts.task,
-        where.mesh,
-        state,
-        data_axes=where.data_axes,
-        opts=options.trainer,
-        seed=options.seed,
-        compute_dtype=trainer.precision.compute_dtype,
-        all_gather=cluster.all_gather,
-    )
-    if group is not None:
+        restored = int(jax.device_get(state.step))
+    if group is not None:  # healed from a peer: its step, the data a function of it
         state = group.join(state, trainer, first, options.trainer)
     start_step = int(jax.device_get(state.step))
-    data = _batches(options, parts, start_step)
+    source = source if restored == start_step else None  # else: a peer's step, not its own
+    data = batches(options, parts, start_step)
     if source is not None and is_checkpointable(data):  # a stream: its saved position
         restore_data_state(source.directory / str(start_step), data)
     check_start_up_stop(where, stop, start_step)
-    return Started(state, start_step, data, evaluator, config, first)
-
-
-def _batches(options: RunOptions, parts: RunParts, start_step: int) -> Iterator[Any]:
-    """This process's training batches from `start_step` on."""
-    import jax
-
-    return parts.task.batches(
-        options.trainer.batch_size,
-        seed=options.seed if options.data_seed is None else options.data_seed,
-        start_step=start_step,
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-
-
-def first_batch(cfg: DictConfig, options: RunOptions, where: Placement, parts: RunParts) -> Any:
-    """The first training batch, once the state and a step fit in the devices' memory and a
-    batch in the host's (from the task's declared shapes if it has them, else from the batch).
-
-    Raises:
-      ConfigError: naming ``trainer.batch_size`` (or the memory) if they do not fit, or the
-        task if its data yields no batch.
-    """
-    import jax
-
-    from trainers.app.memory_preflight import check_state_memory, example_shapes
-    from trainers.app.population_run import trial_seat
-    from trainers.app.preflight import check_batch_fits
-    from xshard.errors import ConfigError
-    from xshard.mesh.build import data_parallel_size
-
-    task, opts, seed = parts.task, options.trainer, options.seed
-    shards = data_parallel_size(where.mesh, where.data_axes)
-
-    seat = trial_seat()  # a population's trials hold their states together
-    trials = 1 if seat is None else seat.population.size
-
-    def check_memory(batch: Any) -> None:  # the state and a step, from shapes (no arrays)
-        with where.cluster.agreed("checking the memory for the training state"):
-            check_state_memory(
-                parts.trainer,
-                batch,
-                opts.batch_size,
-                shards,
-                cfg.task,
-                where.mesh.local_devices,
-                trials,
-            )
-
-    declared = example_shapes(task)  # then checked before any data is made
-    if declared is not None:
-        check_memory({k: jax.ShapeDtypeStruct((1, *v.shape), v.dtype) for k, v in declared.items()})
-    check_batch_fits(
-        lambda size: task.batches(size, seed=seed, process_count=jax.process_count()),
-        opts.batch_size,
-        probe_batch=shards,
-        process_count=jax.process_count(),
-    )
-    first = next(iter(_batches(options, parts, 0)), None)
-    if first is None:
-        raise ConfigError(
-            f"task={cfg.task.get('name', 'task')} yields no batch of "
-            f"trainer.batch_size={opts.batch_size} (finite data too small?)."
-        )
-    if declared is None:
-        check_memory(first)
-    return first
+    return Started(state, start_step, data, evaluator, config, first, source)
 
 
 def check_start_up_stop(where: Placement, stop: StopOnSignal, start_step: int) -> None:

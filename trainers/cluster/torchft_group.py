@@ -39,6 +39,7 @@ from torchft.process_group import ProcessGroupGloo
 
 from trainers.cluster.multihost import Cluster
 from trainers.cluster.same_config import config_digest, config_entries, listed_differences
+from trainers.cluster.standby import JOINING
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
 from xshard.config.elastic_groups import lighthouse_url
@@ -185,9 +186,7 @@ class TorchftExchange:
         manager, healed = self.manager, None
         message = np.append(np.asarray(delta, np.float32) * np.float32(weight), np.float32(weight))
         if not weight:
-            log.info(
-                "Group %d joining its peers (waiting for their next sync).", self.options.group
-            )
+            log.info("Group %d %s (waiting for their next sync).", self.options.group, JOINING)
         for attempt in range(self.options.max_retries + 1):
             self._snapshot, self._healed = snapshot, None
             manager.start_quorum()

@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 
 from trainers.config.cli_args import override_key, swept_keys
 from trainers.config.run_names import OVERRIDES, SHORT, check_style, short_name
+from xshard.config.elastic_groups import STANDBY_FLAG
 
 
 def tb_dir(output_dir: str, style: str = SHORT) -> str:
@@ -63,12 +64,17 @@ def tb_dir(output_dir: str, style: str = SHORT) -> str:
 
 def named_overrides(hc: Any) -> list[str]:
     """The overrides a run's name shows, sorted: without Hydra's own keys, ``paths.*``
-    (locations, not hyperparameters) and the keys Hydra leaves out of directory names."""
+    (locations, not hyperparameters), an elastic group's standby flag (its standby writes to
+    the group's TensorBoard run) and the keys Hydra leaves out of directory names."""
     excluded = set(hc.job.config.override_dirname.exclude_keys)
     items = []
     for override in hc.overrides.task:
         key = override_key(override)
-        if key in excluded or key.startswith(("hydra.", "hydra/", "paths.")):
+        if (
+            key in excluded
+            or key.startswith(("hydra.", "hydra/", "paths."))
+            or key.endswith(f".{STANDBY_FLAG}")
+        ):
             continue
         items.append(override)
     return sorted(items)

@@ -98,6 +98,20 @@ class RunLogFile(logging.FileHandler):
         else:  # a bad message or format string: logging's own report
             super().handleError(record)
 
+    def move_to(self, folder: str | os.PathLike[str]) -> None:
+        """Writes the next records to the file of the same name in `folder` (appended, opened
+        at the next record): a group's warm standby taking over its run dir
+        (`trainers.cluster.standby`)."""
+        self.acquire()
+        try:
+            stream, self.stream = self.stream, None
+            if stream is not None:
+                stream.close()
+            name = os.path.basename(self.baseFilename)
+            self.baseFilename = os.path.join(os.path.abspath(folder), name)
+        finally:
+            self.release()
+
     def _stop(self, error: OSError | None) -> None:
         """Stops writing the file; says why in one line unless it is a link (None: refused
         by the start-up check)."""

@@ -26,6 +26,9 @@ from xshard.errors import ConfigError
 
 #: Where the lighthouse listens unless told otherwise (torchft's port, this host only).
 DEFAULT_LIGHTHOUSE = "127.0.0.1:29510"
+#: The key of a group's warm standby flag under its axis (left out of run names: the standby
+#: writes to its group's TensorBoard run).
+STANDBY_FLAG = "elastic.standby"
 #: ``host:port`` of the lighthouse (``http://`` optional): a host name or IPv4 address.
 _ADDRESS = re.compile(r"^(?:http://)?([A-Za-z0-9.\-]+):([0-9]{1,5})$")
 #: What an elastic axis does not support yet (its key, the value that means "off").
@@ -59,6 +62,10 @@ class ElasticConf:
       quorum_retries: times a quorum request is retried when the lighthouse cannot be reached
         (torchft's ``quorum_retries``; a lighthouse killed and restarted): with 0 a group waits
         for its quorum until ``quorum_timeout_s``.
+      standby: this process is its group's warm standby (``python -m trainers.elastic run
+        --standby`` starts it): it builds and compiles the run, then waits for its
+        supervisor's go on stdin and only then opens the group's run dir and joins
+        (`trainers.cluster.standby`).
     """
 
     group: Any = None
@@ -71,6 +78,7 @@ class ElasticConf:
     connect_timeout_s: Any = 60.0
     max_retries: Any = 3
     quorum_retries: Any = 30
+    standby: Any = False
 
 
 #: The numeric keys and their ranges (the one place they are written).
@@ -130,6 +138,11 @@ def check_elastic(node: Any, key: str, rule: Any) -> None:
         raise ConfigError(
             f"{key}.lighthouse={shown(node.lighthouse)}: expected the lighthouse's host:port "
             "(port 1 to 65535), e.g. 127.0.0.1:29510."
+        )
+    if not isinstance(node.standby, bool):
+        raise ConfigError(
+            f"{key}.standby={shown(node.standby)}: expected true (this process is the group's "
+            "warm standby, started by python -m trainers.elastic run --standby) or false."
         )
     if not isinstance(node.host, str) or not re.fullmatch(r"[A-Za-z0-9.\-:]+", node.host):
         raise ConfigError(

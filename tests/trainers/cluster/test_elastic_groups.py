@@ -4,6 +4,7 @@ torchft server (the end-to-end runs are in test_elastic_groups_cli.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -38,6 +39,7 @@ def axis(elastic: dict | None, **rule) -> dict:
         ({"group": 0}, {"fragments": 2}, r"^reduction\.axes\.slice\.fragments=2: not supported"),
         ({"group": 0}, {"comm_dtype": "int8"}, r"\.comm_dtype='int8': not supported with"),
         ({"group": 0}, {"sync_delay": 1}, r"\.sync_delay=1: not supported with .*elastic"),
+        ({"group": 0, "standby": "yes"}, {}, r"\.elastic\.standby='yes': expected true"),
         ({"group": 0}, {"outer_optimizer": None, "every_steps": 1}, r"is a periodic one"),
     ],
 )
@@ -117,3 +119,29 @@ def test_a_count_below_one_is_refused_naming_the_flag(flag, tmp_path, capsys):
     assert caught.value.code == 2
     assert f"argument {flag}: expected a whole number >= 1, got '0'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing started, nothing written
+
+
+def test_standby_and_several_processes_are_refused_together(tmp_path, capsys):
+    from trainers.elastic import main
+
+    argv = ["run", "--out", str(tmp_path), "--groups", "2", "--processes", "2", "--standby"]
+    assert main([*argv, "--", "task=mlp"]) == 2
+    assert "--standby with --processes 2: a standby is one process" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_standby_whose_stdin_is_not_its_supervisors_pipe_is_one_line_naming_the_flag():
+    from trainers.cluster.standby import check_standby_stdin
+
+    key = "reduction.axes.slice.elastic"
+    read, write = os.pipe()
+    with os.fdopen(read) as pipe:
+        check_standby_stdin(key, pipe)  # the supervisor's pipe: accepted
+    os.close(write)
+    leader, follower = os.openpty()
+    with os.fdopen(follower) as terminal, pytest.raises(ConfigError) as e:
+        check_standby_stdin(key, terminal)
+    os.close(leader)
+    line = str(e.value)
+    assert line.startswith(f"{key}.standby=true: a standby takes over when its supervisor")
+    assert "python -m trainers.elastic run --standby" in line and "\n" not in line

@@ -25,64 +25,46 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from benchmarks.env import configure_devices, environment, load_average
+from benchmarks.reduction_runs import QualityPlan
 from benchmarks.workloads import CLI_OPTIMIZERS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "optimizers_results.json"
-#: What every run starts from: the CLI's defaults but the task.
-BASE = ("task=tiny_gpt",)
 BASELINE = "adamw"
+#: Every run starts from the CLI's defaults but the task: tiny_gpt, 192 updates, 3 seeds.
+FULL = QualityPlan(("task=tiny_gpt",), (), 192, (0, 1, 2), 16)
+#: --smoke: task=mlp (every optimizer's step and eval programs compile in a second or two where
+#: even a one-layer tiny_gpt's take several on 2 cores), 4 updates, one seed.
+SMOKE = QualityPlan(("task=mlp",), (), 4, (0,), 2)
 
 
-class Settings(NamedTuple):
-    """How much to train: model overrides, updates, seeds, and the updates the final training
-    loss averages."""
-
-    model: tuple[str, ...]
-    steps: int
-    seeds: tuple[int, ...]
-    tail: int
-
-
-FULL = Settings((), 192, (0, 1, 2), 16)
-
-
-def smoke_settings() -> Settings:
-    """--smoke: the one-layer, 32-wide tiny_gpt of the reductions' smoke run, 4 updates, one
-    seed (compiling each optimizer's step and eval programs is most of the time)."""
-    from benchmarks.reduction_runs import SMOKE_OVERRIDES
-
-    return Settings(SMOKE_OVERRIDES, 4, (0,), 2)
-
-
-def composed(overrides: tuple[str, ...], settings: Settings) -> dict[str, Any]:
+def composed(overrides: tuple[str, ...], plan: QualityPlan) -> dict[str, Any]:
     """What a run of `overrides` trains with, read from its composed config: the optimizer's
-    factory and learning rate, the schedule's factory, the global batch and sequence length."""
+    factory and learning rate, the schedule's factory and the global batch."""
     from benchmarks.reduction_runs import compose_config
 
-    cfg = compose_config([*overrides, *settings.model, f"trainer.steps={settings.steps}"], BASE)
+    cfg = compose_config([*overrides, *plan.model, f"trainer.steps={plan.steps}"], plan.base)
     return {
         "overrides": list(overrides),
         "optimizer": cfg.optimizer._target_,
         "learning_rate": float(cfg.optimizer.learning_rate),
         "schedule": cfg.schedule._target_,
         "global_batch_size": int(cfg.trainer.batch_size),
-        "seq_len": int(cfg.task.seq_len),
+        "task": cfg.task.name,
     }
 
 
-def measure(settings: Settings) -> dict[str, Any]:
-    """Every optimizer trained and evaluated as `settings` says, with gaps to adamw and the
+def measure(plan: QualityPlan) -> dict[str, Any]:
+    """Every optimizer trained and evaluated as `plan` says, with gaps to adamw and the
     ratio of its median step milliseconds to adamw's."""
-    from benchmarks.reduction_runs import QualityPlan, train_variants, with_gaps
+    from benchmarks.reduction_runs import train_variants, with_gaps
 
-    plan = QualityPlan(BASE, settings.model, settings.steps, settings.seeds, settings.tail)
     quality = with_gaps(train_variants(CLI_OPTIMIZERS, plan), BASELINE)
     base_ms = quality["variants"][BASELINE]["step_ms"]["mean"]
     for name, v in quality["variants"].items():
-        v["settings"] = composed(CLI_OPTIMIZERS[name], settings)
+        v["settings"] = composed(CLI_OPTIMIZERS[name], plan)
         v["step_ms"][f"vs_{BASELINE}"] = round(v["step_ms"]["mean"] / base_ms, 3)
     return quality
 
@@ -96,16 +78,16 @@ def render(results: dict[str, Any]) -> str:
         "# Optimizers at the CLI's defaults (`python -m benchmarks.optimizer_quality`)",
         "",
         f"{meta['mode']} run on {meta.get('device_count')} {meta.get('platform')} devices "
-        f"({meta.get('cpus_usable')} usable CPUs), tiny_gpt, mesh cpu8, jax "
+        f"({meta.get('cpus_usable')} usable CPUs), mesh cpu8, jax "
         f"{meta.get('jax_version')}, {meta.get('date_utc')}, commit {meta.get('git_commit')}, "
         f"load average {meta.get('load_average_start')} -> {meta.get('load_average_end')}, "
         f"{meta['wall_s']:.0f} s",
         "",
-        *quality_table(quality, BASELINE),
+        *quality_table(quality, BASELINE, task=results["settings"]["base"]),
         "",
         "## Settings and step time (sequential runs: median ms per update, first left out)",
         "",
-        "| variant | overrides | optimizer | learning rate | schedule | batch x seq | "
+        "| variant | overrides | optimizer | learning rate | schedule | task, batch | "
         "ms/step (mean over seeds) | vs adamw |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -114,7 +96,7 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | `{' '.join(s['overrides'])}` | `{s['optimizer']}` | "
             f"{s['learning_rate']:g} | `{s['schedule'].rsplit('.', 1)[-1]}` | "
-            f"{s['global_batch_size']} x {s['seq_len']} | {ms['mean']:.1f} "
+            f"{s['task']}, {s['global_batch_size']} | {ms['mean']:.1f} "
             f"({ms['min']:.1f}-{ms['max']:.1f}) | {ms[f'vs_{BASELINE}']:.2f}x |"
         )
     return "\n".join(lines) + "\n"
@@ -129,17 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps, one seed")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results JSON path")
     args = parser.parse_args(argv)
-    settings = smoke_settings() if args.smoke else FULL
+    plan = SMOKE if args.smoke else FULL
     start, env = time.perf_counter(), environment()
     env["load_average_start"] = load_average()
-    quality = measure(settings)
+    quality = measure(plan)
     meta = {
         **env,
         "mode": "smoke" if args.smoke else "full",
         "load_average_end": load_average(),
         "wall_s": round(time.perf_counter() - start, 1),
     }
-    results = {"meta": meta, "settings": settings._asdict(), "quality": quality}
+    results = {"meta": meta, "settings": plan._asdict(), "quality": quality}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
     markdown = render(results)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -40,12 +41,14 @@ def bytes_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def quality_table(section: dict[str, Any], base: str = "mean") -> list[str]:
+def quality_table(
+    section: dict[str, Any], base: str = "mean", task: Sequence[str] = ("task=tiny_gpt",)
+) -> list[str]:
     """Section 2: train and eval loss, mean +- std over seeds, range and gap to variant `base`
-    (`benchmarks.reduction_runs.with_gaps`)."""
+    (`benchmarks.reduction_runs.with_gaps`); `task`: the runs' base overrides."""
     gap = f"vs_{base}"
     lines = [
-        f"## Quality: tiny_gpt, {section['steps']} steps, same tokens "
+        f"## Quality: {' '.join(task)}, {section['steps']} steps, same tokens "
         f"(train loss: mean of the last {section['tail']} steps)",
         "",
         f"| variant | seeds | train loss | train range | vs {base} | eval loss | eval range | "

@@ -21,13 +21,12 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.env import configure_devices, environment, load_average
+from benchmarks.env import configure_devices, environment, load_average, write_results
 from benchmarks.reduction_runs import QualityPlan
 from benchmarks.workloads import CLI_OPTIMIZERS
 
@@ -83,7 +82,7 @@ def render(results: dict[str, Any]) -> str:
         f"load average {meta.get('load_average_start')} -> {meta.get('load_average_end')}, "
         f"{meta['wall_s']:.0f} s",
         "",
-        *quality_table(quality, BASELINE, task=results["settings"]["base"]),
+        *quality_table(quality, BASELINE, task=quality["variants"][BASELINE]["settings"]["task"]),
         "",
         "## Settings and step time (sequential runs: median ms per update, first left out)",
         "",
@@ -122,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.perf_counter() - start, 1),
     }
     results = {"meta": meta, "settings": plan._asdict(), "quality": quality}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    markdown = render(results)
-    args.out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, results, render)
     return 0
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 
@@ -41,14 +40,12 @@ def bytes_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def quality_table(
-    section: dict[str, Any], base: str = "mean", task: Sequence[str] = ("task=tiny_gpt",)
-) -> list[str]:
+def quality_table(section: dict[str, Any], base: str = "mean", task: str = "tiny_gpt") -> list[str]:
     """Section 2: train and eval loss, mean +- std over seeds, range and gap to variant `base`
-    (`benchmarks.reduction_runs.with_gaps`); `task`: the runs' base overrides."""
+    (`benchmarks.reduction_runs.with_gaps`); `task`: the task the runs trained."""
     gap = f"vs_{base}"
     lines = [
-        f"## Quality: {' '.join(task)}, {section['steps']} steps, same tokens "
+        f"## Quality: {task}, {section['steps']} steps, same tokens "
         f"(train loss: mean of the last {section['tail']} steps)",
         "",
         f"| variant | seeds | train loss | train range | vs {base} | eval loss | eval range | "

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from benchmarks.env import configure_devices, environment
+from benchmarks.env import configure_devices, environment, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "reductions_results.json"
 AXES = ("slice", "data")
@@ -246,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.reduction_report import render
 
     if args.quality_only:
-        results = merge_quality(args.out, args.quality_only)
-        args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-        args.out.with_suffix(".md").write_text(render(results))
-        print(render(results))
+        write_results(args.out, merge_quality(args.out, args.quality_only), render)
         return 0
     settings = smoke_settings() if args.smoke else FULL
     runs = build_runs(settings)
@@ -260,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     del runs
     results["quality"] = measure_quality(settings)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    markdown = render(results)
-    args.out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, results, render)
     return 0
 
 

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: help setup train test test-fast lint format bench bench-plots bench-zero bench-reductions bench-dcn device-wheels clean
+.PHONY: help setup train test test-fast lint format bench bench-plots bench-zero bench-reductions bench-optimizers bench-dcn device-wheels clean
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -43,13 +43,14 @@ format: $(STAMP)  ## ruff's fixes and formatting, in place
 	$(VENV)/bin/ruff check --fix $(LINTED)
 	$(VENV)/bin/ruff format $(LINTED)
 
-bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precision, cache, population, reductions)
+bench: $(STAMP)  ## the benchmarks (benchmarks/*_results.*: step, ZeRO, precision, cache, population, reductions, optimizers)
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.zero $(ZERO_ARGS)
 	$(PY) -m benchmarks.precision_memory
 	$(PY) -m benchmarks.compile_cache
 	$(PY) -m benchmarks.population
 	$(PY) -m benchmarks.reductions
+	$(PY) -m benchmarks.optimizer_quality
 	$(PY) -m benchmarks.plots
 
 # The figures beside the results (benchmarks/*.png), redrawn from the JSON files; measures nothing.
@@ -60,6 +61,11 @@ bench-plots: $(STAMP)  ## redraw the benchmark figures from the results files
 # compiled programs, tiny_gpt quality over 3 seeds, step times (benchmarks/reductions_results.md).
 bench-reductions: $(STAMP)  ## the per-axis reductions benchmark only
 	$(PY) -m benchmarks.reductions
+
+# adamw, muon, schedule_free_adamw and adopt at the CLI's defaults on tiny_gpt: final train and
+# eval loss over 3 seeds, ms per update (benchmarks/optimizers_results.md).
+bench-optimizers: $(STAMP)  ## the optimizers' quality benchmark only
+	$(PY) -m benchmarks.optimizer_quality
 
 # DiLoCo's wall-clock on an emulated slow link: the two slices of cpu2x4_slices as two processes
 # in network namespaces joined by a tbf-limited veth pair (root; benchmarks/dcn_results.md).

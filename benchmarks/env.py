@@ -1,12 +1,14 @@
-"""Device setup and the record of the machine the numbers were measured on."""
+"""Device setup, the record of the machine the numbers were measured on, and the results files."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +81,13 @@ def environment() -> dict[str, Any]:
         "argv": sys.argv[1:],
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+
+def write_results(out: Path, results: dict[str, Any], render: Callable[[Any], str]) -> None:
+    """Writes `results` as JSON to `out` (NaN refused) and ``render(results)`` beside it as
+    ``.md``, and prints the Markdown."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
+    markdown = render(results)
+    out.with_suffix(".md").write_text(markdown)
+    print(markdown)

@@ -40,23 +40,25 @@ def bytes_table(section: dict[str, Any]) -> list[str]:
     return lines
 
 
-def quality_table(section: dict[str, Any]) -> list[str]:
-    """Section 2: train and eval loss, mean +- std over seeds, range and gap to mean."""
+def quality_table(section: dict[str, Any], base: str = "mean", task: str = "tiny_gpt") -> list[str]:
+    """Section 2: train and eval loss, mean +- std over seeds, range and gap to variant `base`
+    (`benchmarks.reduction_runs.with_gaps`); `task`: the task the runs trained."""
+    gap = f"vs_{base}"
     lines = [
-        f"## Quality: tiny_gpt, {section['steps']} steps, same tokens "
+        f"## Quality: {task}, {section['steps']} steps, same tokens "
         f"(train loss: mean of the last {section['tail']} steps)",
         "",
-        "| variant | seeds | train loss | train range | vs mean | eval loss | eval range | "
-        "vs mean |",
+        f"| variant | seeds | train loss | train range | vs {base} | eval loss | eval range | "
+        f"vs {base} |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, v in section["variants"].items():
         t, e = v["train_loss"], v["eval_loss"]
         lines.append(
             f"| {name} | {len(v['runs'])} | {t['mean']:.4f} +- {t['std']:.4f} | "
-            f"{t['min']:.4f}-{t['max']:.4f} | {t['vs_mean']:+.4f} | "
+            f"{t['min']:.4f}-{t['max']:.4f} | {t[gap]:+.4f} | "
             f"{e['mean']:.4f} +- {e['std']:.4f} | {e['min']:.4f}-{e['max']:.4f} | "
-            f"{e['vs_mean']:+.4f} |"
+            f"{e[gap]:+.4f} |"
         )
     return lines
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from benchmarks.env import configure_devices, environment
+from benchmarks.env import configure_devices, environment, write_results
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "reductions_results.json"
 AXES = ("slice", "data")
@@ -145,16 +145,6 @@ def _leaves(tree: Any) -> list[Any]:
     return jax.tree.leaves(tree)
 
 
-def _spread(values: list[float]) -> dict[str, float]:
-    x = np.asarray(values, np.float64)
-    return {
-        "mean": round(float(x.mean()), 4),
-        "std": round(float(x.std(ddof=1)) if len(x) > 1 else 0.0, 4),
-        "min": round(float(x.min()), 4),
-        "max": round(float(x.max()), 4),
-    }
-
-
 def measure_quality(settings: Settings) -> dict[str, Any]:
     """Section 2: every quality variant trained for `settings.steps` on each seed, with its
     gap to ``mean``."""
@@ -163,31 +153,19 @@ def measure_quality(settings: Settings) -> dict[str, Any]:
 
 def train_quality(settings: Settings) -> dict[str, Any]:
     """Every quality variant of `settings` trained for `settings.steps` on each seed."""
-    from benchmarks.reduction_runs import train_and_evaluate
+    from benchmarks.reduction_runs import BASE_OVERRIDES, QualityPlan, train_variants
 
-    out: dict[str, Any] = {"steps": settings.steps, "tail": settings.tail, "variants": {}}
-    for name in settings.quality_variants:
-        overrides = QUALITY_VARIANTS[name]
-        runs = [
-            train_and_evaluate([*overrides, *settings.model], settings.steps, seed, settings.tail)
-            for seed in settings.seeds
-        ]
-        print(f"[reductions] quality {name}: {runs}", file=sys.stderr, flush=True)
-        out["variants"][name] = {
-            "runs": [r.__dict__ for r in runs],
-            "train_loss": _spread([r.train_loss for r in runs]),
-            "eval_loss": _spread([r.eval_loss for r in runs]),
-        }
-    return out
+    plan = QualityPlan(
+        BASE_OVERRIDES, settings.model, settings.steps, settings.seeds, settings.tail
+    )
+    return train_variants({n: QUALITY_VARIANTS[n] for n in settings.quality_variants}, plan)
 
 
 def with_gaps_to_mean(quality: dict[str, Any]) -> dict[str, Any]:
     """Sets each variant's ``vs_mean``: its loss minus the ``mean`` variant's."""
-    base = quality["variants"]["mean"]
-    for v in quality["variants"].values():
-        for key in ("train_loss", "eval_loss"):
-            v[key]["vs_mean"] = round(v[key]["mean"] - base[key]["mean"], 4)
-    return quality
+    from benchmarks.reduction_runs import with_gaps
+
+    return with_gaps(quality, "mean")
 
 
 def merge_quality(out: Path, names: list[str]) -> dict[str, Any]:
@@ -268,10 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.reduction_report import render
 
     if args.quality_only:
-        results = merge_quality(args.out, args.quality_only)
-        args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-        args.out.with_suffix(".md").write_text(render(results))
-        print(render(results))
+        write_results(args.out, merge_quality(args.out, args.quality_only), render)
         return 0
     settings = smoke_settings() if args.smoke else FULL
     runs = build_runs(settings)
@@ -282,11 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     del runs
     results["quality"] = measure_quality(settings)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")
-    markdown = render(results)
-    args.out.with_suffix(".md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, results, render)
     return 0
 
 

@@ -61,6 +61,16 @@ SMOKE_OVERRIDES["gpt_8x256"] = SMOKE_OVERRIDES["gpt_4x128"] = SMOKE_OVERRIDES["t
 
 DATA_AXIS = "data"
 
+#: The optimizers the optimizer benchmarks compare, each with the overrides a user must type to
+#: train with it (``python -m trainers.train <overrides>``; docs/config.md): schedule-free AdamW
+#: refuses the default decaying schedule. adamw, the CLI's default, first: the baseline.
+CLI_OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "adamw": ("optimizer=adamw",),
+    "muon": ("optimizer=muon",),
+    "schedule_free_adamw": ("optimizer=schedule_free_adamw", "schedule=constant"),
+    "adopt": ("optimizer=adopt",),
+}
+
 
 def compose_config(task: str, overrides: Sequence[str] = ()) -> DictConfig:
     """The trainer's primary config ``xshard_train`` for `task` with the benchmark optimizer."""

@@ -145,6 +145,7 @@ def test_tests_mirror_the_wings():
         "test_example_repo.py",
         "test_examples.py",
         "test_imports.py",
+        "test_optimizer_quality_bench_smoke.py",
         "test_packaging.py",
         "test_reductions_bench_smoke.py",
         "test_zero_bench_smoke.py",

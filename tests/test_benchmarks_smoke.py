@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.workloads import WORKLOADS, make_workload
+from benchmarks.workloads import CLI_OPTIMIZERS, WORKLOADS, make_workload
 from tests import REPO
 
 pytestmark = pytest.mark.long
@@ -131,6 +131,15 @@ def test_step_times_and_ratios_are_positive_and_nothing_recompiles(results):
         assert shape_change["raised"] and shape_change["compiles"] == 0
     for name, summary in s["host"]["variants"].items():
         _positive_times(summary, f"host/{name}")
+    optimizers = s["optimizers"]["mlp"]  # the section's smoke task
+    assert list(optimizers["variants"]) == list(CLI_OPTIMIZERS)
+    assert list(optimizers["vs_adamw"]) == list(CLI_OPTIMIZERS)[1:]
+    for name, summary in optimizers["variants"].items():
+        _positive_times(summary, f"optimizers/{name}")
+        assert summary["compiles_while_timed"] == 0, name
+        assert optimizers["overrides"][name] == list(CLI_OPTIMIZERS[name])
+    for name, r in optimizers["vs_adamw"].items():
+        _positive_ratio(r, f"optimizers/{name}")
     for task in TASKS:
         rows = s["scaling"][task]
         assert [r["devices"] for r in rows] == s["scaling"]["device_counts"]

@@ -1,9 +1,11 @@
-"""Section 8: Muon's step against AdamW's, at the CLI's defaults (issue 36).
+"""Section 8: the step of Muon, schedule-free AdamW and ADOPT against AdamW's (issue 36).
 
-``optimizer=muon`` against ``optimizer=adamw`` (the CLI's default) on tiny_gpt, each composed
-as ``python -m trainers.train optimizer=<name>`` composes it (its schedule, reduction and clip;
-statistics every ``trainer.stats_every`` steps), the two interleaved block by block in one
-process, with paired ratios (`benchmarks.timing`).
+Each optimizer of `benchmarks.workloads.CLI_OPTIMIZERS` against ``optimizer=adamw`` (the CLI's
+default) on tiny_gpt, each composed as ``python -m trainers.train <its overrides>`` composes it
+(``optimizer=schedule_free_adamw schedule=constant``: the decaying default schedule is refused;
+the others keep the CLI's schedule, reduction and clip; statistics every
+``trainer.stats_every`` steps), all interleaved block by block in one process, with paired
+ratios (`benchmarks.timing`). The goal `MUON_STEP` is Muon's.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from benchmarks.context import Bench
 from benchmarks.goals import MUON_STEP
 from benchmarks.timing import interleave, ratio
 from benchmarks.variants import make_trainer, trainer_loop
-from benchmarks.workloads import cli_workload
+from benchmarks.workloads import CLI_OPTIMIZERS, cli_workload
 from trainers.config import TrainerOptions
 from trainers.core.step import PLAIN, STATS
 
 #: The baseline (the CLI's default optimizer) first, then those compared with it.
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = tuple(CLI_OPTIMIZERS)
 TASK = "tiny_gpt"
 #: `--smoke` only checks that the section runs: the MLP also has hidden matrices for Muon, and
 #: its two programs compile in a few seconds where tiny_gpt's take a minute on 2 cores.
@@ -35,7 +37,7 @@ def run(bench: Bench) -> dict[str, Any]:
     task = SMOKE_TASK if bench.settings.smoke else TASK
     loops = []
     for name in OPTIMIZERS:
-        wl = cli_workload(task, (f"optimizer={name}",), smoke=bench.settings.smoke)
+        wl = cli_workload(task, CLI_OPTIMIZERS[name], smoke=bench.settings.smoke)
         opts = TrainerOptions(**OmegaConf.to_container(wl.cfg.trainer, resolve=True))
         trainer = make_trainer(wl, bench.mesh(), opts.grad_impl)
         every = opts.stats_every  # null in config: log_every, as the CLI reads it
@@ -48,6 +50,7 @@ def run(bench: Bench) -> dict[str, Any]:
         task: {
             "model": wl.model_config(),
             "devices": bench.max_devices,
+            "overrides": {n: list(CLI_OPTIMIZERS[n]) for n in OPTIMIZERS},
             "variants": {n: timings[n].summary() for n in OPTIMIZERS},
             "vs_adamw": {n: ratio(timings[n], base) for n in OPTIMIZERS[1:]},
             "target": {"muon": MUON_STEP},

@@ -390,16 +390,14 @@ def test_cli_overrides_in_printed_job_config(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optimizer.some_key=1", "Could not override 'optimizer.some_key'"),
+        ("optimizer.some_key=1", "optimizer.some_key=1: unknown key. Allowed keys: ['_target_',"),
         ("reduction.skip_nonfinite=maybe", "Value 'maybe' is not a valid bool"),
     ],
 )
-def test_cli_rejects_bad_override_with_hydras_message(tmp_path, override, message):
-    from tests.cli import run_train
+def test_cli_rejects_bad_override_in_one_line_even_printing_the_config(tmp_path, override, message):
+    from tests.cli import refused, run_train
 
-    proc = run_train("--cfg=job", override, cwd=tmp_path, check=False)
-    assert proc.returncode != 0
-    assert message in proc.stderr, proc.stderr
+    refused(run_train("--cfg=job", override, cwd=tmp_path, check=False), message)
 
 
 def test_cli_reports_config_error_from_the_factory(tmp_path):

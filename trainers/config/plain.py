@@ -6,6 +6,7 @@ flattened config the processes of a run compare (`flat_config`,
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -23,12 +24,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 #: - ``trainer.resume_from``: a path that may be spelled differently on each host (another
 #:   mount point, a relative path); what it resolves to must be the same checkpoint on every
 #:   process, which `trainers.cluster.run_dirs.check_same_checkpoints` checks.
+#: - ``reduction.axes.<axis>.elastic.host``: the address this process's torchft manager and
+#:   checkpoint server advertise to the other groups, its own host's in a group of processes on
+#:   several hosts (the group's store is its process 0's, whose address the others receive).
+#:
+#: A ``*`` matches any one name (`fnmatch`), such as an axis.
 PER_PROCESS = (
     "distributed.process_id",
     "distributed.coordinator_address",
     "paths",
     "trainer.progress",
     "trainer.resume_from",
+    "reduction.axes.*.elastic.host",
 )
 
 
@@ -76,7 +83,7 @@ def flat_config(cfg: Any) -> dict[str, Any]:
 
 
 def _per_process(path: str) -> bool:
-    return any(path == key or path.startswith(f"{key}.") for key in PER_PROCESS)
+    return any(fnmatchcase(path, key) or fnmatchcase(path, f"{key}.*") for key in PER_PROCESS)
 
 
 def _raw(node: DictConfig, key: Any) -> str:

@@ -37,6 +37,18 @@ def test_flat_config_is_resolved_and_leaves_out_the_per_process_keys(compose_con
     )
 
 
+def test_processes_of_an_elastic_group_may_advertise_their_own_hosts(compose_config):
+    # A group of processes on several hosts: each manager and checkpoint server advertises
+    # its own host; the rest of the elastic node is shared.
+    group = ("mesh=cpu4_group", "reduction=diloco_elastic", "reduction.axes.slice.elastic.group=0")
+    node = "reduction.axes.slice.elastic"
+    one = flat_config(compose_config(*group, f"{node}.host=10.0.0.1"))
+    assert one == flat_config(compose_config(*group, f"{node}.host=10.0.0.2"))
+    assert f"{node}.timeout_s" in one and f"{node}.host" not in one
+    other = flat_config(compose_config(*group, f"{node}.timeout_s=5"))
+    assert other[f"{node}.timeout_s"] != one[f"{node}.timeout_s"]
+
+
 def test_the_message_names_each_differing_key_and_who_has_which_value(compose_config):
     a = flat_config(compose_config("optimizer.learning_rate=0.001"))
     b = flat_config(compose_config("optimizer.learning_rate=0.002", "+extra=1"))

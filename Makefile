@@ -25,7 +25,7 @@ train: $(STAMP)  ## the default training job on 8 simulated CPU devices (ARGS=ov
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST   := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
-test: $(STAMP)  ## every test (about 36 minutes on 2 cores; the 25 slowest listed at the end)
+test: $(STAMP)  ## every test (about 25 minutes on 2 cores; the 25 slowest listed at the end)
 	$(PY) -m pytest $(PYTEST_XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)  ## the tests not marked slow (no CLI runs in subprocesses)

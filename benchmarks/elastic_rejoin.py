@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.elastic_goodput import REPO, free_port, last_sync, stamp
+from benchmarks.elastic_goodput import REPO, free_port
+from benchmarks.elastic_logs import last_sync, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "elastic_rejoin_results.json"
 #: The lines of a comeback, in order (the first line of a restarted process: any line).
@@ -88,7 +89,7 @@ def one_run(task: str, steps: int, out: Path, cache: Path, standby: bool) -> dic
             os.killpg(proc.pid, signal.SIGKILL)  # the supervisor, its groups and standbys
             proc.wait(timeout=120)
     lines = text(log1)[offset:].splitlines()
-    stamped = [(stamp(ln), ln) for ln in lines if stamp(ln) is not None]
+    stamped = [(t, ln) for ln in lines if (t := stamp(ln)) is not None]
     seconds = {"first_line": round(stamped[0][0] - killed, 2)}
     for name, mark in MARKS.items():
         found = [t for t, ln in stamped if mark in ln]

@@ -1,0 +1,105 @@
+"""Where a replica group's servers listen: on its ``elastic.host`` only, never on every interface.
+
+A group (`trainers.cluster.torchft_group`) opens three servers, and none of them takes an address
+to listen on: torch's ``TCPStore`` binds every interface, torchft 0.2.0's manager server binds
+``[::]`` (``torchft/manager.py``) and its checkpoint server ``("", 0)``
+(``torchft/checkpointing/http_transport.py``), which serves the group's state as pickle. On a
+host with several networks, each would accept connections from all of them.
+
+`resolve` turns the configured host into the address it names on this host (refused with one
+line naming the key when it does not resolve or is not this host's); `tcp_store` hands the
+store a socket already bound there (torch's ``master_listen_fd``); `servers_on` makes the
+manager server and the checkpoint server that torchft creates inside it bind there: torchft
+looks both classes up in its modules when it creates them, and `servers_on` puts in their
+place, for the duration of the block only, the same classes bound to the address (the pin
+``torchft==0.2.0`` in pyproject.toml keeps those names; tests/trainers/cluster/
+test_elastic_hosts_cli.py reads what each group listens on).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+import torchft.checkpointing.http_transport as http_transport
+import torchft.manager as torchft_manager
+
+from xshard.errors import ConfigError
+
+#: torchft's backlog for its checkpoint server (its ``_IPv6HTTPServer``).
+_BACKLOG = 1024
+
+
+class Address(NamedTuple):
+    """Where a group's servers listen: the address `host` names on this host, and its family."""
+
+    ip: str
+    family: socket.AddressFamily
+
+
+def resolve(host: str, key: str) -> Address:
+    """The address `host` (``<key>.host``) names, checked to be one of this host's.
+
+    Raises:
+      ConfigError: one line naming the key and the value, when `host` does not resolve or
+        this host cannot listen there.
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        address = Address(str(sockaddr[0]), socket.AddressFamily(family))
+        socket.create_server((address.ip, 0), family=address.family).close()
+    except OSError as e:  # socket.gaierror included
+        raise ConfigError(
+            f"{key}.host={host}: this process cannot listen there ({e.strerror or e}); expected "
+            "an address (or host name) of this host, where its peers reach it."
+        ) from None
+    return address
+
+
+def tcp_store(address: Address) -> dist.TCPStore:
+    """The group's store (its process 0 hosts it), listening on `address` only."""
+    listener = socket.create_server((address.ip, 0), family=address.family)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        address.ip,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store owns the socket from here on
+    )
+
+
+def _host_port(address: Address) -> str:
+    return f"[{address.ip}]:0" if address.family == socket.AF_INET6 else f"{address.ip}:0"
+
+
+@contextmanager
+def servers_on(address: Address) -> Iterator[None]:
+    """Inside the block, the manager server and the checkpoint server torchft makes listen on
+    `address` only (an ephemeral port each), not on every interface."""
+    manager_server = torchft_manager.ManagerServer
+    http_server = http_transport._IPv6HTTPServer
+
+    def bound_manager_server(**kwargs: Any) -> Any:
+        return manager_server(**{**kwargs, "bind": _host_port(address)})
+
+    class BoundHTTPServer(ThreadingHTTPServer):
+        """torchft's checkpoint server, bound to `address` whatever it asks for."""
+
+        address_family = address.family
+        request_queue_size = _BACKLOG
+
+        def __init__(self, _anywhere: Any, handler: Any):
+            super().__init__((address.ip, 0), handler)
+
+    torchft_manager.ManagerServer = bound_manager_server
+    http_transport._IPv6HTTPServer = BoundHTTPServer
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = manager_server
+        http_transport._IPv6HTTPServer = http_server

@@ -149,3 +149,27 @@ def load_arrays(step_dir: Path) -> dict[str, np.ndarray]:
         tree = c.restore(step_dir, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     leaves = jax.tree_util.tree_flatten_with_path(tree["state"])[0]
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP addresses process `pid` listens on, read from its network namespace's
+    ``/proc/<pid>/net/tcp{,6}`` (the sockets among its open files)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words, each little-endian
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found

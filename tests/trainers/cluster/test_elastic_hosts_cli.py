@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import pytest
 
 from benchmarks import netns
 from tests import REPO
-from tests.multihost_cli import free_port
+from tests.multihost_cli import free_port, listening
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.long]
 
@@ -44,30 +43,6 @@ class Hosts(NamedTuple):
     dumps: Path
     listening: dict[int, set[tuple[str, int]]]  # group -> (address, port) it listened on
     lighthouse: tuple[str, int]
-
-
-def listening(pid: int) -> set[tuple[str, int]]:
-    """The TCP addresses process `pid` listens on, read from its network namespace's
-    ``/proc/<pid>/net/tcp{,6}`` (the sockets among its open files)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            address, port = fields[1].split(":")
-            raw = bytes.fromhex(address)  # 32-bit words, each little-endian
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add((socket.inet_ntop(family, raw), int(port, 16)))
-    return found
 
 
 def group(link: netns.Link, gid: int, lighthouse: str, tmp: Path, hooks: list[str]) -> list[str]:

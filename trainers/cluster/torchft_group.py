@@ -16,9 +16,10 @@ its piece of the vectors:
    not committed and is retried with the new quorum, up to ``max_retries`` times in a row.
 
 torch and torchft are imported by this module only (and `trainers.cluster.torchft_listen`, which
-makes the group's store, manager server and checkpoint server listen on ``elastic.host`` only),
-which the app imports only for an elastic axis (the optional extra ``xshard[elastic]``). The
-state transfer is pickle over HTTP: groups must trust each other (docs/reliability.md).
+makes the group's store, manager server, checkpoint server and gloo connections listen on
+``elastic.host`` only), which the app imports only for an elastic axis (the optional extra
+``xshard[elastic]``). The state transfer is pickle over HTTP: groups must trust each other
+(docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ import torch
 import torch.distributed as dist
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import REPLICA_ID_KEY, Manager
-from torchft.process_group import ProcessGroupGloo
 
 from trainers.cluster.multihost import Cluster
 from trainers.cluster.same_config import config_digest, config_entries, listed_differences
 from trainers.cluster.standby import JOINING
-from trainers.cluster.torchft_listen import resolve, servers_on, tcp_store
+from trainers.cluster.torchft_listen import Address, GlooOn, resolve, servers_on, tcp_store
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
 from xshard.config.elastic_groups import lighthouse_url
@@ -143,22 +143,18 @@ class TorchftExchange:
             "elastic/store", [options.host, 0 if self._store is None else self._store.port]
         )
         with servers_on(address):
-            self.manager = self._manager(options, config, cluster, store_host, store_port)
+            self.manager = self._manager(address, config, cluster, (store_host, store_port))
         self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0
         self.replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with its uuid
 
     def _manager(
-        self,
-        options: GroupOptions,
-        config: Mapping[str, Any],
-        cluster: Cluster,
-        store_host: str,
-        store_port: int,
+        self, address: Address, config: Mapping[str, Any], cluster: Cluster, store: tuple[str, int]
     ) -> Manager:
-        """This process's torchft manager (its server in process 0 only)."""
-        seconds = lambda s: timedelta(seconds=s)
+        """This process's torchft manager (its server in process 0 only), its gloo
+        connections on `address`; `store`: the group's store (host, port)."""
+        options, seconds = self.options, lambda s: timedelta(seconds=s)
         return Manager(
-            pg=ProcessGroupGloo(timeout=seconds(options.timeout_s)),
+            pg=GlooOn(address, seconds(options.timeout_s)),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=options.min_groups,
@@ -167,8 +163,8 @@ class TorchftExchange:
             connect_timeout=seconds(options.connect_timeout_s),
             rank=cluster.index,
             world_size=cluster.count,
-            store_addr=store_host,
-            store_port=store_port,
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=lighthouse_url(options.lighthouse),
             replica_id=f"cfg-{config_digest(config)[:16]}-group_{options.group}",
             hostname=options.host,

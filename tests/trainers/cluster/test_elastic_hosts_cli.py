@@ -7,12 +7,15 @@ The lighthouse and group 0 run in namespace 0, group 1 in namespace 1, each grou
 commit syncs (their outer params bitwise equal after each), every manager, store and checkpoint
 server of a group listens on its own address only (its sockets read from ``/proc/<pid>/net``);
 group 1 is killed (SIGKILL) among its inner steps and restarted, and rejoins from group 0
-across the link. Skipped where namespaces cannot be made (not root, no ``ip``)."""
+across the link. In both namespaces the host name resolves to 127.0.0.1 (where no peer reaches
+a group): what a group advertises and where it listens, its gloo connections included, come
+from ``elastic.host`` alone. Skipped where namespaces cannot be made (not root, no ``ip``)."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +139,9 @@ def hosts(tmp_path_factory) -> Iterator[Hosts]:
     if UNAVAILABLE is not None:
         pytest.skip(UNAVAILABLE)
     with netns.emulated_link() as link:
+        for namespace in link.namespaces:  # nothing may find its address from the host name
+            hosts = f"127.0.0.1 localhost {socket.gethostname()}\n"
+            (netns.ETC_NETNS / namespace / "hosts").write_text(hosts)
         yield run_groups(link, tmp_path_factory.mktemp("hosts"))
 
 

@@ -57,7 +57,8 @@ def resolve(host: str, key: str) -> Address:
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
         address = Address(str(sockaddr[0]), socket.AddressFamily(family))
-        socket.create_server((address.ip, 0), family=address.family).close()
+        with socket.socket(address.family, socket.SOCK_STREAM) as probe:
+            probe.bind((address.ip, 0))
     except OSError as e:  # socket.gaierror included
         raise ConfigError(
             f"{key}.host={host}: this process cannot listen there ({e.strerror or e}); expected "

@@ -93,14 +93,22 @@ class Link:
         for namespace in self.namespaces:
             _ip("netns", "add", namespace)
         _ip("link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
-        host = socket.gethostname()
         for namespace, device, address in zip(self.namespaces, self.devices, ADDRESSES):
             _ip("link", "set", device, "netns", namespace)
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", device)
             _ip("-n", namespace, "link", "set", device, "up")
             _ip("-n", namespace, "link", "set", "lo", "up")
+        self.write_hosts()
+
+    def write_hosts(self, own_address: bool = True) -> None:
+        """Each namespace's hosts file: the machine's host name resolves to the namespace's
+        veth address, or (`own_address` false) to ``127.0.0.1``, where no peer reaches it.
+        A process reads it at each look-up: it may change while commands run."""
+        host = socket.gethostname()
+        for namespace, address in zip(self.namespaces, ADDRESSES):
             (ETC_NETNS / namespace).mkdir(parents=True, exist_ok=True)
-            hosts = f"127.0.0.1 localhost\n{address} {host}\n"
+            named = address if own_address else "127.0.0.1"
+            hosts = f"127.0.0.1 localhost\n{named} {host}\n"
             (ETC_NETNS / namespace / "hosts").write_text(hosts)
 
     def set_rate(self, rate: str | None) -> None:

@@ -45,11 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def distributed(port: int, pid: int) -> list[str]:
-    """The ``distributed.*`` overrides of process `pid` of a two-process run."""
+def distributed(port: int, pid: int, host: str = "127.0.0.1") -> list[str]:
+    """The ``distributed.*`` overrides of process `pid` of a two-process run whose
+    coordinator (process 0) is on `host`."""
     return [
         "distributed.enabled=true",
-        f"distributed.coordinator_address=127.0.0.1:{port}",
+        f"distributed.coordinator_address={host}:{port}",
         f"distributed.num_processes={PROCESSES}",
         f"distributed.process_id={pid}",
         "distributed.cpu_collectives=gloo",

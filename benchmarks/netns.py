@@ -5,8 +5,10 @@ joined by a veth pair with addresses `ADDRESSES`, and `Link.set_rate` limits the
 ends with ``tc qdisc ... tbf`` (``None``: unlimited). A command runs inside a namespace through
 ``ip netns exec`` (`Link.prefix`). The machine's host name resolves, inside each namespace, to
 that namespace's veth address (an ``/etc/netns/<name>/hosts`` file, which ``ip netns exec``
-mounts over ``/etc/hosts``): gloo's TCP transport advertises the address of the host name, so
-each process must find its own veth address there, not ``127.0.0.1``.
+mounts over ``/etc/hosts``): gloo's TCP transport (that of ``jax.distributed``) advertises the
+address of the host name, so each process must find its own veth address there, not
+``127.0.0.1`` (`Link.write_hosts` can make it resolve to ``127.0.0.1``: elastic groups take
+their address from ``elastic.host`` alone).
 
 Everything made is removed on every way out of the ``with`` block, and namespaces left behind by
 a process that no longer exists (killed before its cleanup ran) are removed when a link is made.

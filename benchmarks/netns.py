@@ -5,8 +5,10 @@ joined by a veth pair with addresses `ADDRESSES`, and `Link.set_rate` limits the
 ends with ``tc qdisc ... tbf`` (``None``: unlimited). A command runs inside a namespace through
 ``ip netns exec`` (`Link.prefix`). The machine's host name resolves, inside each namespace, to
 that namespace's veth address (an ``/etc/netns/<name>/hosts`` file, which ``ip netns exec``
-mounts over ``/etc/hosts``): gloo's TCP transport advertises the address of the host name, so
-each process must find its own veth address there, not ``127.0.0.1``.
+mounts over ``/etc/hosts``): gloo's TCP transport (that of ``jax.distributed``) advertises the
+address of the host name, so each process must find its own veth address there, not
+``127.0.0.1`` (`Link.write_hosts` can make it resolve to ``127.0.0.1``: elastic groups take
+their address from ``elastic.host`` alone).
 
 Everything made is removed on every way out of the ``with`` block, and namespaces left behind by
 a process that no longer exists (killed before its cleanup ran) are removed when a link is made.
@@ -93,14 +95,22 @@ class Link:
         for namespace in self.namespaces:
             _ip("netns", "add", namespace)
         _ip("link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
-        host = socket.gethostname()
         for namespace, device, address in zip(self.namespaces, self.devices, ADDRESSES):
             _ip("link", "set", device, "netns", namespace)
             _ip("-n", namespace, "addr", "add", f"{address}/24", "dev", device)
             _ip("-n", namespace, "link", "set", device, "up")
             _ip("-n", namespace, "link", "set", "lo", "up")
+        self.write_hosts()
+
+    def write_hosts(self, own_address: bool = True) -> None:
+        """Each namespace's hosts file: the machine's host name resolves to the namespace's
+        veth address, or (`own_address` false) to ``127.0.0.1``, where no peer reaches it.
+        A process reads it at each look-up: it may change while commands run."""
+        host = socket.gethostname()
+        for namespace, address in zip(self.namespaces, ADDRESSES):
             (ETC_NETNS / namespace).mkdir(parents=True, exist_ok=True)
-            hosts = f"127.0.0.1 localhost\n{address} {host}\n"
+            named = address if own_address else "127.0.0.1"
+            hosts = f"127.0.0.1 localhost\n{named} {host}\n"
             (ETC_NETNS / namespace / "hosts").write_text(hosts)
 
     def set_rate(self, rate: str | None) -> None:

@@ -45,11 +45,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def distributed(port: int, pid: int) -> list[str]:
-    """The ``distributed.*`` overrides of process `pid` of a two-process run."""
+def distributed(port: int, pid: int, host: str = "127.0.0.1") -> list[str]:
+    """The ``distributed.*`` overrides of process `pid` of a two-process run whose
+    coordinator (process 0) is on `host`."""
     return [
         "distributed.enabled=true",
-        f"distributed.coordinator_address=127.0.0.1:{port}",
+        f"distributed.coordinator_address={host}:{port}",
         f"distributed.num_processes={PROCESSES}",
         f"distributed.process_id={pid}",
         "distributed.cpu_collectives=gloo",
@@ -149,3 +150,27 @@ def load_arrays(step_dir: Path) -> dict[str, np.ndarray]:
         tree = c.restore(step_dir, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
     leaves = jax.tree_util.tree_flatten_with_path(tree["state"])[0]
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves}
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP addresses process `pid` listens on, read from its network namespace's
+    ``/proc/<pid>/net/tcp{,6}`` (the sockets among its open files)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)  # 32-bit words, each little-endian
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found

@@ -15,9 +15,11 @@ its piece of the vectors:
 3. ``should_commit``: the group votes; a round whose collective failed (a peer died in it) is
    not committed and is retried with the new quorum, up to ``max_retries`` times in a row.
 
-torch and torchft are imported by this module only, which the app imports only for an elastic
-axis (the optional extra ``xshard[elastic]``). The state transfer is pickle over HTTP: groups
-must trust each other (docs/reliability.md).
+torch and torchft are imported by this module only (and `trainers.cluster.torchft_listen`, which
+makes the group's store, manager server, checkpoint server and gloo connections listen on
+``elastic.host`` only), which the app imports only for an elastic axis (the optional extra
+``xshard[elastic]``). The state transfer is pickle over HTTP: groups must trust each other
+(docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ import torch
 import torch.distributed as dist
 from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import REPLICA_ID_KEY, Manager
-from torchft.process_group import ProcessGroupGloo
 
 from trainers.cluster.multihost import Cluster
 from trainers.cluster.same_config import config_digest, config_entries, listed_differences
 from trainers.cluster.standby import JOINING
+from trainers.cluster.torchft_listen import Address, GlooOn, resolve, servers_on, tcp_store
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
 from xshard.config.elastic_groups import lighthouse_url
@@ -135,17 +137,24 @@ class TorchftExchange:
         self._checked: Any = None  # the last quorum whose members were checked
         self._quiet = _FirstLine()
         logging.getLogger("torchft.manager").addFilter(self._quiet)
-        seconds = lambda s: timedelta(seconds=s)
-        self._store = (
-            dist.TCPStore(options.host, 0, is_master=True, wait_for_workers=False)
-            if cluster.lead
-            else None  # process 0's, whose address it learns below
-        )
-        store_host, store_port = cluster.broadcast(
+        address = resolve(options.host, axis_key)  # every server listens there only
+        self._store = tcp_store(address) if cluster.lead else None  # else process 0's:
+        store_host, store_port = cluster.broadcast(  # its address learnt here
             "elastic/store", [options.host, 0 if self._store is None else self._store.port]
         )
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=seconds(options.timeout_s)),
+        with servers_on(address):
+            self.manager = self._manager(address, config, cluster, (store_host, store_port))
+        self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0
+        self.replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with its uuid
+
+    def _manager(
+        self, address: Address, config: Mapping[str, Any], cluster: Cluster, store: tuple[str, int]
+    ) -> Manager:
+        """This process's torchft manager (its server in process 0 only), its gloo
+        connections on `address`; `store`: the group's store (host, port)."""
+        options, seconds = self.options, lambda s: timedelta(seconds=s)
+        return Manager(
+            pg=GlooOn(address, seconds(options.timeout_s)),
             load_state_dict=self._load,
             state_dict=self._state,
             min_replica_size=options.min_groups,
@@ -154,8 +163,8 @@ class TorchftExchange:
             connect_timeout=seconds(options.connect_timeout_s),
             rank=cluster.index,
             world_size=cluster.count,
-            store_addr=store_host,
-            store_port=store_port,
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=lighthouse_url(options.lighthouse),
             replica_id=f"cfg-{config_digest(config)[:16]}-group_{options.group}",
             hostname=options.host,
@@ -164,8 +173,6 @@ class TorchftExchange:
             quorum_retries=options.quorum_retries,  # a lighthouse restarted: the groups go on
             init_sync=False,  # every group starts from the same seed's params
         )
-        self._seen = self.manager._client = _QuorumSeen(self.manager._client)  # torchft 0.2.0
-        self.replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with its uuid
 
     def _state(self) -> GroupState:
         """torchft's state_dict: this group's state at the round's start (for a healing peer)."""

@@ -24,9 +24,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 #: - ``trainer.resume_from``: a path that may be spelled differently on each host (another
 #:   mount point, a relative path); what it resolves to must be the same checkpoint on every
 #:   process, which `trainers.cluster.run_dirs.check_same_checkpoints` checks.
-#: - ``reduction.axes.<axis>.elastic.host``: the address this process's torchft manager and
-#:   checkpoint server advertise to the other groups, its own host's in a group of processes on
-#:   several hosts (the group's store is its process 0's, whose address the others receive).
+#: - ``reduction.axes.<axis>.elastic.host``: the address this process's torchft manager,
+#:   checkpoint server and gloo connections listen on and advertise to the other groups, its
+#:   own host's in a group of processes on several hosts (the group's store is its process
+#:   0's, whose address the others receive).
 #:
 #: A ``*`` matches any one name (`fnmatch`), such as an axis.
 PER_PROCESS = (

@@ -50,7 +50,8 @@ class ElasticConf:
       group: this group's id (0, 1, ...; unique in the job): the replica id torchft sees, and
         the data seed's second part (the data of a group is a function of (seed, group, step)).
       lighthouse: ``host:port`` of torchft's lighthouse (the quorum server).
-      host: the host this group's store and checkpoint server advertise to its peers.
+      host: this process's host (a name or address): where its store, manager server,
+        checkpoint server and gloo connections listen, and what they advertise to its peers.
       min_groups: the fewest groups a sync commits with (torchft's ``min_replica_size``).
       heartbeat_s: seconds between this group's heartbeats to the lighthouse.
       timeout_s: seconds a collective, a commit vote or a state transfer may take.

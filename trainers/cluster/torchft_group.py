@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -50,6 +52,12 @@ log = logging.getLogger(__name__)
 #: A group's replica id at the lighthouse: its config's digest and its id (torchft appends
 #: ``:<uuid>`` and takes the trailing digits before it as the group's rank).
 _REPLICA_ID = re.compile(r"^cfg-([0-9a-f]+)-group_([0-9]+):")
+#: Seconds between two looks at the run's stop request while a round waits for torchft.
+STOP_POLL_S = 0.1
+
+
+class _Abandoned(Exception):
+    """A stop request came while a round waited for its quorum or its collective."""
 
 
 class GroupOptions(NamedTuple):
@@ -119,6 +127,10 @@ class TorchftExchange:
         with its peers' at each new quorum: `_check_peers`).
       cluster: the group's processes (`jax.distributed`); each runs a manager of its rank,
         process 0 hosts the group's store and learns its address to the others.
+      stop: the run's stop request (`trainers.cluster.preemption.StopOnSignal`): a group of
+        one process leaves a round that waits when it comes (`round`). A group of several
+        ignores it in a round (its processes could leave it at different points) and stops
+        after the round, as before.
     """
 
     def __init__(
@@ -127,6 +139,7 @@ class TorchftExchange:
         axis_key: str,
         config: Mapping[str, Any],
         cluster: Cluster,
+        stop: Callable[[], object],
     ):
         torch.set_num_threads(1)  # the devices are JAX's; torch only sums a vector
         self.options, self.key, self.config = options, axis_key, config
@@ -134,6 +147,7 @@ class TorchftExchange:
         self._healed: GroupState | None = None
         self._checked: Any = None  # the last quorum whose members were checked
         self._quiet = _FirstLine()
+        self._stop = stop if cluster.count == 1 else lambda: False
         logging.getLogger("torchft.manager").addFilter(self._quiet)
         seconds = lambda s: timedelta(seconds=s)
         self._store = (
@@ -176,28 +190,29 @@ class TorchftExchange:
         """torchft's load_state_dict: a live peer's state, used when the round commits."""
         self._healed = GroupState(*state)
 
-    def round(self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]) -> Round:
+    def round(
+        self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]
+    ) -> Round | None:
         """One committed round (module docstring): the mean of the groups' deltas weighted by
         their `weight` (None when the weights sum to 0) and the peer state loaded, if any.
+        None: a stop request came while the round waited (`_unless_stopped`); the round is
+        left, committed by no one here (its peers' fails and is retried without this group).
 
         Raises:
           GroupLost: after ``max_retries + 1`` rounds in a row that did not commit.
         """
-        manager, healed = self.manager, None
+        healed = None
         message = np.append(np.asarray(delta, np.float32) * np.float32(weight), np.float32(weight))
         if not weight:
             log.info("Group %d %s (waiting for their next sync).", self.options.group, JOINING)
         for attempt in range(self.options.max_retries + 1):
             self._snapshot, self._healed = snapshot, None
-            manager.start_quorum()
-            manager.wait_quorum()
-            self._check_peers(joining=not weight)
-            tensor = torch.from_numpy(message.copy())
-            manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
-            committed = manager.should_commit()
+            try:
+                total = self._attempt(message, joining=not weight)
+            except _Abandoned:
+                return None
             healed = self._healed or healed  # loaded before the vote, whatever it says
-            if committed:
-                total = tensor.numpy()
+            if total is not None:
                 if healed is not None:
                     log.info(
                         "Group %d rejoined at step %d from a live peer.",
@@ -216,6 +231,55 @@ class TorchftExchange:
             f"{self.key}.max_retries={self.options.max_retries}: {self.options.max_retries + 1} "
             "syncs in a row did not commit (peers lost or unreachable); the group stops."
         )
+
+    def _attempt(self, message: np.ndarray, joining: bool) -> np.ndarray | None:
+        """One try of a round: the quorum, the sum of `message` over it, the vote. The sum if
+        the round committed, else None.
+
+        Raises:
+          _Abandoned: a stop request came while it waited for its quorum or its collective.
+        """
+        manager = self.manager
+        manager.start_quorum()
+        self._unless_stopped(manager.wait_quorum)
+        self._check_peers(joining=joining)
+        tensor = torch.from_numpy(message.copy())
+        self._unless_stopped(manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait)
+        return tensor.numpy() if manager.should_commit() else None
+
+    def _unless_stopped(self, wait: Callable[[], object]) -> None:
+        """Runs `wait` (a blocking call of torchft's) in a daemon thread and looks at the stop
+        request every `STOP_POLL_S` meanwhile: a signal handler only sets a flag, and the
+        main thread would otherwise see it only when the quorum (up to ``quorum_timeout_s``)
+        or the collective (``timeout_s``) returns. `wait`'s error is raised here.
+
+        Raises:
+          _Abandoned: the stop request came first (or was there already); the thread is
+            left to end with its call or with the process.
+        """
+        if self._stop():
+            raise _Abandoned
+        done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                wait()
+            except BaseException as e:  # raised in the main thread, below
+                done.put(e)
+            else:
+                done.put(None)
+
+        threading.Thread(target=run, name="xshard-round-wait", daemon=True).start()
+        while True:
+            try:
+                error = done.get(timeout=STOP_POLL_S)
+            except queue.Empty:
+                if self._stop():
+                    raise _Abandoned from None
+                continue
+            if error is not None:
+                raise error
+            return
 
     def _check_peers(self, joining: bool) -> None:
         """Checks a new quorum's members: no other group with this group's id, and every

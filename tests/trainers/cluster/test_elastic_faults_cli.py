@@ -5,7 +5,9 @@ that joins with another config, or with an id another group has, is refused with
 (exit 2) and the group that was there logs the same line and trains to its end; a SIGSTOP'd
 group is dropped, and SIGCONT'd is refused (exit 4, one line); the groups go on after the
 lighthouse is killed and restarted; a group restarted after the others finished resumes from
-its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in all."""
+its own checkpoint alone; a group waiting in its quorum leaves it on SIGTERM (exit 75, its
+checkpoint from before the sync) and, restarted, resumes and heals from its peer.
+docs/reliability.md has the table of these faults. ~8 min in all."""
 
 from __future__ import annotations
 
@@ -245,3 +247,59 @@ def test_a_group_restarted_after_the_others_finished_resumes_alone(lighthouse, t
     assert "(16 trained in this run)" in restart and "Group 1 rejoined" not in restart
     assert (dumps / "g1" / "step32.process0.npz").exists()
     assert "Traceback" not in logs[0].read_text() + restart
+
+
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Waits until `text` is in `log`, the output of `proc`, while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_a_group_stopped_by_sigterm_in_its_quorum_leaves_it_and_resumes(tmp_path):
+    """Group 1 SIGSTOP'd among its inner steps: group 0 (``min_groups=2``) waits in the quorum
+    of its sync at step 24 (the lighthouse forms none of one group). SIGTERM there leaves the
+    round at once, not after ``quorum_timeout_s=120``: exit 75 with the checkpoint of step 24
+    before the sync. Group 0 restarted and group 1 continued: group 0 restores step 24, heals
+    from group 1 in the same round, and both train to their end."""
+    bind, procs, logs, commands = f"127.0.0.1:{free_port()}", {}, {}, {}
+    house = start_lighthouse(bind)
+    try:
+        for gid in (0, 1):
+            logs[gid] = tmp_path / f"g{gid}.log"
+            commands[gid] = [
+                *group(bind, gid, tmp_path / f"g{gid}"),
+                "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1}]",
+                f"{KEY}.min_groups=2", f"{KEY}.quorum_timeout_s=120",
+                "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
+                "checkpoint.async_save=false",
+            ]  # fmt: skip
+            with open(logs[gid], "w") as out:
+                procs[gid] = subprocess.Popen(
+                    commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out
+                )
+        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
+        os.kill(procs[1].pid, signal.SIGSTOP)  # among its inner steps 17..24
+        wait_for_text(logs[0], "Sync at step 24: exchanging with the other groups.", procs[0])
+        time.sleep(2.0)  # past the lighthouse's heartbeat timeout: group 1 dropped, no quorum
+        procs[0].send_signal(signal.SIGTERM)
+        stopped = procs[0].wait(timeout=30)  # a bound, well under quorum_timeout_s
+        logs["restart"] = tmp_path / "g0.restart.log"
+        with open(logs["restart"], "w") as out:
+            procs[0] = subprocess.Popen(commands[0], cwd=REPO, env=ENV, stdout=out, stderr=out)
+        os.kill(procs[1].pid, signal.SIGCONT)
+        codes = [procs[g].wait(timeout=240) for g in (0, 1)]
+    finally:
+        os.kill(procs[1].pid, signal.SIGCONT)
+        for proc in (house, *procs.values()):
+            proc.kill()
+            proc.wait()
+    first, restart, late = (logs[k].read_text() for k in (0, "restart", 1))
+    assert stopped == 75, first[-3000:]
+    assert "Sync at step 24 left on a stop request" in first, first[-3000:]
+    assert last_line(first).startswith("xshard: preempted: Stopped by SIGTERM at step 24 of 32;")
+    assert codes == [0, 0], restart[-3000:] + late[-3000:]
+    assert "Restored step 24 from" in restart, restart[-3000:]  # its own checkpoint loads
+    assert "Group 0 rejoined at step 24 from a live peer." in restart, restart[-3000:]
+    assert "Traceback" not in first + restart + late

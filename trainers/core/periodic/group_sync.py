@@ -78,9 +78,12 @@ class Exchange(Protocol):
     """Averages a vector over the replica groups (torchft's:
     `trainers.cluster.torchft_group.TorchftExchange`)."""
 
-    def round(self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]) -> Round:
+    def round(
+        self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]
+    ) -> Round | None:
         """Sends `delta` with `weight` (0: nothing to average, e.g. joining) and returns the
-        committed `Round`; `snapshot()` is this group's state, for a peer that needs it."""
+        committed `Round`; `snapshot()` is this group's state, for a peer that needs it.
+        None: the round was left on a stop request (this group commits nothing in it)."""
         ...
 
 
@@ -159,7 +162,8 @@ class ElasticSync:
         nothing and takes a peer's state and step if it is behind). `apply(state, mean)` is the
         compiled apply program. Each process sends its piece of the delta vector
         (`local_arrays.local_vector`) and rebuilds the mean from its piece of it. Returns the
-        state and the sync's statistics (None: no sync applied).
+        state and the sync's statistics (None: no sync applied, as when a stop request left
+        the round: `state` as it was).
 
         Raises:
           GroupLost: a peer's state arrived at another step outside a join.
@@ -175,6 +179,17 @@ class ElasticSync:
             0.0 if join else 1.0,
             lambda: self.snapshot(state),
         )
+        if done is None:  # the run's stop request, seen by the loop after this sync
+            log.warning(
+                "%s at step %d left on a stop request after %.2f s: this group committed "
+                "nothing in it (its peers retry without it); it stops with step %d's state "
+                "before this sync, a committed one (its checkpoint, if it writes one).",
+                what,
+                step,
+                time.monotonic() - start,
+                step,
+            )
+            return state, None
         log.info(
             "%s at step %d committed in %.2f s, the mean over %g groups.",
             what,

@@ -22,12 +22,10 @@ must trust each other (docs/reliability.md).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import re
 import threading
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -40,7 +38,14 @@ from torchft.manager import REPLICA_ID_KEY, Manager
 from torchft.process_group import ProcessGroupGloo
 
 from trainers.cluster.multihost import Cluster
-from trainers.cluster.same_config import config_digest, config_entries, listed_differences
+from trainers.cluster.same_config import (
+    ConfigEntry,
+    StoreSeat,
+    config_digest,
+    config_entries,
+    listed_differences,
+    swap_configs,
+)
 from trainers.cluster.standby import JOINING
 from trainers.core.periodic.group_sync import GroupState, Round
 from trainers.exits import GroupLost
@@ -148,6 +153,7 @@ class TorchftExchange:
         self._checked: Any = None  # the last quorum whose members were checked
         self._quiet = _FirstLine()
         self._stop = stop if cluster.count == 1 else lambda: False
+        self._rank, self._processes = cluster.index, cluster.count
         logging.getLogger("torchft.manager").addFilter(self._quiet)
         seconds = lambda s: timedelta(seconds=s)
         self._store = (
@@ -316,19 +322,17 @@ class TorchftExchange:
         )
 
     def _config_differences(self, quorum: Any, ids: dict[str, int]) -> str:
-        """The groups' configs swapped through the quorum's store (every member of the quorum
-        does it: they all saw the digests differ); the line naming the keys that differ."""
+        """The groups' configs swapped through the quorum's store (every process of every
+        member does it: they all saw the digests differ); the line naming the keys that
+        differ."""
         host, port = quorum.store_address.rsplit(":", 1)
         timeout = timedelta(seconds=self.options.timeout_s)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        mine = ConfigEntry(self._processes, config_entries(self.config))
+        where = StoreSeat(self._rank, quorum.max_world_size)
         prefix = f"xshard/config/{quorum.quorum_id}/"
-        store.set(prefix + self.replica_id, json.dumps(config_entries(self.config)))
-        everyone = [json.loads(store.get(prefix + r)) for r in ids]
-        store.add(prefix + "read", 1)  # the store's host must outlive every member's reads
-        deadline = time.monotonic() + self.options.timeout_s
-        while store.add(prefix + "read", 0) < len(ids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        listed = listed_differences(everyone, list(ids.values()), "group")
+        everyone = swap_configs(store, prefix, self.replica_id, mine, list(ids), where, timeout)
+        listed = listed_differences([e.config for e in everyone], list(ids.values()), "group")
         return (
             f"{self.key}: the groups run different configs: {listed}. Every group must run "
             "the same config but the keys left out of this check (docs/reductions.md)."

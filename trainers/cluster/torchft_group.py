@@ -15,6 +15,11 @@ its piece of the vectors:
 3. ``should_commit``: the group votes; a round whose collective failed (a peer died in it) is
    not committed and is retried with the new quorum, up to ``max_retries`` times in a row.
 
+A stop signal (the run's `trainers.cluster.preemption.StopOnSignal`) only sets a flag, which
+the main thread would see only once a wait of torchft's returns: a group of one process polls
+it while it waits for its quorum or its collective and leaves the round at once (`round`
+returns None; the group stops as any preempted run, with its state from before the sync).
+
 torch and torchft are imported by this module only, which the app imports only for an elastic
 axis (the optional extra ``xshard[elastic]``). The state transfer is pickle over HTTP: groups
 must trust each other (docs/reliability.md).

@@ -4,10 +4,10 @@ trainers.elastic lighthouse``, a fixture of this module, or one of the test's ow
 that joins with another config, or with an id another group has, is refused with one line
 (exit 2) and the group that was there logs the same line and trains to its end; a SIGSTOP'd
 group is dropped, and SIGCONT'd is refused (exit 4, one line); the groups go on after the
-lighthouse is killed and restarted; a group restarted after the others finished resumes from
-its own checkpoint alone; a group waiting in its quorum leaves it on SIGTERM (exit 75, its
-checkpoint from before the sync) and, restarted, resumes and heals from its peer.
-docs/reliability.md has the table of these faults. ~8 min in all."""
+lighthouse is killed and restarted; a group waiting in its quorum leaves it on SIGTERM (exit
+75, its checkpoint from before the sync) and, restarted after the others are gone, resumes
+from its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in
+all."""
 
 from __future__ import annotations
 
@@ -164,14 +164,14 @@ def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthous
     assert not (dumps / "g1" / "step24.process0.npz").exists()  # its sync at 24 never applied
 
 
-def start_lighthouse(bind: str) -> subprocess.Popen:
-    """A lighthouse of its own on `bind` (this test kills it), whose quorums need both groups:
-    the restarted one would otherwise commit group 0's next sync alone if group 0's heartbeat
-    reached it first, leaving group 1 behind (exit 4: restarted, it rejoins; no supervisor
-    here)."""
+def start_lighthouse(bind: str, min_groups: int = 2) -> subprocess.Popen:
+    """A lighthouse of its own on `bind` (the test kills it), whose quorums need `min_groups`
+    groups: with both groups, the restarted one would otherwise commit group 0's next sync alone
+    if group 0's heartbeat reached it first, leaving group 1 behind (exit 4: restarted, it
+    rejoins; no supervisor here)."""
     command = [
         sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
-        "--min-groups", "2", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+        "--min-groups", str(min_groups), "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.DEVNULL)
 
@@ -213,42 +213,6 @@ def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
     assert "Traceback" not in out[0] + out[1]
 
 
-def test_a_group_restarted_after_the_others_finished_resumes_alone(lighthouse, tmp_path):
-    """Group 1 killed (SIGKILL) after its checkpoint at step 16; group 0 trains to its end
-    without it; group 1 restarted then (no peer left) resumes from its own checkpoint and
-    trains alone to its end."""
-    dumps, procs, logs, commands = tmp_path / "dumps", {}, {}, {}
-    for gid in (0, 1):
-        hooks = (
-            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
-            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
-        )
-        logs[gid] = tmp_path / f"g{gid}.log"
-        commands[gid] = [
-            *group(lighthouse, gid, tmp_path / f"g{gid}", hooks),
-            "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
-            "checkpoint.async_save=false",
-        ]  # fmt: skip
-        with open(logs[gid], "w") as out:
-            procs[gid] = subprocess.Popen(commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out)
-    try:
-        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
-        os.kill(procs[1].pid, signal.SIGKILL)
-        assert procs[0].wait(timeout=240) == 0, logs[0].read_text()[-3000:]
-    finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait()
-    with open(tmp_path / "g1.restart.log", "w") as out:
-        again = subprocess.run(commands[1], cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
-    restart = (tmp_path / "g1.restart.log").read_text()
-    assert again.returncode == 0, restart[-3000:]
-    assert "Restored step 16 from" in restart, restart[-3000:]  # its own checkpoint
-    assert "(16 trained in this run)" in restart and "Group 1 rejoined" not in restart
-    assert (dumps / "g1" / "step32.process0.npz").exists()
-    assert "Traceback" not in logs[0].read_text() + restart
-
-
 def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
     """Waits until `text` is in `log`, the output of `proc`, while `proc` runs."""
     deadline = time.monotonic() + timeout
@@ -257,49 +221,53 @@ def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float =
         time.sleep(0.05)
 
 
-def test_a_group_stopped_by_sigterm_in_its_quorum_leaves_it_and_resumes(tmp_path):
-    """Group 1 SIGSTOP'd among its inner steps: group 0 (``min_groups=2``) waits in the quorum
-    of its sync at step 24 (the lighthouse forms none of one group). SIGTERM there leaves the
+def test_a_group_stopped_in_its_quorum_leaves_it_and_resumes_alone_after_the_others(tmp_path):
+    """Group 1 SIGSTOP'd among its inner steps: group 0 waits in the quorum of its sync at step
+    24 (the lighthouse, ``--min-groups 2``, forms none of one group). SIGTERM there leaves the
     round at once, not after ``quorum_timeout_s=120``: exit 75 with the checkpoint of step 24
-    before the sync. Group 0 restarted and group 1 continued: group 0 restores step 24, heals
-    from group 1 in the same round, and both train to their end."""
-    bind, procs, logs, commands = f"127.0.0.1:{free_port()}", {}, {}, {}
+    before the sync. Group 1 killed, the lighthouse restarted with ``--min-groups 1``: group 0
+    restarted (no peer left) resumes from its own checkpoint and trains alone to its end."""
+    bind, procs, logs = f"127.0.0.1:{free_port()}", {}, {}
     house = start_lighthouse(bind)
+    command = [
+        "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1}]",
+        f"{KEY}.quorum_timeout_s=120", "checkpoint.enabled=true",
+        f"checkpoint.every_steps={EVERY}", "checkpoint.async_save=false",
+    ]  # fmt: skip
     try:
         for gid in (0, 1):
             logs[gid] = tmp_path / f"g{gid}.log"
-            commands[gid] = [
-                *group(bind, gid, tmp_path / f"g{gid}"),
-                "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1}]",
-                f"{KEY}.min_groups=2", f"{KEY}.quorum_timeout_s=120",
-                "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
-                "checkpoint.async_save=false",
-            ]  # fmt: skip
             with open(logs[gid], "w") as out:
                 procs[gid] = subprocess.Popen(
-                    commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out
-                )
+                    group(bind, gid, tmp_path / f"g{gid}", *command),
+                    cwd=REPO, env=ENV, stdout=out, stderr=out,
+                )  # fmt: skip
         wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
         os.kill(procs[1].pid, signal.SIGSTOP)  # among its inner steps 17..24
         wait_for_text(logs[0], "Sync at step 24: exchanging with the other groups.", procs[0])
         time.sleep(2.0)  # past the lighthouse's heartbeat timeout: group 1 dropped, no quorum
         procs[0].send_signal(signal.SIGTERM)
         stopped = procs[0].wait(timeout=30)  # a bound, well under quorum_timeout_s
-        logs["restart"] = tmp_path / "g0.restart.log"
-        with open(logs["restart"], "w") as out:
-            procs[0] = subprocess.Popen(commands[0], cwd=REPO, env=ENV, stdout=out, stderr=out)
-        os.kill(procs[1].pid, signal.SIGCONT)
-        codes = [procs[g].wait(timeout=240) for g in (0, 1)]
     finally:
-        os.kill(procs[1].pid, signal.SIGCONT)
         for proc in (house, *procs.values()):
-            proc.kill()
+            proc.kill()  # group 1 too, stopped: its peer restarts after it is gone
             proc.wait()
-    first, restart, late = (logs[k].read_text() for k in (0, "restart", 1))
+    house = start_lighthouse(bind, min_groups=1)
+    try:
+        with open(tmp_path / "g0.restart.log", "w") as out:
+            again = subprocess.run(
+                group(bind, 0, tmp_path / "g0", *command),
+                cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240,
+            )  # fmt: skip
+    finally:
+        house.kill()
+        house.wait()
+    first, restart = logs[0].read_text(), (tmp_path / "g0.restart.log").read_text()
     assert stopped == 75, first[-3000:]
     assert "Sync at step 24 left on a stop request" in first, first[-3000:]
     assert last_line(first).startswith("xshard: preempted: Stopped by SIGTERM at step 24 of 32;")
-    assert codes == [0, 0], restart[-3000:] + late[-3000:]
-    assert "Restored step 24 from" in restart, restart[-3000:]  # its own checkpoint loads
-    assert "Group 0 rejoined at step 24 from a live peer." in restart, restart[-3000:]
-    assert "Traceback" not in first + restart + late
+    assert again.returncode == 0, restart[-3000:]
+    assert "Restored step 24 from" in restart, restart[-3000:]  # its own checkpoint
+    assert "(8 trained in this run)" in restart and "Group 0 rejoined" not in restart
+    assert (tmp_path / "g0" / "checkpoints" / "32").exists()
+    assert "Traceback" not in first + restart + logs[1].read_text()

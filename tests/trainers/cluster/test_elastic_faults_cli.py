@@ -222,41 +222,43 @@ def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float =
 
 
 def test_a_group_stopped_in_its_quorum_leaves_it_and_resumes_alone_after_the_others(tmp_path):
-    """Group 1 SIGSTOP'd among its inner steps: group 0 waits in the quorum of its sync at step
-    24 (the lighthouse, ``--min-groups 2``, forms none of one group). SIGTERM there leaves the
-    round at once, not after ``quorum_timeout_s=120``: exit 75 with the checkpoint of step 24
-    before the sync. Group 1 killed, the lighthouse restarted with ``--min-groups 1``: group 0
-    restarted (no peer left) resumes from its own checkpoint and trains alone to its end."""
+    """Group 1 held after step 20 (a hook; its heartbeats go on): group 0 waits in the quorum of
+    its sync at step 24 (the lighthouse, ``--min-groups 2``, forms none of one group). SIGTERM
+    there leaves the round at once, not after ``quorum_timeout_s=120``: exit 75 with the
+    checkpoint of step 24 from before the sync. Group 1 killed, the lighthouse restarted with
+    ``--min-groups 1``: group 0 restarted (no peer left) resumes from its own checkpoint and
+    trains alone to its end."""
     bind, procs, logs = f"127.0.0.1:{free_port()}", {}, {}
     house = start_lighthouse(bind)
     command = [
-        "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1}]",
         f"{KEY}.quorum_timeout_s=120", "checkpoint.enabled=true",
         f"checkpoint.every_steps={EVERY}", "checkpoint.async_save=false",
     ]  # fmt: skip
+    held = (
+        "trainer.hooks=[{_target_:tests.multihost_hooks.WaitForText,"
+        f"path:'{tmp_path / 'never'}',text:go,count:1,step:20,timeout:200}}]"
+    )
     try:
-        for gid in (0, 1):
+        for gid, hooks in ((0, "trainer.hooks=[]"), (1, held)):
             logs[gid] = tmp_path / f"g{gid}.log"
             with open(logs[gid], "w") as out:
                 procs[gid] = subprocess.Popen(
-                    group(bind, gid, tmp_path / f"g{gid}", *command),
+                    group(bind, gid, tmp_path / f"g{gid}", *command, hooks),
                     cwd=REPO, env=ENV, stdout=out, stderr=out,
                 )  # fmt: skip
-        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
-        os.kill(procs[1].pid, signal.SIGSTOP)  # among its inner steps 17..24
         wait_for_text(logs[0], "Sync at step 24: exchanging with the other groups.", procs[0])
-        time.sleep(2.0)  # past the lighthouse's heartbeat timeout: group 1 dropped, no quorum
+        time.sleep(1.0)  # its quorum request is out
         procs[0].send_signal(signal.SIGTERM)
         stopped = procs[0].wait(timeout=30)  # a bound, well under quorum_timeout_s
     finally:
         for proc in (house, *procs.values()):
-            proc.kill()  # group 1 too, stopped: its peer restarts after it is gone
+            proc.kill()
             proc.wait()
     house = start_lighthouse(bind, min_groups=1)
     try:
         with open(tmp_path / "g0.restart.log", "w") as out:
             again = subprocess.run(
-                group(bind, 0, tmp_path / "g0", *command),
+                group(bind, 0, tmp_path / "g0", *command, "trainer.hooks=[]"),
                 cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240,
             )  # fmt: skip
     finally:

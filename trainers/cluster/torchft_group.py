@@ -66,8 +66,9 @@ _REPLICA_ID = re.compile(r"^cfg-([0-9a-f]+)-group_([0-9]+):")
 STOP_POLL_S = 0.1
 
 
-class _Abandoned(Exception):
-    """A stop request came while a round waited for its quorum or its collective."""
+class RoundLeft(Exception):
+    """A stop request came while a round waited for its quorum or its collective
+    (`wait_unless_stopped`)."""
 
 
 class GroupOptions(NamedTuple):
@@ -206,7 +207,7 @@ class TorchftExchange:
     ) -> Round | None:
         """One committed round (module docstring): the mean of the groups' deltas weighted by
         their `weight` (None when the weights sum to 0) and the peer state loaded, if any.
-        None: a stop request came while the round waited (`_unless_stopped`); the round is
+        None: a stop request came while the round waited (`wait_unless_stopped`); the round is
         left, committed by no one here (its peers' fails and is retried without this group).
 
         Raises:
@@ -220,7 +221,7 @@ class TorchftExchange:
             self._snapshot, self._healed = snapshot, None
             try:
                 total = self._attempt(message, joining=not weight)
-            except _Abandoned:
+            except RoundLeft:
                 return None
             healed = self._healed or healed  # loaded before the vote, whatever it says
             if total is not None:
@@ -248,49 +249,16 @@ class TorchftExchange:
         the round committed, else None.
 
         Raises:
-          _Abandoned: a stop request came while it waited for its quorum or its collective.
+          RoundLeft: a stop request came while it waited for its quorum or its collective.
         """
         manager = self.manager
         manager.start_quorum()
-        self._unless_stopped(manager.wait_quorum)
+        wait_unless_stopped(manager.wait_quorum, self._stop)
         self._check_peers(joining=joining)
         tensor = torch.from_numpy(message.copy())
-        self._unless_stopped(manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait)
+        summed = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        wait_unless_stopped(summed.wait, self._stop)
         return tensor.numpy() if manager.should_commit() else None
-
-    def _unless_stopped(self, wait: Callable[[], object]) -> None:
-        """Runs `wait` (a blocking call of torchft's) in a daemon thread and looks at the stop
-        request every `STOP_POLL_S` meanwhile: a signal handler only sets a flag, and the
-        main thread would otherwise see it only when the quorum (up to ``quorum_timeout_s``)
-        or the collective (``timeout_s``) returns. `wait`'s error is raised here.
-
-        Raises:
-          _Abandoned: the stop request came first (or was there already); the thread is
-            left to end with its call or with the process.
-        """
-        if self._stop():
-            raise _Abandoned
-        done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-
-        def run() -> None:
-            try:
-                wait()
-            except BaseException as e:  # raised in the main thread, below
-                done.put(e)
-            else:
-                done.put(None)
-
-        threading.Thread(target=run, name="xshard-round-wait", daemon=True).start()
-        while True:
-            try:
-                error = done.get(timeout=STOP_POLL_S)
-            except queue.Empty:
-                if self._stop():
-                    raise _Abandoned from None
-                continue
-            if error is not None:
-                raise error
-            return
 
     def _check_peers(self, joining: bool) -> None:
         """Checks a new quorum's members: no other group with this group's id, and every
@@ -347,6 +315,41 @@ class TorchftExchange:
         """Stops the manager's servers (this group leaves the quorum)."""
         self.manager.shutdown(wait=False)
         logging.getLogger("torchft.manager").removeFilter(self._quiet)
+
+
+def wait_unless_stopped(wait: Callable[[], object], stop: Callable[[], object]) -> None:
+    """Runs `wait` (a blocking call of torchft's) in a daemon thread and looks at `stop` every
+    `STOP_POLL_S` meanwhile: a signal handler only sets a flag, and the main thread would
+    otherwise see it only when the quorum (up to ``quorum_timeout_s``) or the collective
+    (``timeout_s``) returns. `wait`'s error is raised here.
+
+    Raises:
+      RoundLeft: `stop()` was true first (or already); the thread is left to end with its
+        call or with the process.
+    """
+    if stop():
+        raise RoundLeft
+    done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as e:  # raised in the main thread, below
+            done.put(e)
+        else:
+            done.put(None)
+
+    threading.Thread(target=run, name="xshard-round-wait", daemon=True).start()
+    while True:
+        try:
+            error = done.get(timeout=STOP_POLL_S)
+        except queue.Empty:
+            if stop():
+                raise RoundLeft from None
+            continue
+        if error is not None:
+            raise error
+        return
 
 
 def group_seed(seed: int, group: int) -> int:

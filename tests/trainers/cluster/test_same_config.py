@@ -7,14 +7,7 @@ tests/trainers/cluster/test_multihost_cli.py (``given different configs``).
 from __future__ import annotations
 
 from trainers.cluster.multihost import Cluster
-from trainers.cluster.same_config import (
-    ConfigEntry,
-    StoreSeat,
-    _encode,
-    check_same_config,
-    differences_message,
-    digest,
-)
+from trainers.cluster.same_config import _encode, check_same_config, differences_message, digest
 from trainers.config.plain import PER_PROCESS, flat_config
 
 
@@ -74,43 +67,3 @@ def test_many_differing_keys_are_capped():
 
 def test_one_process_compares_nothing(compose_config):
     check_same_config(Cluster(), flat_config(compose_config()))
-
-
-def test_elastic_groups_of_several_processes_all_read_before_the_config_swap_ends():
-    """2 groups of 2 processes, one group at the quorum's highest step: all 4 processes read
-    its store (torchft gives every rank the same one). The store's host returns only once the
-    2 processes started late have read too (it counted 2 readers, one a group, before)."""
-    import threading
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    from trainers.cluster.same_config import swap_configs
-
-    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    timeout = timedelta(seconds=60)
-    entries = {"a": ConfigEntry(2, {"seed": [0, 0]}), "b": ConfigEntry(2, {"seed": [1, 1]})}
-    read: list[list[ConfigEntry]] = []
-
-    def process(me: str, rank: int) -> None:
-        store = TCPStore("127.0.0.1", host.port, is_master=False, timeout=timeout)
-        seat = StoreSeat(rank, stores=1)
-        read.append(swap_configs(store, "q/", me, entries[me], ["a", "b"], seat, timeout))
-
-    early = [threading.Thread(target=process, args=(g, 0)) for g in ("a", "b")]
-    late = [threading.Thread(target=process, args=(g, 1)) for g in ("a", "b")]
-    for thread in early:
-        thread.start()
-    early[0].join(timeout=0.5)  # the early ones wait for the late ones: they are not done
-    assert all(thread.is_alive() for thread in early)
-    for thread in late:
-        thread.start()
-    for thread in early + late:
-        thread.join(timeout=60)
-    assert host.add("q/read", 0) == 4
-    assert read == [list(entries.values())] * 4
-    assert StoreSeat(0, stores=2).readers(list(entries.values())) == 2  # one store a group
-
-
-def test_elastic_groups_of_one_process_each_read_the_store_once():
-    assert StoreSeat(0, stores=1).readers([ConfigEntry(1, {})] * 3) == 3

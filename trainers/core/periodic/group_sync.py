@@ -100,6 +100,24 @@ def _unflat(flat: jax.Array, like: list[Any]) -> list[jax.Array]:
     return out
 
 
+def _log_left(step: int, seconds: float, join: bool) -> None:
+    """Says, in one line, that a round was left on a stop request and what the group stops
+    with."""
+    then = (
+        "before its first step"
+        if join
+        else f"with step {step}'s state before this sync, a committed one (its checkpoint)"
+    )
+    log.warning(
+        "%s at step %d left on a stop request after %.2f s: this group committed nothing in it "
+        "(its peers retry without it); it stops %s.",
+        "Join" if join else "Sync",
+        step,
+        seconds,
+        then,
+    )
+
+
 class ElasticSync:
     """The sync of an elastic axis (module docstring): its two programs and the exchange.
 
@@ -180,15 +198,7 @@ class ElasticSync:
             lambda: self.snapshot(state),
         )
         if done is None:  # the run's stop request, seen by the loop after this sync
-            log.warning(
-                "%s at step %d left on a stop request after %.2f s: this group committed "
-                "nothing in it (its peers retry without it); it stops with step %d's state "
-                "before this sync, a committed one (its checkpoint, if it writes one).",
-                what,
-                step,
-                time.monotonic() - start,
-                step,
-            )
+            _log_left(step, time.monotonic() - start, join)
             return state, None
         log.info(
             "%s at step %d committed in %.2f s, the mean over %g groups.",

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -174,8 +174,12 @@ def standby_of(cfg: DictConfig) -> Standby | None:
 
 
 @contextlib.contextmanager
-def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None]:
-    """This run's replica group (None: no elastic axis), its manager stopped on exit.
+def open_group(
+    cfg: DictConfig, parts: RunParts, stop: Callable[[], object]
+) -> Iterator[ElasticGroup | None]:
+    """This run's replica group (None: no elastic axis), its manager stopped on exit. `stop`
+    is the run's stop request: a round that waits for its peers when it comes is left
+    (`trainers.cluster.torchft_group.TorchftExchange`).
 
     Raises:
       ConfigError: without the optional extra, or for a mesh where the axis has more than
@@ -197,7 +201,7 @@ def open_group(cfg: DictConfig, parts: RunParts) -> Iterator[ElasticGroup | None
     if programs is None:  # check_elastic refuses an elastic axis that is not periodic
         raise ConfigError(f"{key}: the axis is not periodic.")
     options = GroupOptions(**{f: node[f] for f in GroupOptions._fields})
-    exchange = TorchftExchange(options, key, group_config(cfg, key), current())
+    exchange = TorchftExchange(options, key, group_config(cfg, key), current(), stop)
     try:
         programs.use_exchange(exchange)
         log.info("Replica group %d of %s, lighthouse %s.", options.group, key, options.lighthouse)

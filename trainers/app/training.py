@@ -98,7 +98,7 @@ def _train(cfg: DictConfig, options: RunOptions, stop: StopOnSignal, summary: Ru
     if standby is not None:
         standby.take_over(where.dirs.output_dir)
         source = prepare_dirs(where, options)
-    with open_group(cfg, parts) as group:  # an elastic replica group (else None)
+    with open_group(cfg, parts, stop) as group:  # an elastic replica group (else None)
         started = start(cfg, options, where, parts, source, stop, group, warm)
         parts, started = choose_path(options, where, parts, started, started.source, summary, cache)
         return _fit(cfg, options, where, parts, started, stop, summary)

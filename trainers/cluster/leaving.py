@@ -2,7 +2,9 @@
 
 A process that fails alone must not wait in JAX's shutdown barrier for peers that will never
 get there, so it flushes what it wrote and ends at once (`flush_and_exit`); its peers learn its
-exit status through JAX's key-value store, under `KV_PREFIX`.
+exit status through JAX's key-value store, under `KV_PREFIX`. Nor must a process wait for a
+thread of its own that still waits on the network (`held_by_threads`: a torchft quorum that
+an elastic group left on a stop request runs until ``quorum_timeout_s``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from typing import NoReturn
 
 #: Exit statuses every process of a run reaches together (done, preempted after saving).
@@ -21,6 +24,10 @@ AGREED_EXITS = (0, 75)
 EXIT_GRACE_S = 5.0
 #: Key prefix of xshard's entries in JAX's key-value store.
 KV_PREFIX = "xshard/"
+#: Names (prefixes) of threads that may still wait on the network once the run has ended, up to
+#: their own timeout: torchft's quorum (its ``Manager``'s executor), when an elastic group left
+#: a round on a stop request (`trainers.cluster.torchft_group`).
+LEFT_WAITING = ("async_quorum",)
 
 
 def flush_and_exit(code: int) -> NoReturn:
@@ -32,3 +39,9 @@ def flush_and_exit(code: int) -> NoReturn:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def held_by_threads() -> bool:
+    """Whether a normal exit would wait for one of the `LEFT_WAITING` threads, still running
+    (the interpreter joins every thread that is not a daemon before it exits)."""
+    return any(t.name.startswith(LEFT_WAITING) and t.is_alive() for t in threading.enumerate())

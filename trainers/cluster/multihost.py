@@ -37,7 +37,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from trainers.cluster import join
 from trainers.cluster.join import init_distributed
-from trainers.cluster.leaving import AGREED_EXITS, EXIT_GRACE_S, KV_PREFIX, flush_and_exit
+from trainers.cluster.leaving import (
+    AGREED_EXITS,
+    EXIT_GRACE_S,
+    KV_PREFIX,
+    flush_and_exit,
+    held_by_threads,
+)
 from trainers.exits import PeerError
 
 if TYPE_CHECKING:
@@ -222,7 +228,9 @@ def join_cluster(opts: DistributedOptions) -> Cluster:
 def exit_process(code: int) -> NoReturn:
     """Ends this process with `code`, telling the other processes of the run first.
 
-    One process: ``sys.exit(code)``. Several: the peers' watchdogs learn the status; a status
+    One process: ``sys.exit(code)``, or ``os._exit`` after the logs are flushed where a thread
+    a normal exit would join still waits (`leaving.held_by_threads`). Several: the peers'
+    watchdogs learn the status; a status
     every process reaches together (`AGREED_EXITS`) ends through the interpreter's normal exit
     (JAX's shutdown barrier waits for all); any other ends at once (``os._exit``, after the
     logs are flushed), so that it never waits for peers that may be stuck: process 0, which
@@ -232,6 +240,8 @@ def exit_process(code: int) -> NoReturn:
     if join.abandoned():  # JAX's join is still running: a normal exit would wait for it
         flush_and_exit(code)
     if cluster.count == 1:
+        if held_by_threads():  # a torchft quorum left waiting: a normal exit would wait too
+            flush_and_exit(code)
         sys.exit(code)
     cluster.announce_exit(code)
     if code in AGREED_EXITS:

@@ -12,15 +12,19 @@ refuses with the same one line naming the keys that differ and each process's va
 (`ConfigError`, exit status 2).
 
 Keys that legitimately differ between processes are left out
-(`trainers.config.plain.PER_PROCESS`).
+(`trainers.config.plain.PER_PROCESS`). Elastic replica groups, each its own run, swap their
+entries through a torchft quorum's store instead (`swap_configs`,
+`trainers.cluster.torchft_group`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from datetime import timedelta
+from typing import Any, NamedTuple
 
 from trainers.cluster.multihost import Cluster
 from trainers.config.plain import PER_PROCESS
@@ -133,3 +137,50 @@ def _members(indices: list[int], noun: str) -> str:
     text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
     plural = f"{noun}es" if noun.endswith("s") else f"{noun}s"
     return f"{noun} {text}" if len(indices) == 1 else f"{plural} {text}"
+
+
+class ConfigEntry(NamedTuple):
+    """What each process of a group writes in a quorum's store when the groups' configs
+    differ: its group's process count and flattened config (`config_entries`)."""
+
+    processes: int
+    config: Any
+
+
+class StoreSeat(NamedTuple):
+    """Which store of a quorum a process uses. torchft 0.2.0 gives rank `rank` of every group
+    the store of the ``rank % stores``-th group at the quorum's highest step, `stores` being
+    their number (``max_world_size``): so every group's ranks ``r = rank (mod stores)`` read
+    the same store."""
+
+    rank: int
+    stores: int
+
+    def readers(self, entries: list[ConfigEntry]) -> int:
+        """How many processes read this store: those ranks of every group (`entries`, one a
+        group)."""
+        return sum(len(range(self.rank % self.stores, e.processes, self.stores)) for e in entries)
+
+
+def swap_configs(
+    store: Any,
+    prefix: str,
+    me: str,
+    mine: ConfigEntry,
+    members: list[str],
+    seat: StoreSeat,
+    timeout: timedelta,
+) -> list[ConfigEntry]:
+    """Every member's `ConfigEntry` through `store` (keys under `prefix`; `me`: this group's
+    replica id, among `members`). Returns once every process reading the store has read
+    (`StoreSeat.readers`: with groups of several processes, more than one a group), or after
+    `timeout`: the store's host may exit next (a group refused at its join), and a process
+    that read nothing yet would meet no store.
+    """
+    store.set(prefix + me, json.dumps(mine))
+    everyone = [ConfigEntry(*json.loads(store.get(prefix + r))) for r in members]
+    store.add(prefix + "read", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add(prefix + "read", 0) < seat.readers(everyone) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return everyone

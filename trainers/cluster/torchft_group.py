@@ -15,6 +15,11 @@ its piece of the vectors:
 3. ``should_commit``: the group votes; a round whose collective failed (a peer died in it) is
    not committed and is retried with the new quorum, up to ``max_retries`` times in a row.
 
+A stop signal (the run's `trainers.cluster.preemption.StopOnSignal`) only sets a flag, which
+the main thread would see only once a wait of torchft's returns: a group of one process polls
+it while it waits for its quorum or its collective and leaves the round at once (`round`
+returns None; the group stops as any preempted run, with its state from before the sync).
+
 torch and torchft are imported by this module only (and `trainers.cluster.torchft_listen`, which
 makes the group's store, manager server, checkpoint server and gloo connections listen on
 ``elastic.host`` only), which the app imports only for an elastic axis (the optional extra
@@ -24,10 +29,10 @@ makes the group's store, manager server, checkpoint server and gloo connections 
 
 from __future__ import annotations
 
-import json
 import logging
+import queue
 import re
-import time
+import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -39,7 +44,14 @@ from torchft.checkpointing.http_transport import HTTPTransport
 from torchft.manager import REPLICA_ID_KEY, Manager
 
 from trainers.cluster.multihost import Cluster
-from trainers.cluster.same_config import config_digest, config_entries, listed_differences
+from trainers.cluster.same_config import (
+    ConfigEntry,
+    StoreSeat,
+    config_digest,
+    config_entries,
+    listed_differences,
+    swap_configs,
+)
 from trainers.cluster.standby import JOINING
 from trainers.cluster.torchft_listen import Address, GlooOn, resolve, servers_on, tcp_store
 from trainers.core.periodic.group_sync import GroupState, Round
@@ -52,6 +64,13 @@ log = logging.getLogger(__name__)
 #: A group's replica id at the lighthouse: its config's digest and its id (torchft appends
 #: ``:<uuid>`` and takes the trailing digits before it as the group's rank).
 _REPLICA_ID = re.compile(r"^cfg-([0-9a-f]+)-group_([0-9]+):")
+#: Seconds between two looks at the run's stop request while a round waits for torchft.
+STOP_POLL_S = 0.1
+
+
+class RoundLeft(Exception):
+    """A stop request came while a round waited for its quorum or its collective
+    (`wait_unless_stopped`)."""
 
 
 class GroupOptions(NamedTuple):
@@ -121,6 +140,10 @@ class TorchftExchange:
         with its peers' at each new quorum: `_check_peers`).
       cluster: the group's processes (`jax.distributed`); each runs a manager of its rank,
         process 0 hosts the group's store and learns its address to the others.
+      stop: the run's stop request (`trainers.cluster.preemption.StopOnSignal`): a group of
+        one process leaves a round that waits when it comes (`round`). A group of several
+        ignores it in a round (its processes could leave it at different points) and stops
+        after the round, as before.
     """
 
     def __init__(
@@ -129,6 +152,7 @@ class TorchftExchange:
         axis_key: str,
         config: Mapping[str, Any],
         cluster: Cluster,
+        stop: Callable[[], object],
     ):
         torch.set_num_threads(1)  # the devices are JAX's; torch only sums a vector
         self.options, self.key, self.config = options, axis_key, config
@@ -136,6 +160,8 @@ class TorchftExchange:
         self._healed: GroupState | None = None
         self._checked: Any = None  # the last quorum whose members were checked
         self._quiet = _FirstLine()
+        self._stop = stop if cluster.count == 1 else lambda: False
+        self._rank, self._processes = cluster.index, cluster.count
         logging.getLogger("torchft.manager").addFilter(self._quiet)
         address = resolve(options.host, axis_key)  # every server listens there only
         self._store = tcp_store(address) if cluster.lead else None  # else process 0's:
@@ -183,28 +209,29 @@ class TorchftExchange:
         """torchft's load_state_dict: a live peer's state, used when the round commits."""
         self._healed = GroupState(*state)
 
-    def round(self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]) -> Round:
+    def round(
+        self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]
+    ) -> Round | None:
         """One committed round (module docstring): the mean of the groups' deltas weighted by
         their `weight` (None when the weights sum to 0) and the peer state loaded, if any.
+        None: a stop request came while the round waited (`wait_unless_stopped`); the round is
+        left, committed by no one here (its peers' fails and is retried without this group).
 
         Raises:
           GroupLost: after ``max_retries + 1`` rounds in a row that did not commit.
         """
-        manager, healed = self.manager, None
+        healed = None
         message = np.append(np.asarray(delta, np.float32) * np.float32(weight), np.float32(weight))
         if not weight:
             log.info("Group %d %s (waiting for their next sync).", self.options.group, JOINING)
         for attempt in range(self.options.max_retries + 1):
             self._snapshot, self._healed = snapshot, None
-            manager.start_quorum()
-            manager.wait_quorum()
-            self._check_peers(joining=not weight)
-            tensor = torch.from_numpy(message.copy())
-            manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
-            committed = manager.should_commit()
+            try:
+                total = self._attempt(message, joining=not weight)
+            except RoundLeft:
+                return None
             healed = self._healed or healed  # loaded before the vote, whatever it says
-            if committed:
-                total = tensor.numpy()
+            if total is not None:
                 if healed is not None:
                     log.info(
                         "Group %d rejoined at step %d from a live peer.",
@@ -223,6 +250,22 @@ class TorchftExchange:
             f"{self.key}.max_retries={self.options.max_retries}: {self.options.max_retries + 1} "
             "syncs in a row did not commit (peers lost or unreachable); the group stops."
         )
+
+    def _attempt(self, message: np.ndarray, joining: bool) -> np.ndarray | None:
+        """One try of a round: the quorum, the sum of `message` over it, the vote. The sum if
+        the round committed, else None.
+
+        Raises:
+          RoundLeft: a stop request came while it waited for its quorum or its collective.
+        """
+        manager = self.manager
+        manager.start_quorum()
+        wait_unless_stopped(manager.wait_quorum, self._stop)
+        self._check_peers(joining=joining)
+        tensor = torch.from_numpy(message.copy())
+        summed = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        wait_unless_stopped(summed.wait, self._stop)
+        return tensor.numpy() if manager.should_commit() else None
 
     def _check_peers(self, joining: bool) -> None:
         """Checks a new quorum's members: no other group with this group's id, and every
@@ -259,19 +302,17 @@ class TorchftExchange:
         )
 
     def _config_differences(self, quorum: Any, ids: dict[str, int]) -> str:
-        """The groups' configs swapped through the quorum's store (every member of the quorum
-        does it: they all saw the digests differ); the line naming the keys that differ."""
+        """The groups' configs swapped through the quorum's store (every process of every
+        member does it: they all saw the digests differ); the line naming the keys that
+        differ."""
         host, port = quorum.store_address.rsplit(":", 1)
         timeout = timedelta(seconds=self.options.timeout_s)
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        mine = ConfigEntry(self._processes, config_entries(self.config))
+        where = StoreSeat(self._rank, quorum.max_world_size)
         prefix = f"xshard/config/{quorum.quorum_id}/"
-        store.set(prefix + self.replica_id, json.dumps(config_entries(self.config)))
-        everyone = [json.loads(store.get(prefix + r)) for r in ids]
-        store.add(prefix + "read", 1)  # the store's host must outlive every member's reads
-        deadline = time.monotonic() + self.options.timeout_s
-        while store.add(prefix + "read", 0) < len(ids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        listed = listed_differences(everyone, list(ids.values()), "group")
+        everyone = swap_configs(store, prefix, self.replica_id, mine, list(ids), where, timeout)
+        listed = listed_differences([e.config for e in everyone], list(ids.values()), "group")
         return (
             f"{self.key}: the groups run different configs: {listed}. Every group must run "
             "the same config but the keys left out of this check (docs/reductions.md)."
@@ -281,6 +322,41 @@ class TorchftExchange:
         """Stops the manager's servers (this group leaves the quorum)."""
         self.manager.shutdown(wait=False)
         logging.getLogger("torchft.manager").removeFilter(self._quiet)
+
+
+def wait_unless_stopped(wait: Callable[[], object], stop: Callable[[], object]) -> None:
+    """Runs `wait` (a blocking call of torchft's) in a daemon thread and looks at `stop` every
+    `STOP_POLL_S` meanwhile: a signal handler only sets a flag, and the main thread would
+    otherwise see it only when the quorum (up to ``quorum_timeout_s``) or the collective
+    (``timeout_s``) returns. `wait`'s error is raised here.
+
+    Raises:
+      RoundLeft: `stop()` was true first (or already); the thread is left to end with its
+        call or with the process.
+    """
+    if stop():
+        raise RoundLeft
+    done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as e:  # raised in the main thread, below
+            done.put(e)
+        else:
+            done.put(None)
+
+    threading.Thread(target=run, name="xshard-round-wait", daemon=True).start()
+    while True:
+        try:
+            error = done.get(timeout=STOP_POLL_S)
+        except queue.Empty:
+            if stop():
+                raise RoundLeft from None
+            continue
+        if error is not None:
+            raise error
+        return
 
 
 def group_seed(seed: int, group: int) -> int:

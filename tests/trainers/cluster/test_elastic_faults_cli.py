@@ -4,8 +4,10 @@ trainers.elastic lighthouse``, a fixture of this module, or one of the test's ow
 that joins with another config, or with an id another group has, is refused with one line
 (exit 2) and the group that was there logs the same line and trains to its end; a SIGSTOP'd
 group is dropped, and SIGCONT'd is refused (exit 4, one line); the groups go on after the
-lighthouse is killed and restarted; a group restarted after the others finished resumes from
-its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in all."""
+lighthouse is killed and restarted; a group waiting in its quorum leaves it on SIGTERM (exit
+75, its checkpoint from before the sync) and, restarted after the others are gone, resumes
+from its own checkpoint alone. docs/reliability.md has the table of these faults. ~6 min in
+all."""
 
 from __future__ import annotations
 
@@ -162,14 +164,14 @@ def test_a_stopped_group_is_dropped_and_refused_cleanly_once_continued(lighthous
     assert not (dumps / "g1" / "step24.process0.npz").exists()  # its sync at 24 never applied
 
 
-def start_lighthouse(bind: str) -> subprocess.Popen:
-    """A lighthouse of its own on `bind` (this test kills it), whose quorums need both groups:
-    the restarted one would otherwise commit group 0's next sync alone if group 0's heartbeat
-    reached it first, leaving group 1 behind (exit 4: restarted, it rejoins; no supervisor
-    here)."""
+def start_lighthouse(bind: str, min_groups: int = 2) -> subprocess.Popen:
+    """A lighthouse of its own on `bind` (the test kills it), whose quorums need `min_groups`
+    groups: with both groups, the restarted one would otherwise commit group 0's next sync alone
+    if group 0's heartbeat reached it first, leaving group 1 behind (exit 4: restarted, it
+    rejoins; no supervisor here)."""
     command = [
         sys.executable, "-m", "trainers.elastic", "lighthouse", "--bind", bind,
-        "--min-groups", "2", "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
+        "--min-groups", str(min_groups), "--heartbeat-timeout-s", "1", "--join-timeout-s", "20",
     ]  # fmt: skip
     return subprocess.Popen(command, cwd=REPO, env=ENV, stderr=subprocess.DEVNULL)
 
@@ -211,37 +213,63 @@ def test_groups_go_on_after_the_lighthouse_is_killed_and_restarted(tmp_path):
     assert "Traceback" not in out[0] + out[1]
 
 
-def test_a_group_restarted_after_the_others_finished_resumes_alone(lighthouse, tmp_path):
-    """Group 1 killed (SIGKILL) after its checkpoint at step 16; group 0 trains to its end
-    without it; group 1 restarted then (no peer left) resumes from its own checkpoint and
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Waits until `text` is in `log`, the output of `proc`, while `proc` runs."""
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def test_a_group_stopped_in_its_quorum_leaves_it_and_resumes_alone_after_the_others(tmp_path):
+    """Group 1 held after step 20 (a hook; its heartbeats go on): group 0 waits in the quorum of
+    its sync at step 24 (the lighthouse, ``--min-groups 2``, forms none of one group). SIGTERM
+    there leaves the round at once, not after ``quorum_timeout_s=120``: exit 75 with the
+    checkpoint of step 24 from before the sync. Group 1 killed, the lighthouse restarted with
+    ``--min-groups 1``: group 0 restarted (no peer left) resumes from its own checkpoint and
     trains alone to its end."""
-    dumps, procs, logs, commands = tmp_path / "dumps", {}, {}, {}
-    for gid in (0, 1):
-        hooks = (
-            "trainer.hooks=[{_target_:tests.multihost_hooks.Pace,seconds:0.1},"
-            f"{{_target_:tests.multihost_hooks.DumpOuter,dir:'{dumps}/g{gid}',every:{EVERY}}}]"
-        )
-        logs[gid] = tmp_path / f"g{gid}.log"
-        commands[gid] = [
-            *group(lighthouse, gid, tmp_path / f"g{gid}", hooks),
-            "checkpoint.enabled=true", f"checkpoint.every_steps={EVERY}",
-            "checkpoint.async_save=false",
-        ]  # fmt: skip
-        with open(logs[gid], "w") as out:
-            procs[gid] = subprocess.Popen(commands[gid], cwd=REPO, env=ENV, stdout=out, stderr=out)
+    bind, procs, logs = f"127.0.0.1:{free_port()}", {}, {}
+    house = start_lighthouse(bind)
+    command = [
+        f"{KEY}.quorum_timeout_s=120", "checkpoint.enabled=true",
+        f"checkpoint.every_steps={EVERY}", "checkpoint.async_save=false",
+    ]  # fmt: skip
+    held = (
+        "trainer.hooks=[{_target_:tests.multihost_hooks.WaitForText,"
+        f"path:'{tmp_path / 'never'}',text:go,count:1,step:20,timeout:200}}]"
+    )
     try:
-        wait_for(tmp_path / "g1" / "checkpoints" / "16", procs[1], logs[1])
-        os.kill(procs[1].pid, signal.SIGKILL)
-        assert procs[0].wait(timeout=240) == 0, logs[0].read_text()[-3000:]
+        for gid, hooks in ((0, "trainer.hooks=[]"), (1, held)):
+            logs[gid] = tmp_path / f"g{gid}.log"
+            with open(logs[gid], "w") as out:
+                procs[gid] = subprocess.Popen(
+                    group(bind, gid, tmp_path / f"g{gid}", *command, hooks),
+                    cwd=REPO, env=ENV, stdout=out, stderr=out,
+                )  # fmt: skip
+        wait_for_text(logs[0], "Sync at step 24: exchanging with the other groups.", procs[0])
+        time.sleep(1.0)  # its quorum request is out
+        procs[0].send_signal(signal.SIGTERM)
+        stopped = procs[0].wait(timeout=30)  # a bound, well under quorum_timeout_s
     finally:
-        for proc in procs.values():
+        for proc in (house, *procs.values()):
             proc.kill()
             proc.wait()
-    with open(tmp_path / "g1.restart.log", "w") as out:
-        again = subprocess.run(commands[1], cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240)
-    restart = (tmp_path / "g1.restart.log").read_text()
+    house = start_lighthouse(bind, min_groups=1)
+    try:
+        with open(tmp_path / "g0.restart.log", "w") as out:
+            again = subprocess.run(
+                group(bind, 0, tmp_path / "g0", *command, "trainer.hooks=[]"),
+                cwd=REPO, env=ENV, stdout=out, stderr=out, timeout=240,
+            )  # fmt: skip
+    finally:
+        house.kill()
+        house.wait()
+    first, restart = logs[0].read_text(), (tmp_path / "g0.restart.log").read_text()
+    assert stopped == 75, first[-3000:]
+    assert "Sync at step 24 left on a stop request" in first, first[-3000:]
+    assert last_line(first).startswith("xshard: preempted: Stopped by SIGTERM at step 24 of 32;")
     assert again.returncode == 0, restart[-3000:]
-    assert "Restored step 16 from" in restart, restart[-3000:]  # its own checkpoint
-    assert "(16 trained in this run)" in restart and "Group 1 rejoined" not in restart
-    assert (dumps / "g1" / "step32.process0.npz").exists()
-    assert "Traceback" not in logs[0].read_text() + restart
+    assert "Restored step 24 from" in restart, restart[-3000:]  # its own checkpoint
+    assert "(8 trained in this run)" in restart and "Group 0 rejoined" not in restart
+    assert (tmp_path / "g0" / "checkpoints" / "32").exists()
+    assert "Traceback" not in first + restart + logs[1].read_text()

@@ -1,6 +1,8 @@
 """Elastic replica groups (reduction.axes.<axis>.elastic): the keys' one-line errors, the
-trust rule on the lighthouse, and a run without the optional extra. Cheap: no process, no
-torchft server (the end-to-end runs are in test_elastic_groups_cli.py)."""
+trust rule on the lighthouse, and a run without the optional extra; a round's wait left on a
+stop signal, and the config swap of groups of several processes through a real TCPStore
+(torch imported in this module only). Cheap: no process, no torchft server (the end-to-end
+runs are in test_elastic_groups_cli.py)."""
 
 from __future__ import annotations
 
@@ -145,3 +147,71 @@ def test_a_standby_whose_stdin_is_not_its_supervisors_pipe_is_one_line_naming_th
     line = str(e.value)
     assert line.startswith(f"{key}.standby=true: a standby takes over when its supervisor")
     assert "python -m trainers.elastic run --standby" in line and "\n" not in line
+
+
+def test_a_wait_for_peers_is_left_on_a_stop_signal_and_its_own_error_comes_through():
+    """`wait_unless_stopped`, what a round waits through (torchft's quorum, its collective):
+    a wait that would block for good (peers that never come) is left once a real stop signal
+    reached this process's `StopOnSignal`; a stop already requested does not start it; the
+    wait's own error is raised in the caller, and a wait that returns returns."""
+    import signal
+    import threading
+
+    from trainers.cluster.preemption import StopOnSignal
+    from trainers.cluster.torchft_group import RoundLeft, wait_unless_stopped
+
+    def fails() -> None:
+        raise TimeoutError("quorum timed out")
+
+    never = threading.Event()
+    with StopOnSignal([signal.SIGUSR2]) as stop:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(RoundLeft):
+            wait_unless_stopped(never.wait, stop)
+        with pytest.raises(RoundLeft):
+            wait_unless_stopped(fails, stop)
+    with pytest.raises(TimeoutError, match="quorum timed out"):
+        wait_unless_stopped(fails, lambda: False)
+    wait_unless_stopped(lambda: None, lambda: False)
+
+
+def test_elastic_groups_of_several_processes_all_read_before_the_config_swap_ends():
+    """2 groups of 2 processes, one group at the quorum's highest step: all 4 processes read
+    its store (torchft gives every rank the same one). The store's host returns only once the
+    2 processes started late have read too (it counted 2 readers, one a group, before)."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from trainers.cluster.same_config import ConfigEntry, StoreSeat, swap_configs
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=60)
+    entries = {"a": ConfigEntry(2, {"seed": [0, 0]}), "b": ConfigEntry(2, {"seed": [1, 1]})}
+    read: list[list[ConfigEntry]] = []
+
+    def process(me: str, rank: int) -> None:
+        store = TCPStore("127.0.0.1", host.port, is_master=False, timeout=timeout)
+        seat = StoreSeat(rank, stores=1)
+        read.append(swap_configs(store, "q/", me, entries[me], ["a", "b"], seat, timeout))
+
+    early = [threading.Thread(target=process, args=(g, 0)) for g in ("a", "b")]
+    late = [threading.Thread(target=process, args=(g, 1)) for g in ("a", "b")]
+    for thread in early:
+        thread.start()
+    early[0].join(timeout=0.5)  # the early ones wait for the late ones: they are not done
+    assert all(thread.is_alive() for thread in early)
+    for thread in late:
+        thread.start()
+    for thread in early + late:
+        thread.join(timeout=60)
+    assert host.add("q/read", 0) == 4
+    assert read == [list(entries.values())] * 4
+    assert StoreSeat(0, stores=2).readers(list(entries.values())) == 2  # one store a group
+
+
+def test_elastic_groups_of_one_process_each_read_the_store_once():
+    from trainers.cluster.same_config import ConfigEntry, StoreSeat
+
+    assert StoreSeat(0, stores=1).readers([ConfigEntry(1, {})] * 3) == 3

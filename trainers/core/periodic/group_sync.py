@@ -78,9 +78,12 @@ class Exchange(Protocol):
     """Averages a vector over the replica groups (torchft's:
     `trainers.cluster.torchft_group.TorchftExchange`)."""
 
-    def round(self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]) -> Round:
+    def round(
+        self, delta: np.ndarray, weight: float, snapshot: Callable[[], GroupState]
+    ) -> Round | None:
         """Sends `delta` with `weight` (0: nothing to average, e.g. joining) and returns the
-        committed `Round`; `snapshot()` is this group's state, for a peer that needs it."""
+        committed `Round`; `snapshot()` is this group's state, for a peer that needs it.
+        None: the round was left on a stop request (this group commits nothing in it)."""
         ...
 
 
@@ -95,6 +98,24 @@ def _unflat(flat: jax.Array, like: list[Any]) -> list[jax.Array]:
         out.append(flat[start : start + size].reshape(x.shape).astype(x.dtype))
         start += size
     return out
+
+
+def _log_left(step: int, seconds: float, join: bool) -> None:
+    """Says, in one line, that a round was left on a stop request and what the group stops
+    with."""
+    then = (
+        "before its first step"
+        if join
+        else f"with step {step}'s state before this sync, a committed one (its checkpoint)"
+    )
+    log.warning(
+        "%s at step %d left on a stop request after %.2f s: this group committed nothing in it "
+        "(its peers retry without it); it stops %s.",
+        "Join" if join else "Sync",
+        step,
+        seconds,
+        then,
+    )
 
 
 class ElasticSync:
@@ -159,7 +180,8 @@ class ElasticSync:
         nothing and takes a peer's state and step if it is behind). `apply(state, mean)` is the
         compiled apply program. Each process sends its piece of the delta vector
         (`local_arrays.local_vector`) and rebuilds the mean from its piece of it. Returns the
-        state and the sync's statistics (None: no sync applied).
+        state and the sync's statistics (None: no sync applied, as when a stop request left
+        the round: `state` as it was).
 
         Raises:
           GroupLost: a peer's state arrived at another step outside a join.
@@ -175,6 +197,9 @@ class ElasticSync:
             0.0 if join else 1.0,
             lambda: self.snapshot(state),
         )
+        if done is None:  # the run's stop request, seen by the loop after this sync
+            _log_left(step, time.monotonic() - start, join)
+            return state, None
         log.info(
             "%s at step %d committed in %.2f s, the mean over %g groups.",
             what,

@@ -30,7 +30,6 @@ makes the group's store, manager server, checkpoint server and gloo connections 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -336,27 +335,25 @@ def wait_unless_stopped(wait: Callable[[], object], stop: Callable[[], object]) 
     """
     if stop():
         raise RoundLeft
-    done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+    failed: list[BaseException] = []  # the thread's error, raised here
+    finished = threading.Event()
 
     def run() -> None:
         try:
             wait()
-        except BaseException as e:  # raised in the main thread, below
-            done.put(e)
-        else:
-            done.put(None)
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            finished.set()
 
     threading.Thread(target=run, name="xshard-round-wait", daemon=True).start()
-    while True:
-        try:
-            error = done.get(timeout=STOP_POLL_S)
-        except queue.Empty:
-            if stop():
-                raise RoundLeft from None
-            continue
-        if error is not None:
-            raise error
-        return
+    # Event.wait, not SimpleQueue.get(timeout=): on CPython 3.11 a signal handled during the
+    # latter's timed wait leaves it waiting for good (seen: the poll never came back).
+    while not finished.wait(STOP_POLL_S):
+        if stop():
+            raise RoundLeft
+    if failed:
+        raise failed[0]
 
 
 def group_seed(seed: int, group: int) -> int:

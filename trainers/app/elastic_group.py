@@ -30,24 +30,15 @@ log = logging.getLogger(__name__)
 
 #: What the optional extra adds (``--help`` and the missing-extra message say it).
 EXTRA = "pip install 'xshard[elastic]' (CPU torch and torchft: elastic replica groups)"
-#: Keys that may differ between the groups of a job, besides the elastic node itself (its
-#: ``group``, ``host`` and timeouts) and `trainers.config.plain.PER_PROCESS`: ``trainer.hooks``
-#: observe a run (a hook may write to a folder named after the group) and do not change what
-#: it trains. Every other key must be equal, or a joining group is refused.
-PER_GROUP = ("trainer.hooks",)
 
 
 def group_config(cfg: DictConfig, key: str) -> dict[str, Any]:
-    """The run's flattened config that every group must share: less `PER_GROUP` and the
-    elastic node `key` (`trainers.config.plain.flat_config` leaves out ``PER_PROCESS``)."""
-    from trainers.config.plain import flat_config
+    """The run's flattened config that every group must share: less
+    `trainers.config.plain.PER_GROUP` and the elastic node `key`
+    (`trainers.config.plain.flat_config` leaves out ``PER_PROCESS``)."""
+    from trainers.config.plain import PER_GROUP, flat_config, under
 
-    left_out = (key, *PER_GROUP)
-    return {
-        k: v
-        for k, v in flat_config(cfg).items()
-        if not any(k == o or k.startswith(f"{o}.") for o in left_out)
-    }
+    return {k: v for k, v in flat_config(cfg).items() if not under(k, (key, *PER_GROUP))}
 
 
 def elastic_key(axis: str) -> str:

@@ -8,9 +8,12 @@ counted). In each run group 1 is killed (SIGKILL) once both groups committed syn
 ``--standby``, once its standby logged that it is ready); the seconds from the kill to each
 line of group 1's log that marks a section of its comeback (its time stamps) are recorded:
 the standby taking over (or the restarted process's first line), its manager started
-(``Replica group 1 of``), its join round (``joining its peers``) and ``rejoined at step``.
-Writes JSON to ``--out`` (default ``benchmarks/elastic_rejoin_results.json``) with the load
-average at each kill.
+(``Replica group 1 of``), its join round (``joining its peers``) and ``rejoined at step``;
+and the *stall* of the peer (group 0) at the rejoin: the seconds of its sync whose round group 1
+rejoined in (``join_round_sync_s``: the quorum waited for group 1 to ask) and of its next sync
+(``next_sync_s``: it waited for group 1's work after the heal), from group 0's ``Sync at step
+N committed in X s`` lines. Writes JSON to ``--out`` (default
+``benchmarks/elastic_rejoin_results.json``) with the load average at each kill.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.elastic_goodput import REPO, free_port
-from benchmarks.elastic_logs import last_sync, stamp
+from benchmarks.elastic_logs import COMMIT, last_sync, stamp
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "elastic_rejoin_results.json"
 #: The lines of a comeback, in order (the first line of a restarted process: any line).
@@ -37,6 +41,8 @@ MARKS = {
     "join_round": "Group 1 joining its peers",
     "rejoined": "Group 1 rejoined at step",
 }
+#: The step a rejoined group took from its peer (the peer's sync step of that round).
+REJOINED = re.compile(r"Group 1 rejoined at step (\d+)")
 
 
 def command(task: str, steps: int, out: Path, cache: Path, standby: bool) -> list[str]:
@@ -85,6 +91,8 @@ def one_run(task: str, steps: int, out: Path, cache: Path, standby: bool) -> dic
             os.kill(int((out / "group_1.pid").read_text()), signal.SIGKILL)
             killed = time.time()
             wait_until(lambda: MARKS["rejoined"] in text(log1)[offset:], "the rejoin")
+            step = int(REJOINED.findall(text(log1)[offset:])[0])
+            wait_until(lambda: last_sync(text(out / "group_0.log")) >= step + 8, "the next sync")
         finally:
             os.killpg(proc.pid, signal.SIGKILL)  # the supervisor, its groups and standbys
             proc.wait(timeout=120)
@@ -95,7 +103,23 @@ def one_run(task: str, steps: int, out: Path, cache: Path, standby: bool) -> dic
         found = [t for t, ln in stamped if mark in ln]
         if found:
             seconds[name] = round(found[0] - killed, 2)
-    return {"standby": standby, "load_avg_at_kill": load, "seconds_after_kill": seconds}
+    return {
+        "standby": standby,
+        "load_avg_at_kill": load,
+        "seconds_after_kill": seconds,
+        "peer_stall_s": peer_stall(text(out / "group_0.log"), step),
+    }
+
+
+def peer_stall(log0: str, step: int) -> dict[str, float]:
+    """Group 0's syncs at the rejoin: the one whose round group 1 rejoined in (at `step`)
+    and the next (module docstring), their seconds from group 0's commit lines."""
+    synced = {int(m.group(1)): float(m.group(2)) for m in COMMIT.finditer(log0)}
+    nxt = min((s for s in synced if s > step), default=None)
+    return {
+        "join_round_sync_s": synced.get(step, float("nan")),
+        "next_sync_s": synced[nxt] if nxt is not None else float("nan"),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

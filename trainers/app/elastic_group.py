@@ -30,24 +30,15 @@ log = logging.getLogger(__name__)
 
 #: What the optional extra adds (``--help`` and the missing-extra message say it).
 EXTRA = "pip install 'xshard[elastic]' (CPU torch and torchft: elastic replica groups)"
-#: Keys that may differ between the groups of a job, besides the elastic node itself (its
-#: ``group``, ``host`` and timeouts) and `trainers.config.plain.PER_PROCESS`: ``trainer.hooks``
-#: observe a run (a hook may write to a folder named after the group) and do not change what
-#: it trains. Every other key must be equal, or a joining group is refused.
-PER_GROUP = ("trainer.hooks",)
 
 
 def group_config(cfg: DictConfig, key: str) -> dict[str, Any]:
-    """The run's flattened config that every group must share: less `PER_GROUP` and the
-    elastic node `key` (`trainers.config.plain.flat_config` leaves out ``PER_PROCESS``)."""
-    from trainers.config.plain import flat_config
+    """The run's flattened config that every group must share: less
+    `trainers.config.plain.PER_GROUP` and the elastic node `key`
+    (`trainers.config.plain.flat_config` leaves out ``PER_PROCESS``)."""
+    from trainers.config.plain import PER_GROUP, flat_config, under
 
-    left_out = (key, *PER_GROUP)
-    return {
-        k: v
-        for k, v in flat_config(cfg).items()
-        if not any(k == o or k.startswith(f"{o}.") for o in left_out)
-    }
+    return {k: v for k, v in flat_config(cfg).items() if not under(k, (key, *PER_GROUP))}
 
 
 def elastic_key(axis: str) -> str:
@@ -92,14 +83,23 @@ class ElasticGroup:
         behind them (its step, outer and inner optimizer states). It waits there for the
         others' next sync (a live group asks for a quorum only at its syncs).
 
-        The `trainer`'s step programs are compiled first (for batches like `batch`, those
-        steps ``state.step + 1 .. opts.steps`` meet: a peer's later step meets fewer), and
-        the sync's in the round: once this group joined, the others wait for it at their
-        next sync, which must not wait for its compilation too.
+        What the run will compile is compiled first (`compile_ahead`): once this group
+        joined, the others wait for it at their next sync, which must not wait for its
+        compilation too.
         """
-        first = int(np.asarray(state.step)) + 1
-        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
+        compile_ahead(trainer, state, batch, opts)
         return self.programs.join(state, self.shardings)
+
+
+def compile_ahead(trainer: Any, state: Any, batch: Any, opts: TrainerOptions) -> None:
+    """Compiles, for the `trainer`'s states like `state` and batches like `batch`, the step
+    programs of the steps ``state.step + 1 .. opts.steps`` (a peer's later step meets fewer)
+    and the elastic sync's (delta, apply, heal:
+    `trainers.core.periodic.sync.PeriodicPrograms.compile_elastic`), those not compiled yet."""
+    first = int(np.asarray(state.step)) + 1
+    trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
+    if trainer.periodic_programs is not None:  # open_group refuses an axis that is not periodic
+        trainer.periodic_programs.compile_elastic(state, trainer.state_shardings)
 
 
 def group_run(cfg: DictConfig, options: RunOptions, parts: RunParts) -> tuple[RunOptions, RunParts]:
@@ -124,9 +124,9 @@ class Standby:
     group: int
 
     def compile(self, trainer: Any, state: Any, batch: Any, opts: TrainerOptions) -> None:
-        """Compiles the step programs of every step a peer may be at (from step 1 on)."""
-        first = int(np.asarray(state.step)) + 1
-        trainer.compile_run(state, batch, first, opts.steps, opts.stat_periods)
+        """Compiles the step programs of every step a peer may be at (from `state`'s, a new
+        state's, on) and the elastic sync's (`compile_ahead`)."""
+        compile_ahead(trainer, state, batch, opts)
 
     @contextlib.contextmanager
     def before_go(self) -> Iterator[None]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.checkpoint.save import FORMAT
+from trainers.config.plain import PER_GROUP, PER_PROCESS, under
 from trainers.config.run import GRAD_IMPL_AUTO
 from trainers.config.trainer_schemas import LOCATION_KEYS
 from trainers.exits import CheckpointError, CorruptCheckpointError
@@ -23,16 +24,19 @@ logger = logging.getLogger(__name__)
 
 #: Config keys that must be equal to resume: the state means something else otherwise.
 MUST_MATCH_KEYS = ("task._target_", "optimizer._target_")
-#: Config keys whose change on resume is expected and not worth a warning: besides these,
-#: the locations (`LOCATION_KEYS`: where this machine writes, which a run dir read by
-#: `trainers.load` drops) and ``allowed_targets`` (what the reading process trusts).
+#: Config keys whose change on resume is expected and not worth a warning (each with what is
+#: under it; a ``*`` matches any name: `trainers.config.plain.under`): besides these, what
+#: may differ between the processes of a run and between the groups of an elastic job
+#: (`PER_PROCESS`: an elastic group's standby flag among them, `PER_GROUP`: the hooks, what the
+#: run logs, which trainers.load and evaluate drop), the locations (`LOCATION_KEYS`: where this
+#: machine writes, which a run dir read by `trainers.load` drops) and ``allowed_targets``
+#: (what the reading process trusts).
 QUIET_KEYS = (
-    "checkpoint.",
-    "logger.",
-    "trainer.resume_from",
-    "trainer.progress",
-    "trainer.hooks",  # what the run logs, like logger.* (trainers.load and evaluate drop them)
-    "distributed.",  # the processes that run it: 2x4 devices resume on 1x8 and back
+    "checkpoint",
+    "logger",
+    "distributed",  # the processes that run it: 2x4 devices resume on 1x8 and back
+    *PER_PROCESS,
+    *PER_GROUP,
     ALLOWED_TARGETS_KEY,
     *LOCATION_KEYS,
 )
@@ -106,7 +110,7 @@ def check_compatible(
     config_diff = [
         f"{k}: {_json(saved.get(k, _ABSENT))} in the checkpoint, {_json(now.get(k, _ABSENT))} now"
         for k in sorted(changed)
-        if not k.startswith(QUIET_KEYS)
+        if not under(k, QUIET_KEYS)
     ]
     old = metadata.get("signature", {})
     state_diff = [

@@ -6,10 +6,13 @@ flattened config the processes of a run compare (`flat_config`,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from xshard.config.elastic_groups import STANDBY_FLAG
 
 #: Keys left out of the comparison of the processes' configs, and why:
 #:
@@ -28,6 +31,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 #:   checkpoint server and gloo connections listen on and advertise to the other groups, its
 #:   own host's in a group of processes on several hosts (the group's store is its process
 #:   0's, whose address the others receive).
+#: - ``reduction.axes.<axis>.elastic.standby``: set on a group's warm standby only (a process
+#:   of its own, `trainers.cluster.standby`), which runs the group's config and, once it takes
+#:   over, is the group's run: its checkpoints are the group's, resumed by a plain restart.
 #:
 #: A ``*`` matches any one name (`fnmatch`), such as an axis.
 PER_PROCESS = (
@@ -37,7 +43,14 @@ PER_PROCESS = (
     "trainer.progress",
     "trainer.resume_from",
     "reduction.axes.*.elastic.host",
+    f"reduction.axes.*.{STANDBY_FLAG}",
 )
+#: Keys that may differ between the replica groups of an elastic job, besides the elastic node
+#: itself (its ``group``, ``host`` and timeouts) and `PER_PROCESS`: ``trainer.hooks`` observe a
+#: run (a hook may write to a folder named after the group) and do not change what it trains.
+#: Every other key must be equal, or a joining group is refused
+#: (`trainers.app.elastic_group.group_config`).
+PER_GROUP = ("trainer.hooks",)
 
 
 def run_config(cfg: DictConfig) -> dict[Any, Any]:
@@ -60,7 +73,7 @@ def flat_config(cfg: Any) -> dict[str, Any]:
     def walk(node: DictConfig, prefix: str) -> None:
         for key in node:
             path = prefix + format(key)  # as f"{key}" (a bytes key shows as b'...')
-            if _per_process(path):
+            if under(path, PER_PROCESS):
                 continue
             try:
                 value = node[key]
@@ -83,8 +96,10 @@ def flat_config(cfg: Any) -> dict[str, Any]:
     return flat
 
 
-def _per_process(path: str) -> bool:
-    return any(fnmatchcase(path, key) or fnmatchcase(path, f"{key}.*") for key in PER_PROCESS)
+def under(path: str, keys: Iterable[str]) -> bool:
+    """Whether the dotted `path` is one of `keys` or under one (``paths`` covers
+    ``paths.output_dir``); a ``*`` in a key matches any name (`fnmatch`)."""
+    return any(fnmatchcase(path, key) or fnmatchcase(path, f"{key}.*") for key in keys)
 
 
 def _raw(node: DictConfig, key: Any) -> str:

@@ -333,3 +333,22 @@ def test_a_path_auto_resolved_is_no_config_change_but_another_path_is(caplog, no
     with caplog.at_level("WARNING", logger="trainers.checkpoint.compat"):
         check_compatible(saved, {}, {"trainer": {"grad_impl": now}}, where="ckpt")
     assert ("trainer.grad_impl" in caplog.text) is reported
+
+
+@pytest.mark.parametrize(
+    ("key", "reported"),
+    [
+        ("standby", False),  # a group's warm standby wrote it (or resumes it): the same run
+        ("lighthouse", False),  # a location (`LOCATION_KEYS`), its axis matched by `*`
+        ("min_groups", True),  # a change of what the run does is still reported
+    ],
+)
+def test_an_elastic_groups_standby_flag_and_locations_are_no_config_change(caplog, key, reported):
+    def config(value):
+        return {"reduction": {"axes": {"slice": {"elastic": {"group": 1, key: value}}}}}
+
+    saved = {"config": config(True), "signature": {}}
+    with caplog.at_level("WARNING", logger="trainers.checkpoint.compat"):
+        check_compatible(saved, {}, config(False), where="ckpt")
+    line = f"with a changed config: reduction.axes.slice.elastic.{key}: true in the checkpoint"
+    assert (line in caplog.text) is reported

@@ -18,6 +18,12 @@ two compiled programs around that exchange, reusing the periodic sync
    non-finite mean) and the replica restarting from the new outer params. Every group runs it
    on the same mean from the same outer state, so the outer params stay bitwise equal.
 
+A group that took a peer's state restarts its replica from the peer's outer params with a
+third, the *heal* program. The three (`ElasticPrograms`) are compiled before the group meets
+its peers (`trainers.core.periodic.sync.PeriodicPrograms.compile_elastic`): a warm standby
+before its go, a starting group before its join round; compiled in the round, the peers
+would wait for them.
+
 Nothing here imports torch: the exchange is a protocol.
 """
 
@@ -31,7 +37,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainers.core.periodic.axis import Periodic
@@ -87,6 +93,18 @@ class Exchange(Protocol):
         ...
 
 
+class ElasticPrograms(NamedTuple):
+    """An elastic axis's compiled programs around the exchange (module docstring), for one
+    state's shapes: `delta` (``state -> (delta vector, its norm)``: `delta_program`), `apply`
+    (``(state, hyperparameters, mean) -> (state, statistics)``: `apply_fn`, compiled by
+    `trainers.core.periodic.sync.PeriodicPrograms`) and `heal` (a peer's outer params -> the
+    replica's params: `heal_program`)."""
+
+    delta: jax.stages.Compiled
+    apply: jax.stages.Compiled
+    heal: jax.stages.Compiled
+
+
 def _flat(leaves: list[jax.Array]) -> jax.Array:
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
 
@@ -134,8 +152,6 @@ class ElasticSync:
                 f"{periodic.replicas}); use a mesh such as mesh=cpu4_group."
             )
         self.periodic, self.exchange = periodic, exchange
-        self._delta: Any = None
-        self._apply: Any = None
 
     def snapshot(self, state: TrainState) -> GroupState:
         """What this process holds of `state`, as a peer of the same rank receives it
@@ -144,9 +160,11 @@ class ElasticSync:
         step = int(jax.device_get(state.step))
         return GroupState(step, *local_parts((outer.params, outer.opt_state, state.opt_state)))
 
-    def load(self, state: TrainState, peer: GroupState, shardings: Any) -> TrainState:
+    def load(
+        self, state: TrainState, peer: GroupState, shardings: Any, heal: jax.stages.Compiled
+    ) -> TrainState:
         """`state` with a peer's: its step, outer state and inner optimizer state, the
-        replica's params restarted from the outer params.
+        replica's params restarted from the outer params (the compiled `heal_program`).
 
         Raises:
           ConfigError: if the peer's state is not shaped as this group's (another config).
@@ -164,21 +182,20 @@ class ElasticSync:
             theirs, (target.outer.params, target.outer.opt_state, target.opt_state)
         )
         outer = state.outer._replace(params=outer_params, opt_state=outer_opt)
-        restart = jax.jit(
-            lambda o: jax.tree.structure(state.params).unflatten(  # type: ignore[attr-defined]
-                [x[None] for frag in o for x in frag]
-            ),
-            out_shardings=target.params,
-        )
         step = jax.make_array_from_callback((), target.step, lambda _: np.int32(peer.step))
-        return state._replace(step=step, params=restart(outer_params), opt_state=opt, outer=outer)
+        return state._replace(step=step, params=heal(outer_params), opt_state=opt, outer=outer)
 
     def sync(
-        self, state: TrainState, hyperparams: Any, shardings: Any, apply: Callable, join: bool
+        self,
+        state: TrainState,
+        hyperparams: Any,
+        shardings: Any,
+        programs: ElasticPrograms,
+        join: bool,
     ) -> tuple[TrainState, Any]:
         """One sync (or, with `join`, the first round of a (re)starting group, which sends
-        nothing and takes a peer's state and step if it is behind). `apply(state, mean)` is the
-        compiled apply program. Each process sends its piece of the delta vector
+        nothing and takes a peer's state and step if it is behind), with the compiled
+        `programs` (nothing compiles here). Each process sends its piece of the delta vector
         (`local_arrays.local_vector`) and rebuilds the mean from its piece of it. Returns the
         state and the sync's statistics (None: no sync applied, as when a stop request left
         the round: `state` as it was).
@@ -187,7 +204,7 @@ class ElasticSync:
           GroupLost: a peer's state arrived at another step outside a join.
         """
         step = int(jax.device_get(state.step))
-        vector, norm = self.delta(state, shardings)
+        vector, norm = programs.delta(state)
         delta = local_vector(vector)
         what = "Join" if join else "Sync"
         log.info("%s at step %d: exchanging with the other groups.", what, step)
@@ -213,51 +230,64 @@ class ElasticSync:
                     f"this group is at step {step} and its peers at {done.healed.step}: it "
                     "failed to commit a sync they committed; restart it to rejoin from a live peer."
                 )
-            state = self.load(state, done.healed, shardings)
+            state = self.load(state, done.healed, shardings, programs.heal)
         if done.mean is None:
             return state, None
         mean = global_vector(done.mean.astype(np.float32), self.periodic.mesh, vector.shape[0])
-        state, stats = apply(state, hyperparams, mean)
+        state, stats = programs.apply(state, hyperparams, mean)
         drift = SyncStats._fields.index("replica_drift")  # this group's own, not the mean's
         return state, stats.at[drift].set(float(jax.device_get(norm)))
 
-    def vector(self, state: TrainState) -> jax.ShapeDtypeStruct:
-        """The delta vector's shape and placement: the outer params' size, padded to a
-        multiple of the mesh's devices, split over them (`local_arrays.vector_sharding`)."""
-        mesh = self.periodic.mesh
-        size = sum(int(np.prod(x.shape)) for x in state.outer.params[0])
-        return jax.ShapeDtypeStruct(
-            (padded_size(size, mesh),), np.float32, sharding=vector_sharding(mesh)
+
+def delta_vector(mesh: Mesh, state: TrainState) -> jax.ShapeDtypeStruct:
+    """The delta vector's shape and placement: the outer params' size, padded to a multiple
+    of the `mesh`'s devices, split over them (`local_arrays.vector_sharding`)."""
+    size = sum(int(np.prod(x.shape)) for x in state.outer.params[0])
+    return jax.ShapeDtypeStruct(
+        (padded_size(size, mesh),), np.float32, sharding=vector_sharding(mesh)
+    )
+
+
+def delta_program(mesh: Mesh, state: TrainState, target: Any) -> jax.stages.Compiled:
+    """The delta program for states like `state` placed as `target` (their shardings): this
+    group's pseudo-gradient (outer params minus its params), raveled and padded
+    (`delta_vector`), and its norm."""
+    like = delta_vector(mesh, state)
+
+    def delta(s: TrainState) -> tuple[jax.Array, jax.Array]:
+        leaves = jax.tree.leaves(s.params)
+        flat = _flat([o - r[0] for o, r in zip(s.outer.params[0], leaves, strict=True)])
+        padded = jnp.pad(flat, (0, like.shape[0] - flat.shape[0]))
+        return padded, jnp.linalg.norm(flat)
+
+    replicated = NamedSharding(mesh, P())
+    jitted = jax.jit(delta, in_shardings=(target,), out_shardings=(like.sharding, replicated))
+    return jitted.lower(state).compile()
+
+
+def heal_program(state: TrainState, target: Any) -> jax.stages.Compiled:
+    """The heal program for states like `state` placed as `target`: outer params (a peer's)
+    -> the replica's params restarted from them (the axis's leading dimension of 1)."""
+    treedef = jax.tree.structure(state.params)
+
+    def heal(outer_params: Any) -> Any:
+        return treedef.unflatten(  # type: ignore[attr-defined]
+            [x[None] for frag in outer_params for x in frag]
         )
 
-    def delta(self, state: TrainState, shardings: Any) -> tuple[jax.Array, jax.Array]:
-        """This group's pseudo-gradient, raveled and padded (`vector`), and its norm (the
-        delta program, compiled once)."""
-        if self._delta is None:
-            like = self.vector(state)
+    jitted = jax.jit(heal, in_shardings=(target.outer.params,), out_shardings=target.params)
+    return jitted.lower(state.outer.params).compile()
 
-            def delta(s: TrainState) -> tuple[jax.Array, jax.Array]:
-                leaves = jax.tree.leaves(s.params)
-                flat = _flat([o - r[0] for o, r in zip(s.outer.params[0], leaves, strict=True)])
-                padded = jnp.pad(flat, (0, like.shape[0] - flat.shape[0]))
-                return padded, jnp.linalg.norm(flat)
 
-            replicated = NamedSharding(self.periodic.mesh, P())
-            self._delta = jax.jit(
-                delta,
-                in_shardings=(shardings(state),),
-                out_shardings=(like.sharding, replicated),
-            )
-        return self._delta(state)
+def apply_fn(groups: tuple[tuple[int, ...], ...]) -> Callable:
+    """The apply program's function ``(state, periodic, mean) -> (state, statistics)``: the
+    periodic sync with `mean` (padded: `delta_vector`) as what the replica sent; `groups`: the
+    parameter leaves of each fragment (one)."""
 
-    def apply_fn(self, groups: tuple[tuple[int, ...], ...]) -> Callable:
-        """The apply program's function ``(state, periodic, mean) -> (state, statistics)``:
-        the periodic sync with `mean` (padded: `vector`) as what the replica sent."""
+    def apply(state: TrainState, periodic: Periodic, mean: jax.Array) -> Any:
+        sent = [x[None] for x in _unflat(mean, state.outer.params[0])]
+        with_sent = state._replace(outer=state.outer._replace(pending=(sent,)))
+        new, stats = periodic.sync(with_sent, 0, groups)
+        return new._replace(outer=new.outer._replace(pending=None)), stats
 
-        def apply(state: TrainState, periodic: Periodic, mean: jax.Array) -> Any:
-            sent = [x[None] for x in _unflat(mean, state.outer.params[0])]
-            with_sent = state._replace(outer=state.outer._replace(pending=(sent,)))
-            new, stats = periodic.sync(with_sent, 0, groups)
-            return new._replace(outer=new.outer._replace(pending=None)), stats
-
-        return apply
+    return apply

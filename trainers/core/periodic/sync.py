@@ -7,6 +7,7 @@ are: `trainers.core.trainer.Trainer`), then dispatched after the updates that ca
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -17,7 +18,15 @@ from jax.sharding import PartitionSpec as P
 
 from trainers.core.metrics import StepMetrics
 from trainers.core.periodic.axis import BYTES_TAG, Periodic
-from trainers.core.periodic.group_sync import ElasticSync, Exchange
+from trainers.core.periodic.group_sync import (
+    ElasticPrograms,
+    ElasticSync,
+    Exchange,
+    apply_fn,
+    delta_program,
+    delta_vector,
+    heal_program,
+)
 from trainers.core.periodic.window import WindowParts, window_program
 from trainers.core.step.types import TrainState, placed_inputs
 from trainers.core.zero import ZeroLayout
@@ -28,6 +37,8 @@ from xshard.reduce.periodic import due_fragment, due_update
 
 if TYPE_CHECKING:
     from trainers.core.step.programs import StepSeat
+
+log = logging.getLogger(__name__)
 
 
 class AfterStep(NamedTuple):
@@ -113,7 +124,7 @@ class PeriodicPrograms:
         self._start: jax.stages.Compiled | None = None
         self.compile_seconds: float | None = None
         self.elastic: ElasticSync | None = None
-        self._apply: jax.stages.Compiled | None = None
+        self._elastic: ElasticPrograms | None = None
 
     def use_exchange(self, exchange: Exchange) -> None:
         """Makes the axis elastic: its syncs average over the replica groups reached through
@@ -228,19 +239,37 @@ class PeriodicPrograms:
         sent = {BYTES_TAG.format(axis=periodic.axis): self.bytes_per_step}
         return AfterStep(state, metrics.with_host_values(**sent), seconds)
 
+    def compile_elastic(self, state: TrainState, shardings: Callable[[TrainState], Any]) -> float:
+        """Compiles an elastic axis's programs for states like `state` (`ElasticPrograms`:
+        delta, apply, heal), unless compiled already; returns the seconds it took (0: none).
+        Called before the group meets its peers (a warm standby before its go, a group before
+        its join round: `trainers.app.elastic_group`), whose next sync would wait for it; the
+        axis need not be elastic yet (`use_exchange`). The seconds join `compile_seconds`."""
+        if self._elastic is not None:
+            return 0.0
+        start = time.perf_counter()
+        fn = apply_fn(self.groups)
+        apply = lambda s, hp, mean: fn(s, self._periodic(hp), mean)
+        mesh, target = self.periodic.mesh, shardings(state)
+        vector = delta_vector(mesh, state)
+        compiled, apply_seconds = self._compile(apply, state, target, True, vector)
+        with jax.set_mesh(mesh):
+            delta, heal = delta_program(mesh, state, target), heal_program(state, target)
+        self._elastic = ElasticPrograms(delta, compiled, heal)
+        seconds = time.perf_counter() - start
+        self.compile_seconds = (self.compile_seconds or 0.0) + seconds - apply_seconds
+        log.info("Compiled the elastic sync's programs (delta, apply, heal) in %.2f s.", seconds)
+        return seconds
+
     def _elastic_sync(
         self, state: TrainState, shardings: Callable[[TrainState], Any], join: bool
     ) -> tuple[TrainState, Any, float]:
-        """An elastic axis's sync (`ElasticSync.sync`), its apply program compiled when first
-        needed: the state, the sync's statistics and the seconds spent compiling."""
+        """An elastic axis's sync (`ElasticSync.sync`), its programs compiled if they were not
+        (`compile_elastic`): the state, the sync's statistics and the seconds spent compiling."""
         assert self.elastic is not None
-        seconds = 0.0
-        if self._apply is None:
-            fn = self.elastic.apply_fn(self.groups)
-            apply = lambda s, hp, mean: fn(s, self._periodic(hp), mean)
-            vector = self.elastic.vector(state)
-            self._apply, seconds = self._compile(apply, state, shardings(state), True, vector)
-        state, values = self.elastic.sync(state, self._hyperparams, shardings, self._apply, join)
+        seconds = self.compile_elastic(state, shardings)
+        assert self._elastic is not None
+        state, values = self.elastic.sync(state, self._hyperparams, shardings, self._elastic, join)
         return state, values, seconds
 
     def window_executable(self, fragment: int) -> jax.stages.Compiled | None:

@@ -4,7 +4,9 @@
 signal. `supervise` starts the lighthouse and N groups on one host, each
 ``python -m trainers.train <overrides> reduction.axes.<axis>.elastic.group=<i>`` with its own
 run dir and log (``<out>/group_<i>/``, ``<out>/group_<i>.log``), and restarts a group that
-dies (any exit but 0, a signal too) up to ``restarts`` times; the others go on. A group may be
+dies (any exit but 0 and 2, a signal too) up to ``restarts`` times; the others go on. A group
+refused with exit 2 (its config or command line: a restart would be refused the same way) stops
+the run at once, its error line repeated. A group may be
 several ``jax.distributed`` processes (``GroupLaunch.processes``): when one dies the others
 are killed and the group restarts whole. Each group's process ids are in
 ``<out>/group_<i>.pid``. With ``standby`` (groups of one process), each group has a warm
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trainers.cluster.standby import JOINING, go_line
-from trainers.exits import EXIT_PEER_LOST
+from trainers.exits import EXIT_CONFIG_ERROR, EXIT_PEER_LOST
 from xshard.config.elastic_groups import DEFAULT_LIGHTHOUSE, STANDBY_FLAG
 
 log = logging.getLogger(__name__)
@@ -289,6 +291,16 @@ def _replace(
     state.proc = _spawn(launch, group, lighthouse)
 
 
+def last_line(path: Path) -> str:
+    """The last line of the log at `path` (a refused run's is its one-line error), else the
+    path itself."""
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return lines[-1] if lines else f"see {path}"
+
+
 def _exit_on_signal(signum: int, _: Any) -> None:
     """SIGTERM or SIGINT to the supervisor: it exits (128 + the signal) after stopping its
     groups and standbys (`supervise`'s ``finally``)."""
@@ -298,7 +310,8 @@ def _exit_on_signal(signum: int, _: Any) -> None:
 def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:
     """Starts the lighthouse and the groups, restarts a group that dies (or its standby takes
     over); returns 0 once every group finished, `EXIT_PEER_LOST` if a group died more than
-    ``restarts`` times (the others are stopped then, as on SIGTERM or SIGINT)."""
+    ``restarts`` times, `EXIT_CONFIG_ERROR` at once if a group was refused (its config or
+    command line); the others are stopped then, as on SIGTERM or SIGINT."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_on_signal)
     launch.out.mkdir(parents=True, exist_ok=True)
@@ -317,6 +330,12 @@ def supervise(launch: GroupLaunch, lighthouse: LighthouseOptions) -> int:
                     log.info("Group %d finished.", g)
                     if state.standby is not None:
                         _stop([(state.standby, True)])
+                elif code == EXIT_CONFIG_ERROR:
+                    log.error(
+                        "Group %d exited %d, refused: %s; not restarted (it would be refused "
+                        "again); stopping.", g, code, last_line(launch.log(g))
+                    )  # fmt: skip
+                    return EXIT_CONFIG_ERROR
                 elif state.restarts >= launch.restarts:
                     log.error(
                         "Group %d exited %d after %d restarts; stopping.", g, code, launch.restarts

@@ -273,3 +273,25 @@ def test_a_group_stopped_in_its_quorum_leaves_it_and_resumes_alone_after_the_oth
     assert "(8 trained in this run)" in restart and "Group 0 rejoined" not in restart
     assert (tmp_path / "g0" / "checkpoints" / "32").exists()
     assert "Traceback" not in first + restart + logs[1].read_text()
+
+
+def test_the_supervisor_stops_at_once_when_a_group_is_refused_its_config(tmp_path):
+    """A config every group is refused (here: no ``slice`` axis in the default mesh) is not
+    restarted: a restart would be refused the same way. The supervisor stops the others and
+    exits 2 with the group's one-line error; each group started once."""
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "trainers.elastic", "run", "--groups", "2", "--out", str(out),
+        "--bind", f"127.0.0.1:{free_port()}", "--restarts", "3", "--", "task=mlp",
+        "reduction=diloco_elastic", "trainer.progress=false",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    line = next(ln for ln in done.stderr.splitlines() if "refused:" in ln)
+    assert "not restarted (it would be refused again); stopping." in line
+    assert "reduction.axes.slice: the mesh has no axis 'slice'" in line
+    assert "restarting it" not in done.stderr
+    starts = [
+        (out / f"group_{g}.log").read_text().count("Run failed during start-up") for g in (0, 1)
+    ]
+    assert max(starts) == 1, starts  # the other may have been stopped before it failed

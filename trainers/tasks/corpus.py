@@ -4,6 +4,11 @@ Nothing is downloaded and nothing is shipped: the text is gathered at run time f
 interpreter's own standard library, so it is available on any machine, and it is identical on
 every run for a given Python version (the modules, and the members within them, are visited in a
 fixed order). The text is normalised to 7-bit ASCII, so byte values are tokens in [0, 128).
+
+It is gathered in a fresh interpreter (``python -I`` running this file): packages imported
+before it would otherwise change it, as they patch standard-library modules (PyTorch replaces
+``inspect.getfile`` and two helpers of ``typing``), so a process that had imported torch (an
+elastic group's warm standby) trained and evaluated on other text than its peers.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import subprocess
+import sys
 import unicodedata
 
 import numpy as np
@@ -61,7 +68,8 @@ def _member_docs(obj: object, module_name: str) -> list[str]:
 
 @functools.cache
 def corpus_text(max_chars: int = DEFAULT_MAX_CHARS) -> str:
-    """Returns the corpus: stdlib docstrings, ASCII, separated by blank lines.
+    """Returns the corpus: stdlib docstrings, ASCII, separated by blank lines, gathered in a
+    fresh interpreter (module docstring).
 
     Args:
       max_chars: the text is cut at this many characters.
@@ -71,6 +79,16 @@ def corpus_text(max_chars: int = DEFAULT_MAX_CHARS) -> str:
     """
     if max_chars <= 0:
         raise ValueError(f"corpus max_chars must be positive, got {max_chars}")
+    done = subprocess.run(
+        [sys.executable, "-I", __file__, str(int(max_chars))],
+        capture_output=True,
+        check=True,
+    )
+    return done.stdout.decode("ascii")
+
+
+def _gather(max_chars: int) -> str:
+    """The corpus gathered in this interpreter, as its imports left the standard library."""
     seen: set[str] = set()
     parts: list[str] = []
     total = 0
@@ -112,3 +130,7 @@ def decode(tokens: np.ndarray | list[int]) -> str:
 def encode(text: str) -> np.ndarray:
     """Turns text into int32 byte tokens, normalising it to ASCII first."""
     return np.frombuffer(_to_ascii(text).encode("ascii"), dtype=np.uint8).astype(np.int32)
+
+
+if __name__ == "__main__":  # the fresh interpreter of `corpus_text`
+    sys.stdout.write(_gather(int(sys.argv[1])))

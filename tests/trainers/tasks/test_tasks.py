@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +152,25 @@ def test_corpus_is_ascii_deterministic_and_capped():
     tokens = corpus.corpus_tokens()
     assert tokens.dtype == np.uint8 and not tokens.flags.writeable and tokens.max() < 128
     assert corpus.decode(corpus.encode("caf\u00e9 ok")) == "cafe ok"
+
+
+def test_the_corpus_is_the_same_whatever_the_process_imported_first():
+    """PyTorch (the elastic extra) patches ``inspect.getfile`` and two ``typing`` helpers; a
+    process that imported it first gathered other docstrings, so an elastic group's standby
+    trained and evaluated on other text than its peers. Two fresh processes, one importing
+    torch first, get the same corpus."""
+    pytest.importorskip("torch")
+
+    def digest(first: str) -> str:
+        probe = (
+            f"import hashlib{first}; from trainers.tasks.corpus import corpus_tokens; "
+            "print(hashlib.sha1(corpus_tokens().tobytes()).hexdigest())"
+        )
+        run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout.strip()
+
+    assert digest(", torch") == digest("")
 
 
 def test_tiny_gpt_init_shapes(gpt, gpt_params):
